@@ -1,0 +1,43 @@
+"""Command line: ``python -m serve_app check FILE`` and ``materialize NAME``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from serve_app.profile import ProfileError, load_serve_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="serve_app")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="validate a Serve config file's profiles")
+    check.add_argument("config")
+    mat = sub.add_parser("materialize", help="build an embedded model and print its path")
+    mat.add_argument("name")
+    args = parser.parse_args(argv)
+
+    if args.command == "check":
+        try:
+            apps = load_serve_config(args.config)
+        except ProfileError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        for name, profile in apps:
+            models = ", ".join(m.name for m in profile.models)
+            print(f"{args.config}: application {name!r} ok: {models}")
+        return 0
+    if args.command == "materialize":
+        from serve_app.embedded import materialize
+
+        try:
+            print(materialize(args.name))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

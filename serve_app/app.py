@@ -1,0 +1,103 @@
+"""Ray Serve glue: the ingress, one replica deployment per model, the builder.
+
+``serve run configs/qwen.yaml`` imports ``build_app`` and passes it the
+application ``args`` (the profile). Everything here is thin: the API logic is
+in ``serve_app.http`` and ``serve_app.service``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.http import OpenAIIngress, api
+from serve_app.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
+from serve_app.profile import ModelProfile, Profile, parse_profile
+
+logger = logging.getLogger("ray.serve")
+
+
+class ModelReplica:
+    """Loads one model and serves it through a ``ModelService``."""
+
+    def __init__(self, profile: dict, model_home: str | None) -> None:
+        from serve_app.service import ModelService, load_model
+
+        self.profile = ModelProfile.model_validate(profile)
+        home = Path(model_home).expanduser() if model_home else None
+        model, tokenizer = load_model(self.profile, home)
+        self.service = ModelService(self.profile, model, tokenizer)
+        logger.info("model %s ready (source %s)", self.profile.name, self.profile.source)
+
+    async def generate(self, kind: str, body: dict):
+        request_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        try:
+            prepared = self.service.prepare(request_cls.model_validate(body))
+        except ApiError as exc:
+            yield [exc.to_event()]
+            return
+        async for events in self.service.stream(prepared):
+            yield events
+
+    async def stats(self) -> dict:
+        return self.service.stats()
+
+    def __del__(self) -> None:
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.shutdown()
+
+
+def deployment_name(model_name: str) -> str:
+    """A Serve deployment name for a model name (which may contain '/')."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in model_name)
+    return f"model-{safe}"
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Serve's application builder: validate the profile, then bind deployments."""
+    profile: Profile = parse_profile(args, where="serve config application args")
+    handles: dict[str, Any] = {}
+    for m in profile.models:
+        replica = serve.deployment(
+            ModelReplica,
+            name=deployment_name(m.name),
+            num_replicas=m.num_replicas,
+            ray_actor_options={"num_cpus": m.num_cpus},
+            # Our own queue answers 429 before Serve would start queueing.
+            max_ongoing_requests=m.max_batch_size + m.max_queued_requests + 8,
+            health_check_period_s=10,
+        )
+        handles[m.name] = replica.bind(m.model_dump(), profile.model_home)
+    ingress = serve.deployment(
+        Ingress,
+        name="ingress",
+        num_replicas=profile.ingress.num_replicas,
+        ray_actor_options={"num_cpus": profile.ingress.num_cpus},
+        max_ongoing_requests=1000,
+    )
+    return ingress.bind(profile.model_dump(), handles)
+
+
+# Applied at import time, in every process that loads this module: the replica
+# re-imports it, so routes must be bound here, not inside the builder.
+@serve.ingress(api)
+class Ingress(OpenAIIngress):
+    """The OpenAI-compatible HTTP front; routes each request to its model's handle."""
+
+    def __init__(self, profile: dict, handles: dict[str, DeploymentHandle]) -> None:
+        self.profile = Profile.model_validate(profile)
+        self.handles = handles
+
+    def stream_events(self, name: str, kind: str, body: dict):
+        return self.handles[name].options(stream=True).generate.remote(kind, body)
+
+    async def model_stats(self) -> dict:
+        out = {}
+        for name, handle in self.handles.items():
+            out[name] = await handle.stats.remote()
+        return out

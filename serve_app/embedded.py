@@ -1,0 +1,203 @@
+"""Tiny deterministic random-weight models, materialized offline.
+
+Tests and the default profile need a model without a model hub. These are
+written in mlx-lm's own on-disk format (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json) and loaded with ``mlx_lm.load``, the
+same path a real model takes. Weights come from numpy's PCG64 seeded per
+parameter name, so the bytes are identical on every machine and run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+EMBEDDED_PREFIX = "embedded:"
+FORMAT_VERSION = 1
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN = "<|im_end|>"
+
+
+@dataclass(frozen=True)
+class EmbeddedSpec:
+    """One embedded model: its mlx-lm config and the seed of its weights."""
+
+    name: str
+    config: dict
+    seed: int
+
+
+def _vocab_size() -> int:
+    return 256 + len(SPECIAL_TOKENS)
+
+
+_COMMON = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": _vocab_size(),
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "eos_token_id": 256 + SPECIAL_TOKENS.index(EOS_TOKEN),
+}
+
+EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
+    "tiny-dense": EmbeddedSpec(
+        name="tiny-dense",
+        config={**_COMMON, "model_type": "qwen3", "num_hidden_layers": 2},
+        seed=1,
+    ),
+    "tiny-hybrid": EmbeddedSpec(
+        name="tiny-hybrid",
+        config={
+            **_COMMON,
+            "model_type": "qwen3_next",
+            "num_hidden_layers": 4,
+            "full_attention_interval": 2,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 0,
+            "num_experts_per_tok": 0,
+            "decoder_sparse_step": 1,
+            "shared_expert_intermediate_size": 0,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 0,
+            "partial_rotary_factor": 0.25,
+        },
+        seed=2,
+    ),
+}
+
+
+def default_home() -> Path:
+    """Where materialized models live: $SERVE_APP_HOME or the user cache dir."""
+    env = os.environ.get("SERVE_APP_HOME")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "serve_app"
+
+
+def _byte_vocab() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table: every byte is one printable token."""
+    bs = list(range(ord("!"), ord("~") + 1))
+    bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, (chr(c) for c in cs)))
+    return {table[b]: b for b in range(256)}
+
+
+def _write_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = _byte_vocab()
+    for i, tok in enumerate(SPECIAL_TOKENS):
+        vocab[tok] = 256 + i
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
+        "eos_token": EOS_TOKEN,
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "model_max_length": 32768,
+        "clean_up_tokenization_spaces": False,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def _param_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def _random_value(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A deterministic value per parameter: norms at one, others uniform."""
+    rng = np.random.Generator(np.random.PCG64(_param_seed(seed, name)))
+    if len(shape) == 1:
+        if name.endswith("A_log"):
+            return np.log(rng.uniform(1.0, 16.0, size=shape)).astype(np.float32)
+        if name.endswith("bias") and "dt_bias" not in name:
+            return np.zeros(shape, dtype=np.float32)
+        return np.ones(shape, dtype=np.float32)
+    if "embed_tokens" in name:
+        return rng.standard_normal(size=shape).astype(np.float32)
+    bound = 1.0 / np.sqrt(shape[-1])
+    return rng.uniform(-bound, bound, size=shape).astype(np.float32)
+
+
+def _build(spec: EmbeddedSpec, path: Path) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import _get_classes, save_config, save_model
+
+    model_cls, args_cls = _get_classes(spec.config)
+    model = model_cls(args_cls.from_dict(spec.config))
+    params = tree_flatten(model.parameters())
+    new = [(k, mx.array(_random_value(spec.seed, k, tuple(v.shape)))) for k, v in params]
+    model.update(tree_unflatten(new))
+    mx.eval(model.parameters())
+    save_model(path, model)
+    save_config(dict(spec.config), path / "config.json")
+    _write_tokenizer(path)
+    (path / "EMBEDDED").write_text(f"{spec.name} format={FORMAT_VERSION}\n")
+
+
+def materialize(name: str, home: Path | None = None) -> Path:
+    """Return the directory of embedded model ``name``, building it once.
+
+    Built in a temporary directory and renamed into place, so concurrent
+    replicas never see a half-written model.
+    """
+    if name not in EMBEDDED_MODELS:
+        known = ", ".join(sorted(EMBEDDED_MODELS))
+        raise ValueError(f"unknown embedded model {name!r}; known: {known}")
+    spec = EMBEDDED_MODELS[name]
+    root = (home or default_home()) / "models"
+    target = root / f"{name}-v{FORMAT_VERSION}"
+    if (target / "EMBEDDED").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        _build(spec, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "EMBEDDED").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,301 @@
+"""The engine: one thread that owns all MLX work for one model.
+
+It drives mlx-lm's ``BatchGenerator``, so requests join and leave the running
+batch between decode steps (continuous batching). Other threads talk to it only
+through a command queue; results go back through per-request callbacks. It
+knows nothing about HTTP, Ray or text: tokens in, tokens out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import apply_top_p, greedy_sampler, make_sampler
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The engine already holds as many requests as it was allowed to queue."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. ``temperature == 0`` is greedy decoding."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """One thing that happened to a request: a token, its end, or a failure."""
+
+    token: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+EventSink = Callable[[EngineEvent], None]
+
+
+@dataclass
+class EngineStats:
+    """Counters a human or a test can read to see what the engine did."""
+
+    submitted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    running_batch_size: int = 0
+    peak_batch_size: int = 0
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    sink: EventSink
+    uid: int | None = None
+    generated: int = 0
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """A sampler for one request.
+
+    Greedy requests share mlx-lm's ``greedy_sampler`` object so the batch
+    samples them in one call. A seeded request carries its own PRNG key, so
+    its tokens do not depend on what else is in the batch.
+    """
+    if params.temperature == 0:
+        return greedy_sampler
+    if params.seed is None:
+        return make_sampler(temp=params.temperature, top_p=params.top_p)
+    key = mx.random.key(params.seed)
+    inv_temp = 1.0 / params.temperature
+    top_p = params.top_p
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        if 0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sampler
+
+
+class Engine:
+    """Continuous batching over one model on one dedicated thread.
+
+    ``max_batch_size`` sequences decode together; up to ``max_queued_requests``
+    more wait for a slot. Beyond that ``submit`` raises ``QueueFullError`` so
+    callers get back-pressure instead of unbounded memory.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        stop_tokens: set[int],
+        max_batch_size: int = 8,
+        max_queued_requests: int = 32,
+        prefill_step_size: int = 512,
+        prefill_batch_size: int | None = None,
+        name: str = "model",
+    ) -> None:
+        self.model = model
+        self.name = name
+        self.stop_tokens = set(stop_tokens)
+        self.max_batch_size = max_batch_size
+        self.max_queued_requests = max_queued_requests
+        self.prefill_step_size = prefill_step_size
+        self.prefill_batch_size = prefill_batch_size or min(max_batch_size, 8)
+        self.stats = EngineStats()
+        self._lock = threading.Lock()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count(1)
+        self._requests: dict[int, _Request] = {}
+        self._by_uid: dict[int, _Request] = {}
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._generator: BatchGenerator | None = None
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- called from any thread -------------------------------------------------
+
+    def submit(self, prompt: list[int], params: SamplingParams, sink: EventSink) -> int:
+        """Queue a request; events for it arrive through ``sink`` on the engine thread."""
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        with self._lock:
+            if self.stats.in_flight >= self.max_batch_size + self.max_queued_requests:
+                self.stats.rejected += 1
+                raise QueueFullError(
+                    f"model {self.name!r} is at capacity: {self.stats.in_flight} requests "
+                    f"in flight (max_batch_size {self.max_batch_size} + "
+                    f"max_queued_requests {self.max_queued_requests})"
+                )
+            self.stats.in_flight += 1
+            self.stats.submitted += 1
+            rid = next(self._ids)
+        self._commands.put(("submit", _Request(rid, list(prompt), params, sink)))
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        """Stop a request and free its batch slot before the next decode step."""
+        self._commands.put(("cancel", rid))
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self.stats.__dict__)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put(("wake", None))
+        self._stopped.wait(timeout)
+
+    # ---- engine thread ------------------------------------------------------------
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            stop_tokens=[[t] for t in sorted(self.stop_tokens)],
+            completion_batch_size=self.max_batch_size,
+            prefill_batch_size=self.prefill_batch_size,
+            prefill_step_size=self.prefill_step_size,
+            # The engine thread's own default stream: a stream made on another
+            # thread is not usable here, and a new one aborts the process at exit.
+            stream=mx.default_stream(mx.default_device()),
+        )
+
+    def _run(self) -> None:
+        self._generator = self._new_generator()
+        while not self._stopping.is_set():
+            try:
+                self._drain_commands(block=not self._requests)
+                if self._requests:
+                    self._step()
+            except Exception as exc:  # the engine must outlive any one bad batch
+                logger.exception("engine %s step failed", self.name)
+                self._fail_all(f"engine error: {exc}")
+                self._generator = self._new_generator()
+        self._fail_all("engine shut down")
+        self._fail_queued("engine shut down")
+        # Free MLX state on the thread that made it: arrays of this thread's
+        # stream destroyed at interpreter exit abort the process.
+        self._generator = None
+        mx.synchronize()
+        self._stopped.set()
+        # Park instead of returning: when a thread that used MLX exits, its
+        # thread-local streams are torn down in a way that can abort the whole
+        # process (std::terminate). A parked daemon thread dies with the process.
+        threading.Event().wait()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = command
+            if kind == "submit":
+                self._insert(arg)
+            elif kind == "cancel":
+                self._cancel(arg)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _segments(self, prompt: list[int]) -> list[list[int]]:
+        """Prefill chunks of a prompt. The seam where cache blocks will cut it."""
+        return [prompt]
+
+    def _insert(self, req: _Request) -> None:
+        (uid,) = self._generator.insert_segments(
+            [self._segments(req.prompt)],
+            max_tokens=[req.params.max_tokens],
+            samplers=[make_request_sampler(req.params)],
+        )
+        req.uid = uid
+        self._requests[req.rid] = req
+        self._by_uid[uid] = req
+        with self._lock:
+            self.stats.prompt_tokens += len(req.prompt)
+
+    def _cancel(self, rid: int) -> None:
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return
+        self._by_uid.pop(req.uid, None)
+        self._generator.remove([req.uid])
+        with self._lock:
+            self.stats.cancelled += 1
+            self.stats.in_flight -= 1
+        req.sink(EngineEvent(finish_reason="cancelled"))
+
+    def _step(self) -> None:
+        _, responses = self._generator.next()
+        batch = len(responses)
+        for r in responses:
+            req = self._by_uid.get(r.uid)
+            if req is None:
+                continue
+            req.generated += 1
+            req.sink(EngineEvent(token=r.token))
+            if r.finish_reason is not None:
+                self._finish(req, r.finish_reason)
+        with self._lock:
+            if batch:
+                self.stats.decode_steps += 1
+                self.stats.generated_tokens += batch
+            self.stats.running_batch_size = batch
+            self.stats.peak_batch_size = max(self.stats.peak_batch_size, batch)
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        self._requests.pop(req.rid, None)
+        self._by_uid.pop(req.uid, None)
+        with self._lock:
+            self.stats.finished += 1
+            self.stats.in_flight -= 1
+        req.sink(EngineEvent(finish_reason=reason))
+
+    def _fail_all(self, message: str) -> None:
+        for req in list(self._requests.values()):
+            self._requests.pop(req.rid, None)
+            with self._lock:
+                self.stats.failed += 1
+                self.stats.in_flight -= 1
+            req.sink(EngineEvent(error=message))
+        self._by_uid.clear()
+
+    def _fail_queued(self, message: str) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                with self._lock:
+                    self.stats.failed += 1
+                    self.stats.in_flight -= 1
+                arg.sink(EngineEvent(error=message))

@@ -1,0 +1,184 @@
+"""Profiles: the application ``args`` of a Ray Serve config file.
+
+A profile names the models to serve and how. It is validated before any
+actor starts, and every error names the file (when known) and the key, e.g.
+``configs/qwen.yaml: applications[0].args.models[0].max_batch_size: ...``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from serve_app.embedded import EMBEDDED_MODELS, EMBEDDED_PREFIX
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+_HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class ProfileError(ValueError):
+    """A profile is invalid; the message names the file and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class SamplingDefaults(_Strict):
+    """Sampling used when a request does not say."""
+
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+
+
+class ModelProfile(_Strict):
+    """One served model: where it comes from and how it is batched."""
+
+    name: str
+    source: str
+    revision: str | None = None
+    context_length: Annotated[int, Field(ge=16)] = 4096
+    max_batch_size: Annotated[int, Field(ge=1, le=512)] = 8
+    max_queued_requests: Annotated[int, Field(ge=0)] = 64
+    max_tokens: PositiveInt = 512
+    prefill_step_size: PositiveInt = 512
+    sampling: SamplingDefaults = SamplingDefaults()
+    num_replicas: PositiveInt = 1
+    num_cpus: Annotated[float, Field(ge=0.0)] = 0.0
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(
+                "must be 1-128 characters of letters, digits and . _ : / - "
+                "starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        source_kind(value)
+        return value
+
+
+class IngressProfile(_Strict):
+    num_cpus: Annotated[float, Field(ge=0.0)] = 0.0
+    num_replicas: PositiveInt = 1
+
+
+class Profile(_Strict):
+    """The whole of an application's ``args``."""
+
+    models: Annotated[list[ModelProfile], Field(min_length=1)]
+    ingress: IngressProfile = IngressProfile()
+    model_home: str | None = None
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ModelProfile]) -> list[ModelProfile]:
+        seen: set[str] = set()
+        for m in models:
+            if m.name in seen:
+                raise ValueError(f"model name {m.name!r} appears more than once")
+            seen.add(m.name)
+        return models
+
+    def model(self, name: str) -> ModelProfile | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def source_kind(source: str) -> str:
+    """Classify a model source: ``embedded``, ``path`` or ``hub``; raise if neither."""
+    if source.startswith(EMBEDDED_PREFIX):
+        name = source[len(EMBEDDED_PREFIX) :]
+        if name not in EMBEDDED_MODELS:
+            known = ", ".join(EMBEDDED_PREFIX + k for k in sorted(EMBEDDED_MODELS))
+            raise ValueError(f"unknown embedded model {source!r}; known: {known}")
+        return "embedded"
+    looks_like_path = source.startswith(("/", ".", "~")) or Path(source).expanduser().exists()
+    if looks_like_path:
+        path = Path(source).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"model directory {source!r} does not exist")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {source!r} has no config.json")
+        return "path"
+    if _HF_REPO.match(source):
+        return "hub"
+    raise ValueError(
+        f"{source!r} is neither 'embedded:NAME', an existing model directory, "
+        "nor a Hugging Face repo id 'org/name'"
+    )
+
+
+def _format_loc(prefix: str, loc: tuple[Any, ...]) -> str:
+    out = prefix
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _describe(err: dict) -> str:
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if err["type"] == "extra_forbidden":
+        return "unknown key"
+    if err["type"] == "missing":
+        return "required key is missing"
+    if "input" in err and err["type"] not in ("value_error",):
+        return f"{msg} (got {err['input']!r})"
+    return msg
+
+
+def parse_profile(args: Any, where: str = "profile", key_prefix: str = "") -> Profile:
+    """Validate application args into a ``Profile`` or raise ``ProfileError``."""
+    if not isinstance(args, dict):
+        raise ProfileError(f"{where}: {key_prefix or 'args'}: must be a mapping")
+    try:
+        return Profile.model_validate(args)
+    except ValidationError as exc:
+        lines = [
+            f"{where}: {_format_loc(key_prefix, tuple(e['loc'])) or 'args'}: {_describe(e)}"
+            for e in exc.errors()
+        ]
+        raise ProfileError("\n".join(lines)) from None
+
+
+def load_serve_config(path: str | Path) -> list[tuple[str, Profile]]:
+    """Validate every application of a Serve config file that uses our builder."""
+    path = Path(path)
+    try:
+        config = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(config, dict):
+        raise ProfileError(f"{path}: must be a mapping with an 'applications' list")
+    apps = config.get("applications")
+    if not isinstance(apps, list) or not apps:
+        raise ProfileError(f"{path}: applications: must be a non-empty list")
+    out = []
+    for i, app in enumerate(apps):
+        if not isinstance(app, dict):
+            raise ProfileError(f"{path}: applications[{i}]: must be a mapping")
+        if not str(app.get("import_path", "")).startswith("serve_app"):
+            continue
+        name = app.get("name", f"app{i + 1}")
+        out.append((name, parse_profile(app.get("args"), str(path), f"applications[{i}].args")))
+    if not out:
+        raise ProfileError(f"{path}: applications: no application uses serve_app")
+    return out

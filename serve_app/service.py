@@ -1,0 +1,226 @@
+"""One model behind the API: prompts to tokens, tokens to text events.
+
+``ModelService`` turns a validated OpenAI request into prompt tokens (chat
+template, context checks, sampling defaults), submits it to the ``Engine`` and
+turns the engine's tokens into text events, applying stop strings. It is
+plain asyncio with no Ray, so it can be tested in-process; the Ray replica is
+a thin wrapper around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
+from serve_app.engine import Engine, EngineEvent, QueueFullError, SamplingParams
+from serve_app.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
+from serve_app.profile import ModelProfile, source_kind
+from serve_app.stops import StopStringMatcher
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass
+class PreparedRequest:
+    """What the engine needs for one request, after validation."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stops: list[str]
+
+
+def resolve_source(profile: ModelProfile, home: Path | None = None) -> str:
+    """The path (or hub id) that ``mlx_lm.load`` gets for a model profile."""
+    kind = source_kind(profile.source)
+    if kind == "embedded":
+        return str(materialize(profile.source[len(EMBEDDED_PREFIX) :], home or default_home()))
+    if kind == "path":
+        return str(Path(profile.source).expanduser())
+    return profile.source
+
+
+def load_model(profile: ModelProfile, home: Path | None = None):
+    import mlx_lm
+
+    path = resolve_source(profile, home)
+    if profile.revision:
+        return mlx_lm.load(path, revision=profile.revision)
+    return mlx_lm.load(path)
+
+
+class ModelService:
+    """Validation, templating and streaming for one loaded model."""
+
+    def __init__(self, profile: ModelProfile, model, tokenizer) -> None:
+        self.profile = profile
+        self.tokenizer = tokenizer
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        self.engine = Engine(
+            model,
+            stop_tokens=self.eos_ids,
+            max_batch_size=profile.max_batch_size,
+            max_queued_requests=profile.max_queued_requests,
+            prefill_step_size=profile.prefill_step_size,
+            name=profile.name,
+        )
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    # ---- request preparation ---------------------------------------------------
+
+    def prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
+        if isinstance(request, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+            try:
+                tokens = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True
+                )
+            except Exception as exc:  # templates raise on bad role orders etc.
+                raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
+            return list(tokens)
+        prompt = request.prompt
+        if isinstance(prompt, list):
+            prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in prompt if not 0 <= t < max(vocab, len(self.tokenizer))]
+        if bad:
+            raise ApiError(400, f"prompt has token ids outside the vocabulary: {bad[:5]}",
+                           param="prompt")
+        return list(prompt)
+
+    def prepare(self, request: ChatCompletionRequest | CompletionRequest) -> PreparedRequest:
+        request.check_supported()
+        prompt = self.prompt_tokens(request)
+        if not prompt:
+            raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
+        limit = self.profile.context_length
+        if len(prompt) >= limit:
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {limit} tokens, but the prompt "
+                f"has {len(prompt)} tokens (at least one token must remain to generate)",
+                param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        wanted = request.requested_max_tokens() or self.profile.max_tokens
+        max_tokens = min(wanted, self.profile.max_tokens, limit - len(prompt))
+        defaults = self.profile.sampling
+        temperature = request.temperature
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=defaults.temperature if temperature is None else temperature,
+            top_p=defaults.top_p if request.top_p is None else request.top_p,
+            seed=request.seed,
+        )
+        return PreparedRequest(prompt=prompt, params=params, stops=request.stop_list())
+
+    # ---- streaming ----------------------------------------------------------------
+
+    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[list[dict]]:
+        """Events for one request, in batches of whatever is ready.
+
+        First ``{"type": "start"}`` (or an error event), then ``delta`` events,
+        then one ``finish`` with usage. Closing the iterator early cancels the
+        request in the engine, which frees its batch slot at once.
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[EngineEvent] = asyncio.Queue()
+
+        def sink(event: EngineEvent) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            rid = self.engine.submit(prepared.prompt, prepared.params, sink)
+        except QueueFullError as exc:
+            error = ApiError(
+                429,
+                str(exc),
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+            yield [error.to_event()]
+            return
+
+        started = time.monotonic()
+        yield [{"type": "start", "prompt_tokens": len(prepared.prompt), "cached_tokens": 0}]
+        decoder = _TextDecoder(self.tokenizer, self.eos_ids, prepared.stops)
+        done = False
+        try:
+            while not done:
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                out: list[dict] = []
+                for event in batch:
+                    if event.error is not None:
+                        out.append(ApiError(500, event.error, type="server_error").to_event())
+                        done = True
+                        break
+                    if event.token is not None:
+                        text, stopped = decoder.add(event.token)
+                        if text:
+                            out.append({"type": "delta", "text": text})
+                        if stopped:
+                            self.engine.cancel(rid)
+                            reason = "stop"
+                            done = True
+                            break
+                    if event.finish_reason is not None:
+                        text = decoder.finish()
+                        if text:
+                            out.append({"type": "delta", "text": text})
+                        reason = "stop" if event.finish_reason == "stop" else "length"
+                        done = True
+                        break
+                if done and not (out and out[-1]["type"] == "error"):
+                    out.append(
+                        {
+                            "type": "finish",
+                            "finish_reason": reason,
+                            "prompt_tokens": len(prepared.prompt),
+                            "completion_tokens": decoder.tokens,
+                            "cached_tokens": 0,
+                            "seconds": time.monotonic() - started,
+                        }
+                    )
+                if out:
+                    yield out
+        finally:
+            if not done:
+                self.engine.cancel(rid)
+
+    def stats(self) -> dict:
+        return {"model": self.profile.name, "engine": self.engine.snapshot()}
+
+
+class _TextDecoder:
+    """Tokens to text for one request: streaming detokenizer plus stop strings."""
+
+    def __init__(self, tokenizer, eos_ids: set[int], stops: list[str]) -> None:
+        self._detok = tokenizer.detokenizer
+        self._eos = eos_ids
+        self._stops = StopStringMatcher(stops)
+        self.tokens = 0
+
+    def add(self, token: int) -> tuple[str, bool]:
+        self.tokens += 1
+        if token in self._eos:
+            return "", False
+        self._detok.add_token(token)
+        return self._stops.feed(self._detok.last_segment)
+
+    def finish(self) -> str:
+        self._detok.finalize()
+        text, stopped = self._stops.feed(self._detok.last_segment)
+        return text if stopped else text + self._stops.flush()
