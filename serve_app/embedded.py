@@ -111,7 +111,7 @@ def _byte_vocab() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    table = dict(zip(bs, (chr(c) for c in cs)))
+    table = dict(zip(bs, (chr(c) for c in cs), strict=True))
     return {table[b]: b for b in range(256)}
 
 

@@ -1,0 +1,133 @@
+"""Run a server as a real subprocess on loopback and stop all it started, by pid.
+
+Used by the tests and the benchmarks: they drive the real ``serve run`` (and
+``mlx_lm.server`` as a baseline) and must leave no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, found through /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def write_config(path: Path, port: int, models: list[dict], **args) -> Path:
+    config = {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": "llm",
+                "route_prefix": "/",
+                "import_path": "serve_app.app:build_app",
+                "args": {"models": models, "ingress": {"num_cpus": 0}, **args},
+            }
+        ],
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+class ServerProcess:
+    """A server subprocess on loopback (its own session), with its log file."""
+
+    def __init__(self, argv: list[str], port: int, log: Path, env: dict | None = None) -> None:
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log
+        self._log = open(log, "wb")
+        full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
+        self._pids: set[int] = set()
+
+    @classmethod
+    def serve_run(cls, config: Path, port: int, log: Path, env: dict | None = None):
+        """``serve run CONFIG``: our app, exactly as a user starts it."""
+        serve_bin = str(Path(sys.executable).with_name("serve"))
+        return cls([serve_bin, "run", str(config)], port, log, env)
+
+    def wait_ready(self, models: list[str], timeout: float = 240.0) -> None:
+        """Wait until every model answers a one-token completion."""
+        deadline = time.monotonic() + timeout
+        pending = list(models)
+        while pending:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve run exited early; log:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not ready; log:\n{self.log_tail()}")
+            self._pids.update(descendants(self.proc.pid))
+            body = json.dumps({"model": pending[0], "prompt": "hi", "max_tokens": 1}).encode()
+            request = urllib.request.Request(
+                f"{self.base_url}/v1/completions", data=body,
+                headers={"Content-Type": "application/json"},
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=30) as r:
+                    if r.status == 200:
+                        pending.pop(0)
+                        continue
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self._pids.update(descendants(self.proc.pid))
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        """SIGINT (serve shuts down cleanly), then SIGKILL whatever is left, by pid."""
+        if self.proc.poll() is None:
+            self._pids.update(descendants(self.proc.pid))
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for pid in self._pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._log.close()

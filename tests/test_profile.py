@@ -1,0 +1,111 @@
+"""Profile validation: every kind of bad profile fails with the file and the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serve_app.app import build_app
+from serve_app.profile import ProfileError, load_serve_config, parse_profile
+
+REPO = Path(__file__).resolve().parent.parent
+GOOD_MODEL = {"name": "m", "source": "embedded:tiny-dense"}
+
+
+def write(tmp_path: Path, args) -> Path:
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": 8000},
+        "applications": [{"name": "llm", "import_path": "serve_app.app:build_app", "args": args}],
+    }
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")))
+def test_shipped_configs_are_valid(config):
+    apps = load_serve_config(config)
+    assert apps and all(p.models for _, p in apps)
+
+
+def test_default_profile_serves_the_embedded_hybrid_on_loopback():
+    raw = yaml.safe_load((REPO / "configs/qwen.yaml").read_text())
+    assert raw["http_options"]["host"] == "127.0.0.1"
+    assert raw["http_options"]["port"] == 8000
+    (_, profile), = load_serve_config(REPO / "configs/qwen.yaml")
+    assert profile.models[0].source == "embedded:tiny-hybrid"
+
+
+@pytest.mark.parametrize(
+    "args,key,words",
+    [
+        ({"models": [{**GOOD_MODEL, "max_batch_szie": 4}]}, "models[0].max_batch_szie",
+         "unknown key"),
+        ({"models": [{**GOOD_MODEL, "max_batch_size": "8"}]}, "models[0].max_batch_size",
+         "integer"),
+        ({"models": [{**GOOD_MODEL, "max_batch_size": 0}]}, "models[0].max_batch_size",
+         "greater than or equal to 1"),
+        ({"models": []}, "models", "at least 1"),
+        ({}, "models", "required key is missing"),
+        ({"models": [{"name": "m"}]}, "models[0].source", "required key is missing"),
+        ({"models": [{**GOOD_MODEL, "source": "/no/such/dir"}]}, "models[0].source",
+         "does not exist"),
+        ({"models": [{**GOOD_MODEL, "source": "embedded:nope"}]}, "models[0].source",
+         "unknown embedded model"),
+        ({"models": [{**GOOD_MODEL, "source": "not a source"}]}, "models[0].source",
+         "neither"),
+        ({"models": [GOOD_MODEL, GOOD_MODEL]}, "models", "more than once"),
+        ({"models": [{**GOOD_MODEL, "sampling": {"temperature": -1}}]},
+         "models[0].sampling.temperature", "greater than or equal to 0"),
+        ({"models": [GOOD_MODEL], "ingress": {"num_cpus": "x"}}, "ingress.num_cpus", "number"),
+        ({"models": [GOOD_MODEL], "extra": 1}, "extra", "unknown key"),
+    ],
+)
+def test_bad_profiles_name_file_and_key(tmp_path, args, key, words):
+    path = write(tmp_path, args)
+    with pytest.raises(ProfileError) as info:
+        load_serve_config(path)
+    message = str(info.value)
+    assert f"{path}: applications[0].args.{key}:" in message
+    assert words in message
+
+
+def test_directory_without_config_json_is_rejected(tmp_path):
+    (tmp_path / "weights").mkdir()
+    with pytest.raises(ProfileError, match="has no config.json"):
+        parse_profile({"models": [{**GOOD_MODEL, "source": str(tmp_path / "weights")}]})
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    with pytest.raises(ProfileError, match="cannot read"):
+        load_serve_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications: [\n")
+    with pytest.raises(ProfileError, match="not valid YAML"):
+        load_serve_config(bad)
+
+
+def test_builder_rejects_bad_args_before_any_deployment():
+    with pytest.raises(ProfileError, match=r"models\[0\]\.context_length"):
+        build_app({"models": [{**GOOD_MODEL, "context_length": 1}]})
+
+
+def test_builder_binds_one_deployment_per_model():
+    app = build_app({"models": [GOOD_MODEL, {**GOOD_MODEL, "name": "org/other"}]})
+    assert app is not None
+
+
+def test_check_command(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "serve_app", "check", "configs/qwen.yaml"],
+                        cwd=REPO, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "ok" in ok.stdout
+    path = write(tmp_path, {"models": [{**GOOD_MODEL, "max_tokens": -5}]})
+    bad = subprocess.run([sys.executable, "-m", "serve_app", "check", str(path)],
+                         cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "applications[0].args.models[0].max_tokens" in bad.stderr
