@@ -8,6 +8,7 @@ in ``serve_app.http`` and ``serve_app.service``.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +64,17 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     profile: Profile = parse_profile(args, where="serve config application args")
     handles: dict[str, Any] = {}
     for m in profile.models:
+        threads = m.cpu_threads or os.cpu_count() or 1
         replica = serve.deployment(
             ModelReplica,
             name=deployment_name(m.name),
             num_replicas=m.num_replicas,
-            ray_actor_options={"num_cpus": m.num_cpus},
+            ray_actor_options={
+                "num_cpus": m.num_cpus,
+                # Ray forces OMP_NUM_THREADS=1 in actors without whole CPUs, which
+                # halves MLX's CPU backend; the engine thread wants the machine.
+                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
+            },
             # Our own queue answers 429 before Serve would start queueing.
             max_ongoing_requests=m.max_batch_size + m.max_queued_requests + 8,
             health_check_period_s=10,

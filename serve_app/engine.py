@@ -64,6 +64,7 @@ class EngineStats:
     prompt_tokens: int = 0
     running_batch_size: int = 0
     peak_batch_size: int = 0
+    step_seconds: float = 0.0
 
 
 @dataclass
@@ -254,7 +255,9 @@ class Engine:
         req.sink(EngineEvent(finish_reason="cancelled"))
 
     def _step(self) -> None:
+        tic = time.perf_counter()
         _, responses = self._generator.next()
+        toc = time.perf_counter()
         batch = len(responses)
         for r in responses:
             req = self._by_uid.get(r.uid)
@@ -268,6 +271,7 @@ class Engine:
             if batch:
                 self.stats.decode_steps += 1
                 self.stats.generated_tokens += batch
+            self.stats.step_seconds += toc - tic
             self.stats.running_batch_size = batch
             self.stats.peak_batch_size = max(self.stats.peak_batch_size, batch)
 

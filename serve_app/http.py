@@ -161,10 +161,12 @@ class OpenAIIngress:
         return await self._collect(events, kind, rid, parsed.model, first[1:])
 
     async def _iter(self, events, pending: list[dict]) -> AsyncIterator[dict]:
-        for e in pending:
-            yield e
+        """Events one by one; consecutive deltas of one batch merge into one."""
+        if pending:
+            for e in _merge_deltas(pending):
+                yield e
         async for batch in events:
-            for e in batch:
+            for e in _merge_deltas(batch):
                 yield e
 
     async def _collect(self, events, kind: str, rid: str, model: str, pending: list[dict]):
@@ -205,6 +207,16 @@ class OpenAIIngress:
             yield b"data: [DONE]\n\n"
         finally:
             _cancel(events)
+
+
+def _merge_deltas(batch: list[dict]) -> list[dict]:
+    out: list[dict] = []
+    for e in batch:
+        if e["type"] == "delta" and out and out[-1]["type"] == "delta":
+            out[-1] = {"type": "delta", "text": out[-1]["text"] + e["text"]}
+        else:
+            out.append(e)
+    return out
 
 
 def _cancel(events: Any) -> None:

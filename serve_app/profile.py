@@ -49,9 +49,11 @@ class ModelProfile(_Strict):
     max_queued_requests: Annotated[int, Field(ge=0)] = 64
     max_tokens: PositiveInt = 512
     prefill_step_size: PositiveInt = 512
+    stream_interval_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = 10.0
     sampling: SamplingDefaults = SamplingDefaults()
     num_replicas: PositiveInt = 1
     num_cpus: Annotated[float, Field(ge=0.0)] = 0.0
+    cpu_threads: Annotated[int, Field(ge=1)] | None = None
 
     @field_validator("name")
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -133,14 +134,9 @@ class ModelService:
         then one ``finish`` with usage. Closing the iterator early cancels the
         request in the engine, which frees its batch slot at once.
         """
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[EngineEvent] = asyncio.Queue()
-
-        def sink(event: EngineEvent) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
+        events = EventChannel(asyncio.get_running_loop())
         try:
-            rid = self.engine.submit(prepared.prompt, prepared.params, sink)
+            rid = self.engine.submit(prepared.prompt, prepared.params, events.put)
         except QueueFullError as exc:
             error = ApiError(
                 429,
@@ -153,14 +149,19 @@ class ModelService:
             return
 
         started = time.monotonic()
+        interval = self.profile.stream_interval_ms / 1000.0
         yield [{"type": "start", "prompt_tokens": len(prepared.prompt), "cached_tokens": 0}]
         decoder = _TextDecoder(self.tokenizer, self.eos_ids, prepared.stops)
         done = False
         try:
+            last_yield = 0.0
             while not done:
-                batch = [await events.get()]
-                while not events.empty():
-                    batch.append(events.get_nowait())
+                # Coalesce: at most one yield per stream interval after the first.
+                # Each yield costs a Ray streaming hop on the same cores that decode.
+                wait = last_yield + interval - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                batch = await events.take()
                 out: list[dict] = []
                 for event in batch:
                     if event.error is not None:
@@ -195,6 +196,7 @@ class ModelService:
                         }
                     )
                 if out:
+                    last_yield = time.monotonic()
                     yield out
         finally:
             if not done:
@@ -202,6 +204,43 @@ class ModelService:
 
     def stats(self) -> dict:
         return {"model": self.profile.name, "engine": self.engine.snapshot()}
+
+
+class EventChannel:
+    """Engine thread to asyncio: append under a lock, wake the loop only if it waits.
+
+    One ``call_soon_threadsafe`` per token would wake the event loop (and take
+    the GIL from the engine thread) at every decode step.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[EngineEvent] = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, event: EngineEvent) -> None:
+        with self._lock:
+            self._items.append(event)
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            self._loop.call_soon_threadsafe(_wake, waiter)
+
+    async def take(self) -> list[EngineEvent]:
+        """Everything queued so far; waits for at least one event."""
+        while True:
+            with self._lock:
+                if self._items:
+                    items, self._items = self._items, []
+                    return items
+                self._waiter = self._loop.create_future()
+                waiter = self._waiter
+            await waiter
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class _TextDecoder:
