@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 EMBEDDED_PREFIX = "embedded:"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -158,6 +158,14 @@ def _random_value(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return rng.uniform(-bound, bound, size=shape).astype(np.float32)
 
 
+def _zero_rows(weight, rows):
+    import mlx.core as mx
+
+    mask = mx.zeros((weight.shape[0], 1), dtype=weight.dtype)
+    mask[rows] = 1
+    return weight * (1 - mask)
+
+
 def _build(spec: EmbeddedSpec, path: Path) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
@@ -167,6 +175,10 @@ def _build(spec: EmbeddedSpec, path: Path) -> None:
     model = model_cls(args_cls.from_dict(spec.config))
     params = tree_flatten(model.parameters())
     new = [(k, mx.array(_random_value(spec.seed, k, tuple(v.shape)))) for k, v in params]
+    # Zero logits for the special tokens: greedy decoding never ends early, so
+    # benchmarks against other servers generate the same number of tokens.
+    special = mx.arange(256, 256 + len(SPECIAL_TOKENS))
+    new = [(k, _zero_rows(v, special) if k == "lm_head.weight" else v) for k, v in new]
     model.update(tree_unflatten(new))
     mx.eval(model.parameters())
     save_model(path, model)

@@ -49,7 +49,7 @@ class ModelProfile(_Strict):
     max_queued_requests: Annotated[int, Field(ge=0)] = 64
     max_tokens: PositiveInt = 512
     prefill_step_size: PositiveInt = 512
-    stream_interval_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = 10.0
+    stream_interval_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = 25.0
     sampling: SamplingDefaults = SamplingDefaults()
     num_replicas: PositiveInt = 1
     num_cpus: Annotated[float, Field(ge=0.0)] = 0.0

@@ -1,0 +1,1 @@
+"""The prefix KV cache: block identity, layer layouts, payloads, the hot tier."""

@@ -1,0 +1,189 @@
+"""The hot tier: block entries in RAM under a byte budget, LRU, pinned while restoring.
+
+Plain Python, no Ray: the cache-store actor wraps it, and tests drive it
+directly. It stores opaque handles (Ray object refs in production, payload
+dicts in tests) with their sizes; it never looks inside a payload.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class HotEntry:
+    block_id: str
+    parent_id: str
+    nbytes: int
+    has_checkpoint: bool
+    handle: Any
+    model: str = ""
+    pins: int = 0
+
+
+@dataclass
+class Lookup:
+    """The answer to "how much of this chain can I restore?"."""
+
+    present: int  # leading blocks present
+    restore: int  # leading blocks to restore (after walking back to a checkpoint)
+    walkbacks: int
+    handles: list[Any]
+    lease: int | None
+    first_missing_evicted: bool = False
+
+
+@dataclass
+class HotStats:
+    puts: int = 0
+    duplicate_puts: int = 0
+    rejected_puts: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    lookups: int = 0
+    hit_blocks: int = 0
+    walkbacks: int = 0
+    by_model: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class HotStore:
+    """LRU byte-budgeted map of block id to entry, with pins and leases."""
+
+    def __init__(self, budget_bytes: int, remember_evicted: int = 65536) -> None:
+        self.budget_bytes = budget_bytes
+        self.bytes = 0
+        self.stats = HotStats()
+        self._entries: OrderedDict[str, HotEntry] = OrderedDict()
+        self._leases: dict[int, list[str]] = {}
+        self._lease_ids = itertools.count(1)
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self._remember_evicted = remember_evicted
+        self._recent_drops: deque[str] = deque(maxlen=16)
+
+    def __contains__(self, block_id: str) -> bool:
+        return block_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, entry: HotEntry) -> bool:
+        """Store an entry, evicting LRU unpinned ones to make room. False if it cannot fit."""
+        if entry.block_id in self._entries:
+            self.stats.duplicate_puts += 1
+            self._entries.move_to_end(entry.block_id)
+            return True
+        if entry.nbytes > self.budget_bytes or not self._make_room(entry.nbytes):
+            self.stats.rejected_puts += 1
+            return False
+        self._entries[entry.block_id] = entry
+        self._evicted.pop(entry.block_id, None)
+        self.bytes += entry.nbytes
+        self.stats.puts += 1
+        self._model_stats(entry.model)["blocks"] += 1
+        self._model_stats(entry.model)["bytes"] += entry.nbytes
+        return True
+
+    def lookup(self, block_ids: list[str], need_checkpoint: bool) -> Lookup:
+        """Longest present prefix of the chain; for hybrid models, walk back to a checkpoint.
+
+        The blocks to restore are pinned under a lease until ``release``.
+        """
+        self.stats.lookups += 1
+        present = 0
+        for bid in block_ids:
+            if bid not in self._entries:
+                break
+            present += 1
+        restore, walkbacks = present, 0
+        if need_checkpoint:
+            while restore > 0 and not self._entries[block_ids[restore - 1]].has_checkpoint:
+                restore -= 1
+                walkbacks += 1
+        for bid in block_ids[:present]:
+            self._entries.move_to_end(bid)
+        lease = None
+        handles: list[Any] = []
+        if restore:
+            lease = next(self._lease_ids)
+            ids = block_ids[:restore]
+            self._leases[lease] = ids
+            for bid in ids:
+                self._entries[bid].pins += 1
+            handles = [self._entries[bid].handle for bid in ids]
+        self.stats.hit_blocks += restore
+        self.stats.walkbacks += walkbacks
+        evicted = present < len(block_ids) and block_ids[present] in self._evicted
+        return Lookup(present, restore, walkbacks, handles, lease, evicted)
+
+    def release(self, lease: int | None) -> None:
+        for bid in self._leases.pop(lease, []) if lease is not None else []:
+            entry = self._entries.get(bid)
+            if entry is not None:
+                entry.pins -= 1
+
+    def drop_checkpoint(self, block_id: str) -> bool:
+        """Mark a block's checkpoint unusable (invalid on decode, or forced by a test)."""
+        entry = self._entries.get(block_id)
+        if entry is None or not entry.has_checkpoint:
+            return False
+        entry.has_checkpoint = False
+        self._recent_drops.append(block_id)
+        return True
+
+    def remove(self, block_id: str) -> bool:
+        entry = self._entries.get(block_id)
+        if entry is None or entry.pins:
+            return False
+        self._evict(entry)
+        return True
+
+    def pinned_ids(self) -> set[str]:
+        return {bid for bid, e in self._entries.items() if e.pins}
+
+    def snapshot(self) -> dict:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "bytes": self.bytes,
+            "blocks": len(self._entries),
+            "pinned_blocks": sum(1 for e in self._entries.values() if e.pins),
+            **{k: v for k, v in self.stats.__dict__.items() if k != "by_model"},
+            "by_model": {k: dict(v) for k, v in self.stats.by_model.items()},
+        }
+
+    # ---- internals ---------------------------------------------------------------
+
+    def _model_stats(self, model: str) -> dict[str, int]:
+        return self.stats.by_model.setdefault(model, {"blocks": 0, "bytes": 0, "evictions": 0})
+
+    def _make_room(self, nbytes: int) -> bool:
+        if self.bytes + nbytes <= self.budget_bytes:
+            return True
+        victims = []
+        freed = 0
+        for entry in self._entries.values():  # oldest first
+            if self.bytes - freed + nbytes <= self.budget_bytes:
+                break
+            if entry.pins == 0:
+                victims.append(entry)
+                freed += entry.nbytes
+        if self.bytes - freed + nbytes > self.budget_bytes:
+            return False
+        for entry in victims:
+            self._evict(entry)
+        return True
+
+    def _evict(self, entry: HotEntry) -> None:
+        del self._entries[entry.block_id]
+        self.bytes -= entry.nbytes
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += entry.nbytes
+        m = self._model_stats(entry.model)
+        m["blocks"] -= 1
+        m["bytes"] -= entry.nbytes
+        m["evictions"] += 1
+        self._evicted[entry.block_id] = None
+        if len(self._evicted) > self._remember_evicted:
+            self._evicted.popitem(last=False)
