@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.http import OpenAIIngress, api
 from serve_app.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
-from serve_app.profile import ModelProfile, Profile, parse_profile
+from serve_app.profile import CacheStoreProfile, ModelProfile, Profile, parse_profile
 
 logger = logging.getLogger("ray.serve")
 
@@ -25,13 +25,18 @@ logger = logging.getLogger("ray.serve")
 class ModelReplica:
     """Loads one model and serves it through a ``ModelService``."""
 
-    def __init__(self, profile: dict, model_home: str | None) -> None:
+    def __init__(self, profile: dict, model_home: str | None, cache_store: dict) -> None:
+        from serve_app.cache.actor import RayCacheClient, get_or_create_actor
         from serve_app.service import ModelService, load_model
 
         self.profile = ModelProfile.model_validate(profile)
         home = Path(model_home).expanduser() if model_home else None
-        model, tokenizer = load_model(self.profile, home)
-        self.service = ModelService(self.profile, model, tokenizer)
+        model, tokenizer, model_dir = load_model(self.profile, home)
+        client = None
+        if self.profile.cache.enabled:
+            store = CacheStoreProfile.model_validate(cache_store)
+            client = RayCacheClient(get_or_create_actor(int(store.hot_budget)))
+        self.service = ModelService(self.profile, model, tokenizer, model_dir, client)
         logger.info("model %s ready (source %s)", self.profile.name, self.profile.source)
 
     async def generate(self, kind: str, body: dict):
@@ -45,7 +50,7 @@ class ModelReplica:
             yield events
 
     async def stats(self) -> dict:
-        return self.service.stats()
+        return await self.service.stats()
 
     def __del__(self) -> None:
         service = getattr(self, "service", None)
@@ -79,7 +84,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             max_ongoing_requests=m.max_batch_size + m.max_queued_requests + 8,
             health_check_period_s=10,
         )
-        handles[m.name] = replica.bind(m.model_dump(), profile.model_home)
+        handles[m.name] = replica.bind(
+            m.model_dump(), profile.model_home, profile.cache_store.model_dump()
+        )
     ingress = serve.deployment(
         Ingress,
         name="ingress",

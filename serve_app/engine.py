@@ -20,6 +20,10 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_top_p, greedy_sampler, make_sampler
 
+from serve_app.cache.blocks import CapturedBlock, RestorePlan, build_cache, slice_block, to_payload
+from serve_app.cache.hashing import block_id
+from serve_app.cache.layout import Layout
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,6 +51,23 @@ class EngineEvent:
 
 
 EventSink = Callable[[EngineEvent], None]
+BlockSink = Callable[[CapturedBlock], None]
+
+
+@dataclass
+class CachePlan:
+    """A request's part in the prefix cache.
+
+    ``block_ids`` are the ids of the prompt's full blocks; the engine extends
+    the chain with generated tokens. Blocks from ``restore.tokens`` on are
+    captured at their boundaries and handed to ``publish``.
+    """
+
+    block_size: int
+    root: str
+    block_ids: list[str]
+    restore: RestorePlan | None
+    publish: BlockSink | None
 
 
 @dataclass
@@ -65,6 +86,11 @@ class EngineStats:
     running_batch_size: int = 0
     peak_batch_size: int = 0
     step_seconds: float = 0.0
+    restored_tokens: int = 0
+    restore_seconds: float = 0.0
+    captured_blocks: int = 0
+    captured_bytes: int = 0
+    capture_seconds: float = 0.0
 
 
 @dataclass
@@ -73,8 +99,11 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     sink: EventSink
+    cache: CachePlan | None = None
     uid: int | None = None
     generated: int = 0
+    output: list[int] = field(default_factory=list)
+    restored: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
 
 
@@ -121,8 +150,10 @@ class Engine:
         prefill_step_size: int = 512,
         prefill_batch_size: int | None = None,
         name: str = "model",
+        layout: Layout | None = None,
     ) -> None:
         self.model = model
+        self.layout = layout
         self.name = name
         self.stop_tokens = set(stop_tokens)
         self.max_batch_size = max_batch_size
@@ -143,7 +174,13 @@ class Engine:
 
     # ---- called from any thread -------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: EventSink) -> int:
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        sink: EventSink,
+        cache: CachePlan | None = None,
+    ) -> int:
         """Queue a request; events for it arrive through ``sink`` on the engine thread."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
@@ -158,7 +195,9 @@ class Engine:
             self.stats.in_flight += 1
             self.stats.submitted += 1
             rid = next(self._ids)
-        self._commands.put(("submit", _Request(rid, list(prompt), params, sink)))
+        if cache is not None and (self.layout is None or not self.layout.supported):
+            raise ValueError("this engine has no supported cache layout")
+        self._commands.put(("submit", _Request(rid, list(prompt), params, sink, cache)))
         return rid
 
     def cancel(self, rid: int) -> None:
@@ -219,7 +258,11 @@ class Engine:
         while True:
             kind, arg = command
             if kind == "submit":
-                self._insert(arg)
+                try:
+                    self._insert(arg)
+                except Exception as exc:  # e.g. a restore that does not fit the model
+                    logger.exception("engine %s: inserting request %d failed", self.name, arg.rid)
+                    self._fail(arg, f"could not start the request: {exc}")
             elif kind == "cancel":
                 self._cancel(arg)
             try:
@@ -227,14 +270,35 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _segments(self, prompt: list[int]) -> list[list[int]]:
-        """Prefill chunks of a prompt. The seam where cache blocks will cut it."""
-        return [prompt]
+    def _segments(self, req: _Request) -> list[list[int]]:
+        """Prefill chunks of what is left of the prompt, cut at block boundaries.
+
+        Each chunk ends where a block ends, so the batch pauses exactly there
+        and the block (with its recurrent checkpoint) can be captured.
+        """
+        rest = req.prompt[req.restored :]
+        if req.cache is None:
+            return [rest]
+        bs = req.cache.block_size
+        cuts = list(range(bs - req.restored % bs, len(rest), bs))
+        return [rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)], strict=True)]
 
     def _insert(self, req: _Request) -> None:
+        caches, all_tokens = None, None
+        plan = req.cache.restore if req.cache else None
+        if plan is not None and plan.tokens:
+            tic = time.perf_counter()
+            caches = [build_cache(self.model, self.layout, plan)]
+            req.restored = plan.tokens
+            all_tokens = [req.prompt[: plan.tokens]]
+            with self._lock:
+                self.stats.restored_tokens += plan.tokens
+                self.stats.restore_seconds += time.perf_counter() - tic
         (uid,) = self._generator.insert_segments(
-            [self._segments(req.prompt)],
+            [self._segments(req)],
             max_tokens=[req.params.max_tokens],
+            caches=caches,
+            all_tokens=all_tokens,
             samplers=[make_request_sampler(req.params)],
         )
         req.uid = uid
@@ -256,14 +320,22 @@ class Engine:
 
     def _step(self) -> None:
         tic = time.perf_counter()
-        _, responses = self._generator.next()
+        prompt_responses, responses = self._generator.next()
         toc = time.perf_counter()
         batch = len(responses)
+        for p in prompt_responses:
+            req = self._by_uid.get(p.uid)
+            if req is not None and req.cache and p.end_of_segment and not p.end_of_prompt:
+                self._capture(req, req.restored + p.progress[0], None)
         for r in responses:
             req = self._by_uid.get(r.uid)
             if req is None:
                 continue
             req.generated += 1
+            req.output.append(r.token)
+            if req.cache is not None:
+                # The cache now holds the prompt and every token returned so far.
+                self._capture(req, len(req.prompt) + req.generated, r.prompt_cache)
             req.sink(EngineEvent(token=r.token))
             if r.finish_reason is not None:
                 self._finish(req, r.finish_reason)
@@ -275,6 +347,52 @@ class Engine:
             self.stats.running_batch_size = batch
             self.stats.peak_batch_size = max(self.stats.peak_batch_size, batch)
 
+    def _batch_caches(self, uid: int) -> tuple[list, int]:
+        """The running batch's per-layer caches and this request's row in them.
+
+        Reads mlx-lm 0.32 internals (``_find_uids`` and the two batches): its
+        public ``extract_cache`` copies the whole history, which per block
+        would make capture quadratic in prompt length.
+        """
+        gen = self._generator
+        stage, row = gen._find_uids([uid])[uid]
+        batch = gen._prompt_batch if stage == 1 else gen._generation_batch
+        return batch.prompt_cache, row
+
+    def _capture(self, req: _Request, covered: int, finished_cache: list | None) -> None:
+        """Capture the block ending at ``covered`` tokens, if that is a block boundary."""
+        plan = req.cache
+        bs = plan.block_size
+        if covered % bs or covered <= req.restored or plan.publish is None:
+            return
+        tic = time.perf_counter()
+        index = covered // bs - 1
+        tokens = req.prompt + req.output
+        while len(plan.block_ids) <= index:  # extend the chain into generated tokens
+            b = len(plan.block_ids)
+            parent = plan.block_ids[-1] if plan.block_ids else plan.root
+            plan.block_ids.append(block_id(parent, tokens[b * bs : (b + 1) * bs]))
+        if finished_cache is not None:  # the request already left the batch
+            layer_caches, row = finished_cache, 0
+        else:
+            layer_caches, row = self._batch_caches(req.uid)
+        arrays = slice_block(layer_caches, row, self.layout, covered - bs, covered,
+                             checkpoint=self.layout.hybrid)
+        payload, dtypes = to_payload(arrays)
+        block = CapturedBlock(
+            block_id=plan.block_ids[index],
+            parent_id=plan.block_ids[index - 1] if index else plan.root,
+            index=index,
+            payload=payload,
+            dtypes=dtypes,
+            has_checkpoint=self.layout.hybrid,
+        )
+        plan.publish(block)
+        with self._lock:
+            self.stats.captured_blocks += 1
+            self.stats.captured_bytes += block.nbytes
+            self.stats.capture_seconds += time.perf_counter() - tic
+
     def _finish(self, req: _Request, reason: str) -> None:
         self._requests.pop(req.rid, None)
         self._by_uid.pop(req.uid, None)
@@ -283,13 +401,16 @@ class Engine:
             self.stats.in_flight -= 1
         req.sink(EngineEvent(finish_reason=reason))
 
+    def _fail(self, req: _Request, message: str) -> None:
+        self._requests.pop(req.rid, None)
+        with self._lock:
+            self.stats.failed += 1
+            self.stats.in_flight -= 1
+        req.sink(EngineEvent(error=message))
+
     def _fail_all(self, message: str) -> None:
         for req in list(self._requests.values()):
-            self._requests.pop(req.rid, None)
-            with self._lock:
-                self.stats.failed += 1
-                self.stats.in_flight -= 1
-            req.sink(EngineEvent(error=message))
+            self._fail(req, message)
         self._by_uid.clear()
 
     def _fail_queued(self, message: str) -> None:
@@ -299,7 +420,4 @@ class Engine:
             except queue.Empty:
                 break
             if kind == "submit":
-                with self._lock:
-                    self.stats.failed += 1
-                    self.stats.in_flight -= 1
-                arg.sink(EngineEvent(error=message))
+                self._fail(arg, message)

@@ -7,6 +7,7 @@ error leaves as OpenAI's ``{"error": {...}}`` body with the right status.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.openai_api import (
+    API_KEY_DIGEST_FIELD,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -141,6 +143,10 @@ class OpenAIIngress:
             known = ", ".join(m.name for m in self.profile.models)
             raise ApiError(404, f"model {parsed.model!r} does not exist; served: {known}",
                            type="not_found_error", param="model", code="model_not_found")
+        body.pop(API_KEY_DIGEST_FIELD, None)  # only the ingress may set it
+        auth = request.headers.get("authorization", "")
+        if auth.lower().startswith("bearer ") and auth[7:].strip():
+            body[API_KEY_DIGEST_FIELD] = hashlib.sha256(auth[7:].strip().encode()).hexdigest()
         events = self.stream_events(parsed.model, kind, body)
         try:
             first = await events.__anext__()

@@ -15,6 +15,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+# Set by the ingress from the Authorization header (a digest, never the key);
+# the replica uses it as a cache salt when the profile isolates by API key.
+API_KEY_DIGEST_FIELD = "x_api_key_digest"
+
 
 class ApiError(Exception):
     """An error that becomes an OpenAI-style JSON body with an HTTP status."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 
 from serve_app.embedded import EMBEDDED_MODELS, EMBEDDED_PREFIX
 
@@ -38,6 +38,23 @@ class SamplingDefaults(_Strict):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
 
 
+class CacheProfile(_Strict):
+    """Prefix caching for one model."""
+
+    enabled: bool = True
+    # Tokens per block. Default: 64 for attention-only models; 256 for hybrid
+    # models, whose every block boundary stores a recurrent-state checkpoint
+    # (tens of MB per checkpoint on real Qwen3.5/3-Next models).
+    block_size: Annotated[int, Field(ge=1, le=65536)] | None = None
+    isolate_by_api_key: bool = False
+
+
+class CacheStoreProfile(_Strict):
+    """The per-node cache-store actor, shared by every model replica on the node."""
+
+    hot_budget: ByteSize = ByteSize(1 << 30)
+
+
 class ModelProfile(_Strict):
     """One served model: where it comes from and how it is batched."""
 
@@ -54,6 +71,7 @@ class ModelProfile(_Strict):
     num_replicas: PositiveInt = 1
     num_cpus: Annotated[float, Field(ge=0.0)] = 0.0
     cpu_threads: Annotated[int, Field(ge=1)] | None = None
+    cache: CacheProfile = CacheProfile()
 
     @field_validator("name")
     @classmethod
@@ -82,6 +100,7 @@ class Profile(_Strict):
 
     models: Annotated[list[ModelProfile], Field(min_length=1)]
     ingress: IngressProfile = IngressProfile()
+    cache_store: CacheStoreProfile = CacheStoreProfile()
     model_home: str | None = None
 
     @field_validator("models")

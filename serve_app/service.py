@@ -17,9 +17,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlx_lm.models.cache import make_prompt_cache
+
+from serve_app.cache.blocks import RestorePlan, validate_checkpoint
+from serve_app.cache.client import CacheClient
+from serve_app.cache.hashing import chain, model_identity, root_id, salted_root
+from serve_app.cache.layout import layout_of
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
-from serve_app.engine import Engine, EngineEvent, QueueFullError, SamplingParams
-from serve_app.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
+from serve_app.engine import CachePlan, Engine, EngineEvent, QueueFullError, SamplingParams
+from serve_app.openai_api import (
+    API_KEY_DIGEST_FIELD,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from serve_app.profile import ModelProfile, source_kind
 from serve_app.stops import StopStringMatcher
 
@@ -35,6 +46,23 @@ class PreparedRequest:
     prompt: list[int]
     params: SamplingParams
     stops: list[str]
+    salt: str | None = None
+
+
+@dataclass
+class CacheStats:
+    """Prefix-cache counters of one replica, token-granular like vLLM's."""
+
+    enabled: bool
+    disabled_reason: str | None
+    block_size: int
+    lookups: int = 0
+    hit_tokens: int = 0
+    missed_tokens: int = 0
+    walkbacks: int = 0
+    checkpoint_loads: int = 0
+    checkpoint_rejects: int = 0
+    last_miss_reason: str | None = None
 
 
 def resolve_source(profile: ModelProfile, home: Path | None = None) -> str:
@@ -48,21 +76,46 @@ def resolve_source(profile: ModelProfile, home: Path | None = None) -> str:
 
 
 def load_model(profile: ModelProfile, home: Path | None = None):
+    """Load through ``mlx_lm.load``; returns (model, tokenizer, model directory)."""
     import mlx_lm
+    from mlx_lm.utils import _download
 
     path = resolve_source(profile, home)
-    if profile.revision:
-        return mlx_lm.load(path, revision=profile.revision)
-    return mlx_lm.load(path)
+    model_dir = Path(_download(path, revision=profile.revision))
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    return model, tokenizer, model_dir
 
 
 class ModelService:
     """Validation, templating and streaming for one loaded model."""
 
-    def __init__(self, profile: ModelProfile, model, tokenizer) -> None:
+    def __init__(
+        self,
+        profile: ModelProfile,
+        model,
+        tokenizer,
+        model_dir: Path | None = None,
+        cache_client: CacheClient | None = None,
+    ) -> None:
         self.profile = profile
         self.tokenizer = tokenizer
         self.eos_ids = set(tokenizer.eos_token_ids)
+        self.layout = layout_of(make_prompt_cache(model))
+        block_size = profile.cache.block_size or (256 if self.layout.hybrid else 64)
+        reason = None
+        if not profile.cache.enabled:
+            reason = "caching disabled in the profile"
+        elif not self.layout.supported:
+            reason = self.layout.unsupported
+        elif cache_client is None or model_dir is None:
+            reason = "no cache store"
+        self.cache_client = cache_client if reason is None else None
+        self.cache_stats = CacheStats(reason is None, reason, block_size)
+        if reason is None:
+            identity = model_identity(model_dir, profile.source, tokenizer.chat_template)
+            self.root = root_id(identity, self.layout.digest, block_size)
+        else:
+            logger.warning("model %s: prefix caching off: %s", profile.name, reason)
         self.engine = Engine(
             model,
             stop_tokens=self.eos_ids,
@@ -70,6 +123,7 @@ class ModelService:
             max_queued_requests=profile.max_queued_requests,
             prefill_step_size=profile.prefill_step_size,
             name=profile.name,
+            layout=self.layout,
         )
 
     def shutdown(self) -> None:
@@ -123,7 +177,12 @@ class ModelService:
             top_p=defaults.top_p if request.top_p is None else request.top_p,
             seed=request.seed,
         )
-        return PreparedRequest(prompt=prompt, params=params, stops=request.stop_list())
+        salt = request.cache_salt
+        key_digest = (request.model_extra or {}).get(API_KEY_DIGEST_FIELD)
+        if self.profile.cache.isolate_by_api_key and key_digest:
+            salt = f"{salt or ''}|key:{key_digest}"
+        return PreparedRequest(prompt=prompt, params=params, stops=request.stop_list(),
+                               salt=salt)
 
     # ---- streaming ----------------------------------------------------------------
 
@@ -135,8 +194,10 @@ class ModelService:
         request in the engine, which frees its batch slot at once.
         """
         events = EventChannel(asyncio.get_running_loop())
+        plan, lease = await self._cache_plan(prepared)
+        cached = plan.restore.tokens if plan and plan.restore else 0
         try:
-            rid = self.engine.submit(prepared.prompt, prepared.params, events.put)
+            rid = self.engine.submit(prepared.prompt, prepared.params, events.put, plan)
         except QueueFullError as exc:
             error = ApiError(
                 429,
@@ -145,12 +206,13 @@ class ModelService:
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             )
+            await self._release(lease)
             yield [error.to_event()]
             return
 
         started = time.monotonic()
         interval = self.profile.stream_interval_ms / 1000.0
-        yield [{"type": "start", "prompt_tokens": len(prepared.prompt), "cached_tokens": 0}]
+        yield [{"type": "start", "prompt_tokens": len(prepared.prompt), "cached_tokens": cached}]
         decoder = _TextDecoder(self.tokenizer, self.eos_ids, prepared.stops)
         done = False
         try:
@@ -162,6 +224,8 @@ class ModelService:
                 if wait > 0:
                     await asyncio.sleep(wait)
                 batch = await events.take()
+                if lease is not None:  # the engine has copied the restored blocks by now
+                    lease = await self._release(lease)
                 out: list[dict] = []
                 for event in batch:
                     if event.error is not None:
@@ -191,7 +255,7 @@ class ModelService:
                             "finish_reason": reason,
                             "prompt_tokens": len(prepared.prompt),
                             "completion_tokens": decoder.tokens,
-                            "cached_tokens": 0,
+                            "cached_tokens": cached,
                             "seconds": time.monotonic() - started,
                         }
                     )
@@ -201,9 +265,85 @@ class ModelService:
         finally:
             if not done:
                 self.engine.cancel(rid)
+            if lease is not None:
+                await self._release(lease)
 
-    def stats(self) -> dict:
-        return {"model": self.profile.name, "engine": self.engine.snapshot()}
+    # ---- prefix cache ---------------------------------------------------------------
+
+    async def _cache_plan(self, prepared: PreparedRequest) -> tuple[CachePlan | None, int | None]:
+        """Look the prompt's blocks up and fetch what can be restored.
+
+        Hybrid models restore only up to a block whose recurrent checkpoint is
+        present and valid; each step back is a walkback. At least one prompt
+        token is always left to compute.
+        """
+        if self.cache_client is None:
+            self.cache_stats.last_miss_reason = self.cache_stats.disabled_reason
+            return None, None
+        stats = self.cache_stats
+        bs = stats.block_size
+        root = salted_root(self.root, prepared.salt)
+        ids = chain(root, prepared.prompt, bs)
+        restorable = min(len(ids), (len(prepared.prompt) - 1) // bs)
+        hybrid = self.layout.hybrid
+        stats.lookups += 1
+        while True:
+            found = await self.cache_client.fetch(ids[:restorable], need_checkpoint=hybrid)
+            stats.walkbacks += found.walkbacks
+            n = len(found.payloads)
+            if not hybrid or n == 0 or validate_checkpoint(self.layout, found.payloads[-1][0]):
+                break
+            # A checkpoint that does not decode: never guess a state, walk back.
+            stats.checkpoint_rejects += 1
+            stats.walkbacks += 1
+            await self.cache_client.drop_checkpoint(ids[n - 1])
+            await self._release(found.lease)
+        restore = None
+        if n:
+            dtypes: dict[str, str] = {}
+            for _, d in found.payloads:
+                dtypes.update(d)
+            restore = RestorePlan(
+                tokens=n * bs,
+                blocks=[p for p, _ in found.payloads],
+                dtypes=dtypes,
+                checkpoint=found.payloads[-1][0] if hybrid else None,
+                block_ids=ids[:n],
+            )
+            stats.checkpoint_loads += int(hybrid)
+        stats.hit_tokens += n * bs
+        stats.missed_tokens += len(prepared.prompt) - n * bs
+        if n < restorable:
+            stats.last_miss_reason = self._miss_reason(found, n, bs)
+        plan = CachePlan(bs, root, ids, restore, self._publish)
+        return plan, found.lease
+
+    @staticmethod
+    def _miss_reason(found, restored: int, bs: int) -> str:
+        if found.present > restored:
+            return f"no valid recurrent checkpoint after token {restored * bs}"
+        where = found.present * bs
+        if found.first_missing_evicted:
+            return f"evicted at token {where}"
+        return "new prefix" if found.present == 0 else f"diverged at token {where}"
+
+    def _publish(self, block) -> None:
+        self.cache_client.publish(self.profile.name, block)
+
+    async def _release(self, lease: int | None) -> None:
+        if lease is not None and self.cache_client is not None:
+            await self.cache_client.release(lease)
+        return None
+
+    async def stats(self) -> dict:
+        out = {
+            "model": self.profile.name,
+            "engine": self.engine.snapshot(),
+            "cache": dict(self.cache_stats.__dict__),
+        }
+        if self.cache_client is not None:
+            out["cache_store"] = await self.cache_client.stats()
+        return out
 
 
 class EventChannel:

@@ -15,11 +15,14 @@ LIMITED = "tiny-dense-limited"
 # one for back-pressure tests. Sizes differ from configs/qwen.yaml, nothing else.
 TEST_MODELS = [
     {"name": HYBRID, "source": "embedded:tiny-hybrid", "context_length": 512,
-     "max_batch_size": 8, "max_queued_requests": 16, "max_tokens": 256},
+     "max_batch_size": 8, "max_queued_requests": 16, "max_tokens": 256,
+     "cache": {"block_size": 16}},
     {"name": DENSE, "source": "embedded:tiny-dense", "context_length": 256,
-     "max_batch_size": 8, "max_queued_requests": 16, "max_tokens": 256},
+     "max_batch_size": 8, "max_queued_requests": 16, "max_tokens": 256,
+     "cache": {"block_size": 16, "isolate_by_api_key": True}},
     {"name": LIMITED, "source": "embedded:tiny-dense", "context_length": 4096,
-     "max_batch_size": 1, "max_queued_requests": 1, "max_tokens": 4000},
+     "max_batch_size": 1, "max_queued_requests": 1, "max_tokens": 4000,
+     "cache": {"enabled": False}},
 ]
 
 

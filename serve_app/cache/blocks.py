@@ -69,7 +69,8 @@ def slice_block(
     out: dict[str, mx.array] = {}
     for i, (cache, kind) in enumerate(zip(layer_caches, layout.kinds, strict=True)):
         if kind == KV:
-            pad = int(cache.left_padding[idx].item())
+            padding = getattr(cache, "left_padding", None)  # None: a single-row KVCache
+            pad = 0 if padding is None else int(padding[idx].item())
             out[f"k{i}"] = cache.keys[idx : idx + 1, :, pad + start : pad + end, :]
             out[f"v{i}"] = cache.values[idx : idx + 1, :, pad + start : pad + end, :]
         elif kind == RECURRENT and checkpoint:
@@ -97,7 +98,7 @@ def build_cache(model, layout: Layout, plan: RestorePlan) -> list:
             values = [_to_mlx(b[f"v{i}"], plan.dtypes[f"v{i}"]) for b in plan.blocks]
             k = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
             v = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
-            cache[i].state = (k, v)
+            cache[i].state = (k, v, k.shape[2])
         else:
             if plan.checkpoint is None:
                 raise ValueError("a hybrid restore needs a recurrent checkpoint")

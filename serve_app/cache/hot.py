@@ -71,10 +71,14 @@ class HotStore:
 
     def put(self, entry: HotEntry) -> bool:
         """Store an entry, evicting LRU unpinned ones to make room. False if it cannot fit."""
-        if entry.block_id in self._entries:
+        old = self._entries.get(entry.block_id)
+        if old is not None:
             self.stats.duplicate_puts += 1
             self._entries.move_to_end(entry.block_id)
-            return True
+            if entry.has_checkpoint and not old.has_checkpoint and old.pins == 0:
+                self._evict(old, count=False)  # a fresh checkpoint replaces a dropped one
+            else:
+                return True
         if entry.nbytes > self.budget_bytes or not self._make_room(entry.nbytes):
             self.stats.rejected_puts += 1
             return False
@@ -175,14 +179,16 @@ class HotStore:
             self._evict(entry)
         return True
 
-    def _evict(self, entry: HotEntry) -> None:
+    def _evict(self, entry: HotEntry, count: bool = True) -> None:
         del self._entries[entry.block_id]
         self.bytes -= entry.nbytes
-        self.stats.evictions += 1
-        self.stats.evicted_bytes += entry.nbytes
         m = self._model_stats(entry.model)
         m["blocks"] -= 1
         m["bytes"] -= entry.nbytes
+        if not count:
+            return
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += entry.nbytes
         m["evictions"] += 1
         self._evicted[entry.block_id] = None
         if len(self._evicted) > self._remember_evicted:
