@@ -17,7 +17,7 @@ TEST_MODELS = [
     {"name": HYBRID, "source": "embedded:tiny-hybrid", "context_length": 512,
      "max_batch_size": 8, "max_queued_requests": 16, "max_tokens": 256,
      "cache": {"block_size": 16}},
-    {"name": DENSE, "source": "embedded:tiny-dense", "context_length": 256,
+    {"name": DENSE, "source": "embedded:tiny-dense", "context_length": 1024,
      "max_batch_size": 8, "max_queued_requests": 16, "max_tokens": 256,
      "cache": {"block_size": 16, "isolate_by_api_key": True}},
     {"name": LIMITED, "source": "embedded:tiny-dense", "context_length": 4096,

@@ -230,10 +230,10 @@ def test_unknown_model_is_404(client, server):
 def test_prompt_longer_than_context_is_400_naming_both_lengths(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model=DENSE, messages=[{"role": "user", "content": "y" * 400}], max_tokens=4
+            model=DENSE, messages=[{"role": "user", "content": "y" * 1100}], max_tokens=4
         )
     message = info.value.body["message"]
-    assert "256" in message and "419" in message  # the limit and the prompt's length
+    assert "1024" in message and "1119" in message  # the limit and the prompt's length
     assert info.value.body["code"] == "context_length_exceeded"
 
 

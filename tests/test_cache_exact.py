@@ -1,0 +1,170 @@
+"""Exactness of hot-tier restores, in-process (real engine, real store, no Ray).
+
+At temperature 0 a restored request must produce exactly the tokens of the
+same request with caching disabled: after a multi-turn conversation, after a
+forced walkback, with a corrupt checkpoint, and when a prompt diverges in the
+middle of a block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import mlx_lm
+import numpy as np
+import pytest
+
+from serve_app.cache.client import LocalCacheClient
+from serve_app.cache.hashing import chain, salted_root
+from serve_app.cache.hot import HotStore
+from serve_app.embedded import materialize
+from serve_app.openai_api import ChatCompletionRequest, CompletionRequest
+from serve_app.profile import ModelProfile
+from serve_app.service import ModelService
+
+BS = 16
+
+
+def make_services(name: str, home):
+    path = materialize(name, home)
+    model, tokenizer = mlx_lm.load(str(path))
+    client = LocalCacheClient(HotStore(1 << 30))
+    warm = ModelService(ModelProfile(name="warm", source=f"embedded:{name}",
+                                     cache={"block_size": BS}), model, tokenizer, path, client)
+    cold = ModelService(ModelProfile(name="cold", source=f"embedded:{name}",
+                                     cache={"enabled": False}), model, tokenizer, path, None)
+    return warm, cold, client
+
+
+@pytest.fixture(scope="module", params=["tiny-dense", "tiny-hybrid"])
+def services(request, tmp_path_factory):
+    warm, cold, client = make_services(request.param, tmp_path_factory.mktemp("m"))
+    yield warm, cold, client
+    warm.shutdown()
+    cold.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hybrid_services(tmp_path_factory):
+    """Walkbacks need recurrent checkpoints, which only the hybrid model has."""
+    warm, cold, client = make_services("tiny-hybrid", tmp_path_factory.mktemp("h"))
+    assert warm.layout.hybrid
+    yield warm, cold, client
+    warm.shutdown()
+    cold.shutdown()
+
+
+def run(service: ModelService, request) -> dict:
+    async def go():
+        prepared = service.prepare(request)
+        text, start, finish = [], None, None
+        async for events in service.stream(prepared):
+            for e in events:
+                if e["type"] == "start":
+                    start = e
+                elif e["type"] == "delta":
+                    text.append(e["text"])
+                elif e["type"] == "finish":
+                    finish = e
+        return {"text": "".join(text), "cached": start["cached_tokens"],
+                "prompt": prepared.prompt, **finish}
+
+    return asyncio.run(go())
+
+
+def chat(messages, n=20):
+    return ChatCompletionRequest(model="m", messages=messages, max_tokens=n, temperature=0)
+
+
+def test_multi_turn_restores_and_matches_cold(services):
+    warm, cold, _ = services
+    messages = [{"role": "system", "content": "You are terse. " * 6}]
+    previous_prompt = 0
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"turn {turn}: tell me more"})
+        a, b = run(warm, chat(messages)), run(cold, chat(messages))
+        assert a["text"] == b["text"]
+        assert a["completion_tokens"] == b["completion_tokens"]
+        if turn:
+            assert a["cached"] >= (previous_prompt // BS) * BS > 0
+            assert a["cached"] < len(a["prompt"])
+        previous_prompt = len(a["prompt"])
+        messages.append({"role": "assistant", "content": a["text"]})
+    stats = asyncio.run(warm.stats())
+    assert stats["cache"]["hit_tokens"] > 0
+    assert stats["engine"]["captured_blocks"] > 0
+    assert stats["cache_store"]["bytes"] == stats["engine"]["captured_bytes"] - \
+        stats["cache_store"]["evicted_bytes"]
+
+
+def test_retry_restores_all_but_the_last_token(services):
+    warm, cold, _ = services
+    prompt = list(range(1, 3 * BS + 1))  # exactly three blocks
+    req = CompletionRequest(model="m", prompt=prompt, max_tokens=12, temperature=0)
+    first = run(warm, req)
+    again = run(warm, req)
+    assert again["cached"] == 2 * BS  # the third block would leave nothing to compute
+    assert first["text"] == again["text"] == run(cold, req)["text"]
+
+
+def test_prompt_diverging_mid_block(services):
+    warm, cold, _ = services
+    base = [7 + (i * 13) % 200 for i in range(5 * BS)]
+    run(warm, CompletionRequest(model="m", prompt=base, max_tokens=4, temperature=0))
+    split = 2 * BS + BS // 2  # in the middle of the third block
+    other = base[:split] + [(t + 1) % 250 for t in base[split:]]
+    req = CompletionRequest(model="m", prompt=other, max_tokens=16, temperature=0)
+    a = run(warm, req)
+    assert a["cached"] == 2 * BS
+    assert a["text"] == run(cold, req)["text"]
+    assert warm.cache_stats.last_miss_reason == f"diverged at token {2 * BS}"
+
+
+def test_forced_walkback_drops_one_block_and_stays_exact(hybrid_services):
+    warm, cold, client = hybrid_services
+    prompt = [3 + (i * 7) % 240 for i in range(4 * BS + 3)]
+    req = CompletionRequest(model="m", prompt=prompt, max_tokens=16, temperature=0)
+    run(warm, req)
+    ids = chain(salted_root(warm.root, None), prompt, BS)
+    assert asyncio.run(client.drop_checkpoint(ids[3]))  # the newest boundary
+    before = warm.cache_stats.walkbacks
+    a = run(warm, req)
+    assert warm.cache_stats.walkbacks == before + 1
+    assert a["cached"] == 3 * BS
+    assert a["text"] == run(cold, req)["text"]
+
+
+def test_corrupt_checkpoint_is_rejected_and_walked_back(hybrid_services):
+    warm, cold, client = hybrid_services
+    prompt = [11 + (i * 5) % 230 for i in range(3 * BS + 1)]
+    req = CompletionRequest(model="m", prompt=prompt, max_tokens=16, temperature=0)
+    run(warm, req)
+    ids = chain(salted_root(warm.root, None), prompt, BS)
+    payload, _ = client.store._entries[ids[2]].handle
+    key = next(k for k in payload if k.startswith("s"))
+    payload[key] = np.full_like(payload[key], np.nan)
+    rejects = warm.cache_stats.checkpoint_rejects
+    a = run(warm, req)
+    assert warm.cache_stats.checkpoint_rejects == rejects + 1
+    assert a["cached"] == 2 * BS
+    assert a["text"] == run(cold, req)["text"]
+
+
+def test_salts_isolate(services):
+    warm, _, _ = services
+    messages = [{"role": "user", "content": "salted " * 10}]
+    run(warm, ChatCompletionRequest(model="m", messages=messages, max_tokens=2,
+                                    cache_salt="tenant-a"))
+    other = run(warm, ChatCompletionRequest(model="m", messages=messages, max_tokens=2,
+                                            cache_salt="tenant-b"))
+    same = run(warm, ChatCompletionRequest(model="m", messages=messages, max_tokens=2,
+                                           cache_salt="tenant-a"))
+    assert other["cached"] == 0 and same["cached"] > 0
+
+
+def test_disabled_cache_says_why(services):
+    _, cold, _ = services
+    stats = asyncio.run(cold.stats())
+    assert stats["cache"]["enabled"] is False
+    assert stats["cache"]["disabled_reason"] == "caching disabled in the profile"
+    assert stats["engine"]["captured_blocks"] == 0
