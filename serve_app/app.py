@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -35,7 +36,9 @@ class ModelReplica:
         client = None
         if self.profile.cache.enabled:
             store = CacheStoreProfile.model_validate(cache_store)
-            client = RayCacheClient(get_or_create_actor(int(store.hot_budget)))
+            actor = get_or_create_actor(int(store.hot_budget))
+            ray.get(actor.stats.remote())  # wait for it here, not in the first request
+            client = RayCacheClient(actor)
         self.service = ModelService(self.profile, model, tokenizer, model_dir, client)
         logger.info("model %s ready (source %s)", self.profile.name, self.profile.source)
 

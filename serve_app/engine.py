@@ -87,6 +87,7 @@ class EngineStats:
     peak_batch_size: int = 0
     step_seconds: float = 0.0
     restored_tokens: int = 0
+    restored_bytes: int = 0
     restore_seconds: float = 0.0
     captured_blocks: int = 0
     captured_bytes: int = 0
@@ -293,6 +294,7 @@ class Engine:
             all_tokens = [req.prompt[: plan.tokens]]
             with self._lock:
                 self.stats.restored_tokens += plan.tokens
+                self.stats.restored_bytes += plan.nbytes
                 self.stats.restore_seconds += time.perf_counter() - tic
         (uid,) = self._generator.insert_segments(
             [self._segments(req)],

@@ -62,6 +62,7 @@ class CacheStats:
     walkbacks: int = 0
     checkpoint_loads: int = 0
     checkpoint_rejects: int = 0
+    fetch_seconds: float = 0.0
     last_miss_reason: str | None = None
 
 
@@ -288,7 +289,9 @@ class ModelService:
         hybrid = self.layout.hybrid
         stats.lookups += 1
         while True:
+            tic = time.perf_counter()
             found = await self.cache_client.fetch(ids[:restorable], need_checkpoint=hybrid)
+            stats.fetch_seconds += time.perf_counter() - tic
             stats.walkbacks += found.walkbacks
             n = len(found.payloads)
             if not hybrid or n == 0 or validate_checkpoint(self.layout, found.payloads[-1][0]):

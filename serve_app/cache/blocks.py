@@ -45,6 +45,10 @@ class RestorePlan:
     checkpoint: Payload | None = None
     block_ids: list[str] = field(default_factory=list)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for b in self.blocks for a in b.values())
+
 
 def _to_numpy(a: mx.array) -> tuple[np.ndarray, str]:
     if a.dtype == mx.bfloat16:
