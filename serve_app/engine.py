@@ -188,11 +188,7 @@ class Engine:
         with self._lock:
             if self.stats.in_flight >= self.max_batch_size + self.max_queued_requests:
                 self.stats.rejected += 1
-                raise QueueFullError(
-                    f"model {self.name!r} is at capacity: {self.stats.in_flight} requests "
-                    f"in flight (max_batch_size {self.max_batch_size} + "
-                    f"max_queued_requests {self.max_queued_requests})"
-                )
+                raise QueueFullError(self.capacity_message())
             self.stats.in_flight += 1
             self.stats.submitted += 1
             rid = next(self._ids)
@@ -200,6 +196,20 @@ class Engine:
             raise ValueError("this engine has no supported cache layout")
         self._commands.put(("submit", _Request(rid, list(prompt), params, sink, cache)))
         return rid
+
+    def at_capacity(self) -> bool:
+        """True when ``submit`` would raise ``QueueFullError`` (counted as a rejection)."""
+        with self._lock:
+            full = self.stats.in_flight >= self.max_batch_size + self.max_queued_requests
+            self.stats.rejected += int(full)
+            return full
+
+    def capacity_message(self) -> str:
+        return (
+            f"model {self.name!r} is at capacity: {self.stats.in_flight} requests in flight "
+            f"(max_batch_size {self.max_batch_size} + max_queued_requests "
+            f"{self.max_queued_requests})"
+        )
 
     def cancel(self, rid: int) -> None:
         """Stop a request and free its batch slot before the next decode step."""

@@ -195,28 +195,25 @@ class ModelService:
         request in the engine, which frees its batch slot at once.
         """
         events = EventChannel(asyncio.get_running_loop())
+        if self.engine.at_capacity():  # before any cache work
+            yield [_queue_full(self.engine.capacity_message()).to_event()]
+            return
         plan, lease = await self._cache_plan(prepared)
         cached = plan.restore.tokens if plan and plan.restore else 0
         try:
             rid = self.engine.submit(prepared.prompt, prepared.params, events.put, plan)
         except QueueFullError as exc:
-            error = ApiError(
-                429,
-                str(exc),
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
             await self._release(lease)
-            yield [error.to_event()]
+            yield [_queue_full(str(exc)).to_event()]
             return
 
         started = time.monotonic()
         interval = self.profile.stream_interval_ms / 1000.0
-        yield [{"type": "start", "prompt_tokens": len(prepared.prompt), "cached_tokens": cached}]
         decoder = _TextDecoder(self.tokenizer, self.eos_ids, prepared.stops)
         done = False
         try:
+            yield [{"type": "start", "prompt_tokens": len(prepared.prompt),
+                    "cached_tokens": cached}]
             last_yield = 0.0
             while not done:
                 # Coalesce: at most one yield per stream interval after the first.
@@ -347,6 +344,16 @@ class ModelService:
         if self.cache_client is not None:
             out["cache_store"] = await self.cache_client.stats()
         return out
+
+
+def _queue_full(message: str) -> ApiError:
+    return ApiError(
+        429,
+        message,
+        type="rate_limit_error",
+        code="queue_full",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
 
 
 class EventChannel:

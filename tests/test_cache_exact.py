@@ -120,12 +120,16 @@ def test_prompt_diverging_mid_block(services):
     assert warm.cache_stats.last_miss_reason == f"diverged at token {2 * BS}"
 
 
-def test_forced_walkback_drops_one_block_and_stays_exact(hybrid_services):
-    warm, cold, client = hybrid_services
-    prompt = [3 + (i * 7) % 240 for i in range(4 * BS + 3)]
+def cached_prompt(warm: ModelService, prompt: list[int]):
+    """Serve ``prompt`` once so its blocks are cached; return the request and block ids."""
     req = CompletionRequest(model="m", prompt=prompt, max_tokens=16, temperature=0)
     run(warm, req)
-    ids = chain(salted_root(warm.root, None), prompt, BS)
+    return req, chain(salted_root(warm.root, None), prompt, BS)
+
+
+def test_forced_walkback_drops_one_block_and_stays_exact(hybrid_services):
+    warm, cold, client = hybrid_services
+    req, ids = cached_prompt(warm, [3 + (i * 7) % 240 for i in range(4 * BS + 3)])
     assert asyncio.run(client.drop_checkpoint(ids[3]))  # the newest boundary
     before = warm.cache_stats.walkbacks
     a = run(warm, req)
@@ -136,10 +140,7 @@ def test_forced_walkback_drops_one_block_and_stays_exact(hybrid_services):
 
 def test_corrupt_checkpoint_is_rejected_and_walked_back(hybrid_services):
     warm, cold, client = hybrid_services
-    prompt = [11 + (i * 5) % 230 for i in range(3 * BS + 1)]
-    req = CompletionRequest(model="m", prompt=prompt, max_tokens=16, temperature=0)
-    run(warm, req)
-    ids = chain(salted_root(warm.root, None), prompt, BS)
+    req, ids = cached_prompt(warm, [11 + (i * 5) % 230 for i in range(3 * BS + 1)])
     payload, _ = client.store._entries[ids[2]].handle
     key = next(k for k in payload if k.startswith("s"))
     payload[key] = np.full_like(payload[key], np.nan)

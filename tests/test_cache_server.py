@@ -46,6 +46,7 @@ def test_five_turn_conversation_hits_every_turn(client, server, model):
     s = stats(server, model)
     assert s["cache"]["enabled"] and s["cache"]["hit_tokens"] > 0
     assert s["cache_store"]["bytes"] <= s["cache_store"]["budget_bytes"]
+    assert s["cache_store"]["pinned_blocks"] == 0  # every restore released its pins
 
 
 def test_streaming_reports_cached_tokens_and_matches(client):

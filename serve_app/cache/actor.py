@@ -108,6 +108,9 @@ class RayCacheClient(CacheClient):
         if found["refs"]:
             try:
                 payloads = list(await asyncio.gather(*found["refs"]))
+            except asyncio.CancelledError:
+                self.actor.release.remote(found["lease"])  # never leave blocks pinned
+                raise
             except Exception:  # the owner of a block died: those bytes are gone
                 logger.warning("hot blocks lost with their owner; dropping them")
                 await self.actor.release.remote(found["lease"])
