@@ -1,0 +1,432 @@
+"""The SSD tier: one safetensors file per block, recurrent-state sidecars apart.
+
+Layout under the cache directory::
+
+    v1/LOCK                                      held (flock) by the serving process
+    v1/blocks/<id[:2]>/<block id>.safetensors    KV of one block (+ checkpoint if embedded)
+    v1/sidecars/<layout[:16]>/<id[:2]>/<block id>.safetensors   recurrent checkpoint
+
+Every file carries its metadata in the safetensors header (format version,
+kind, ids, model identity, layout, block size, token count, created time,
+codec), so the index is rebuilt at start from headers alone, without reading
+a tensor. Writes go to a temporary file, are fsynced, renamed into place and
+the directory fsynced: a reader never sees half a file, and a crash leaves at
+most a temporary file, removed at the next start. Paths are built only from
+hex ids; nothing is followed through a symlink and nothing outside the
+directory is touched.
+
+Plain Python: the cache-store actor wraps it, ``python -m serve_app gc``
+uses it without MLX or a model, and tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save
+
+FORMAT_VERSION = "1"
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+_MAX_HEADER = 16 * 1024 * 1024
+TMP_MARK = ".tmp-"
+
+
+class SSDError(Exception):
+    """A file that cannot be trusted: wrong header, wrong ids, unreadable."""
+
+
+@dataclass
+class DiskEntry:
+    """One file of the tier, as known from its header."""
+
+    kind: str  # "block" or "sidecar"
+    block_id: str
+    path: Path
+    nbytes: int
+    model: str
+    layout: str
+    last_used: float
+    meta: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SSDStats:
+    writes_done: int = 0
+    writes_failed: int = 0
+    writes_skipped_low_space: int = 0
+    reads: int = 0
+    read_failures: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    temp_files_removed: int = 0
+    foreign_files: int = 0
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(os.environ.get("SERVE_APP_CACHE_DIR") or Path(base) / "serve_app" / "kv")
+
+
+def check_id(block_id: str) -> str:
+    if not _HEX.match(block_id):
+        raise SSDError(f"not a block id: {block_id[:80]!r}")
+    return block_id
+
+
+def read_header(path: Path) -> tuple[dict, dict[str, str]]:
+    """The safetensors header (tensor table, metadata) without reading tensor data."""
+    with open(path, "rb", opener=_nofollow_opener) as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise SSDError(f"{path.name}: truncated header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER:
+            raise SSDError(f"{path.name}: header of {n} bytes")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise SSDError(f"{path.name}: header is not JSON") from None
+    if not isinstance(header, dict):
+        raise SSDError(f"{path.name}: header is not an object")
+    meta = header.pop("__metadata__", None) or {}
+    return header, meta
+
+
+def _nofollow_opener(path, flags):
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SSDStore:
+    """Index, budget and file I/O of the SSD tier. Thread-safe."""
+
+    def __init__(self, root: Path, budget_bytes: int, min_free_bytes: int = 0) -> None:
+        self.root = Path(root)
+        self.base = self.root / f"v{FORMAT_VERSION}"
+        self.budget_bytes = budget_bytes
+        self.min_free_bytes = min_free_bytes
+        self.stats = SSDStats()
+        self.active: set[tuple[str, str]] = set()  # (model identity, layout) being served
+        self._blocks: dict[str, DiskEntry] = {}
+        self._sidecars: dict[tuple[str, str], DiskEntry] = {}  # (layout, block id)
+        self._pins: dict[str, int] = {}
+        self._lock = threading.RLock()
+        self._lock_fd: int | None = None
+        self.ready = threading.Event()
+
+    # ---- opening ---------------------------------------------------------------------
+
+    def lock_directory(self) -> bool:
+        """Take the directory's lock (a serving process holds it; ``gc`` checks it)."""
+        self.base.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.base / "LOCK", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+        return True
+
+    def directory_in_use(self) -> bool:
+        """True if another process holds the lock."""
+        path = self.base / "LOCK"
+        if not path.is_file() or path.is_symlink():
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+
+    def open(self) -> None:
+        """Rebuild the index from file headers; remove temporary files of a crash."""
+        self.base.mkdir(parents=True, exist_ok=True)
+        blocks: dict[str, DiskEntry] = {}
+        sidecars: dict[tuple[str, str], DiskEntry] = {}
+        for path in self._walk():
+            if TMP_MARK in path.name:
+                self._unlink(path)
+                self.stats.temp_files_removed += 1
+                continue
+            try:
+                entry = self._entry_from_file(path)
+            except (SSDError, OSError):
+                self.stats.foreign_files += 1
+                continue
+            if entry is None:
+                self.stats.foreign_files += 1
+            elif entry.kind == "block":
+                blocks[entry.block_id] = entry
+            else:
+                sidecars[(entry.layout, entry.block_id)] = entry
+        with self._lock:
+            self._blocks.update(blocks)
+            self._sidecars.update(sidecars)
+        self.ready.set()
+
+    def _walk(self) -> Iterator[Path]:
+        for top in (self.base / "blocks", self.base / "sidecars"):
+            if not top.is_dir() or top.is_symlink():
+                continue
+            stack = [top]
+            while stack:
+                with os.scandir(stack.pop()) as it:
+                    for d in it:
+                        if d.is_symlink():
+                            continue
+                        if d.is_dir(follow_symlinks=False):
+                            stack.append(Path(d.path))
+                        elif d.is_file(follow_symlinks=False) and (
+                            d.name.endswith(".safetensors") or TMP_MARK in d.name
+                        ):
+                            yield Path(d.path)
+
+    def _entry_from_file(self, path: Path) -> DiskEntry | None:
+        _, meta = read_header(path)
+        if meta.get("format_version") != FORMAT_VERSION:
+            return None
+        kind = meta.get("kind")
+        block_id = check_id(meta.get("block_id", ""))
+        if kind not in ("block", "sidecar") or path.stem != block_id:
+            raise SSDError(f"{path.name}: metadata does not match its name")
+        st = path.stat(follow_symlinks=False)
+        return DiskEntry(kind, block_id, path, st.st_size, meta.get("model", ""),
+                         meta.get("layout", ""), st.st_mtime, meta)
+
+    # ---- paths -------------------------------------------------------------------------
+
+    def block_path(self, block_id: str) -> Path:
+        check_id(block_id)
+        return self.base / "blocks" / block_id[:2] / f"{block_id}.safetensors"
+
+    def sidecar_path(self, layout: str, block_id: str) -> Path:
+        check_id(block_id)
+        check_id(layout)
+        return self.base / "sidecars" / layout[:16] / block_id[:2] / f"{block_id}.safetensors"
+
+    # ---- writing -----------------------------------------------------------------------
+
+    def write(self, kind: str, block_id: str, tensors: dict[str, np.ndarray],
+              meta: dict[str, str]) -> bool:
+        """Write one file atomically and index it. False (counted) if it was not written."""
+        layout = meta["layout"]
+        path = self.block_path(block_id) if kind == "block" else self.sidecar_path(layout,
+                                                                                    block_id)
+        meta = {**meta, "format_version": FORMAT_VERSION, "kind": kind, "block_id": block_id,
+                "created": meta.get("created") or f"{time.time():.3f}"}
+        data = save(tensors, metadata=meta)
+        with self._lock:
+            self._evict_for(len(data))
+        if shutil.disk_usage(self.root).free - len(data) < self.min_free_bytes:
+            self.stats.writes_skipped_low_space += 1
+            return False
+        try:
+            self._atomic_write(path, data)
+        except OSError:
+            self.stats.writes_failed += 1
+            return False
+        entry = DiskEntry(kind, block_id, path, len(data), meta.get("model", ""), layout,
+                          time.time(), meta)
+        with self._lock:
+            if kind == "block":
+                self._blocks[block_id] = entry
+            else:
+                self._sidecars[(layout, block_id)] = entry
+            self.stats.writes_done += 1
+        return True
+
+    def _atomic_write(self, path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError:
+            os.close(fd)
+            self._unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def has_block(self, block_id: str) -> bool:
+        with self._lock:
+            return block_id in self._blocks
+
+    def has_sidecar(self, layout: str, block_id: str) -> bool:
+        with self._lock:
+            return (layout, block_id) in self._sidecars
+
+    def block_entry(self, block_id: str) -> DiskEntry | None:
+        with self._lock:
+            return self._blocks.get(block_id)
+
+    def sidecar_entry(self, layout: str, block_id: str) -> DiskEntry | None:
+        with self._lock:
+            return self._sidecars.get((layout, block_id))
+
+    def read(self, entry: DiskEntry, expect: dict[str, str]) -> tuple[dict, dict[str, str]]:
+        """Tensors and metadata of one file; ``SSDError`` if it is not what ``expect`` says."""
+        self.stats.reads += 1
+        try:
+            _, meta = read_header(entry.path)
+            for key, value in expect.items():
+                if meta.get(key) != value:
+                    raise SSDError(f"{entry.path.name}: {key} is {meta.get(key)!r}, "
+                                   f"expected {value!r}")
+            tensors = load_file(str(entry.path))
+        except (SSDError, OSError, ValueError, RuntimeError) as exc:
+            self.stats.read_failures += 1
+            self.remove(entry)
+            raise SSDError(str(exc)) from None
+        self.touch(entry)
+        return tensors, meta
+
+    def touch(self, entry: DiskEntry) -> None:
+        """Mark recently used; the file's mtime carries recency across restarts."""
+        entry.last_used = time.time()
+        try:
+            os.utime(entry.path, follow_symlinks=False)
+        except OSError:
+            pass
+
+    # ---- pins, removal, budget -----------------------------------------------------------
+
+    def pin(self, block_ids: list[str]) -> None:
+        with self._lock:
+            for b in block_ids:
+                self._pins[b] = self._pins.get(b, 0) + 1
+
+    def unpin(self, block_ids: list[str]) -> None:
+        with self._lock:
+            for b in block_ids:
+                n = self._pins.get(b, 0) - 1
+                if n > 0:
+                    self._pins[b] = n
+                else:
+                    self._pins.pop(b, None)
+
+    def remove(self, entry: DiskEntry) -> None:
+        """Delete a file; removing a block also removes its sidecars (worthless alone)."""
+        with self._lock:
+            if entry.kind == "block":
+                self._blocks.pop(entry.block_id, None)
+                for key in [k for k in self._sidecars if k[1] == entry.block_id]:
+                    self._unlink(self._sidecars.pop(key).path)
+            else:
+                self._sidecars.pop((entry.layout, entry.block_id), None)
+        self._unlink(entry.path)
+
+    def bytes_used(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._blocks.values()) + sum(
+                e.nbytes for e in self._sidecars.values())
+
+    def orphans(self) -> list[DiskEntry]:
+        """Sidecars whose KV block is gone."""
+        with self._lock:
+            return [e for (_, b), e in self._sidecars.items() if b not in self._blocks]
+
+    def _evict_for(self, incoming: int) -> None:
+        """Evict until ``incoming`` more bytes fit: other models first, then LRU."""
+        used = self.bytes_used()
+        if used + incoming <= self.budget_bytes:
+            return
+        for entry in self._eviction_order():
+            if used + incoming <= self.budget_bytes:
+                break
+            if self._pins.get(entry.block_id):
+                continue
+            freed = entry.nbytes
+            if entry.kind == "block":
+                freed += sum(e.nbytes for k, e in self._sidecars.items() if k[1] == entry.block_id)
+            self.remove(entry)
+            used -= freed
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += freed
+
+    def _eviction_order(self) -> list[DiskEntry]:
+        orphans = self.orphans()
+        entries = list(self._blocks.values()) + [
+            e for (_, b), e in self._sidecars.items() if b in self._blocks]
+        # Orphans first, then files of models or layouts nobody serves now, then LRU.
+        return orphans + sorted(
+            entries, key=lambda e: ((e.model, e.layout) in self.active, e.last_used))
+
+    def enforce_budget(self) -> None:
+        with self._lock:
+            self._evict_for(0)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            by_model: dict[str, dict[str, int]] = {}
+            for e in list(self._blocks.values()) + list(self._sidecars.values()):
+                m = by_model.setdefault(e.model[:16], {"blocks": 0, "block_bytes": 0,
+                                                       "sidecars": 0, "sidecar_bytes": 0})
+                m[f"{e.kind}s"] += 1
+                m[f"{e.kind}_bytes"] += e.nbytes
+            return {
+                "dir": str(self.root),
+                "budget_bytes": self.budget_bytes,
+                "block_bytes": sum(e.nbytes for e in self._blocks.values()),
+                "sidecar_bytes": sum(e.nbytes for e in self._sidecars.values()),
+                "blocks": len(self._blocks),
+                "sidecars": len(self._sidecars),
+                "orphans": len(self.orphans()),
+                "index_ready": self.ready.is_set(),
+                **self.stats.__dict__,
+                "by_model": by_model,
+            }
+
+    # ---- safety --------------------------------------------------------------------------
+
+    def _unlink(self, path: Path) -> None:
+        """Delete a file inside our directory, never through a symlink."""
+        try:
+            parent = path.parent.resolve(strict=False)
+            if self.base.resolve() not in (parent, *parent.parents):
+                return
+            if path.is_symlink() or path.is_file():
+                os.unlink(path)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+
+
+def auto_budget(root: Path, cap_bytes: int = 64 << 30, fraction: float = 0.5) -> int:
+    """``auto``: the smaller of a cap and a fraction of the disk space we could use."""
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    used = sum(p.stat().st_size for p in root.rglob("*.safetensors") if not p.is_symlink())
+    return int(min(cap_bytes, fraction * (free + used)))

@@ -1,0 +1,163 @@
+"""The SSD tier on real files: atomic writes, index rebuild, budget, safety."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from serve_app.cache.ssd import FORMAT_VERSION, TMP_MARK, SSDError, SSDStore, read_header
+
+LAYOUT = hashlib.sha256(b"layout").hexdigest()
+MODEL = hashlib.sha256(b"model").hexdigest()
+
+
+def bid(i: int) -> str:
+    return hashlib.sha256(f"block{i}".encode()).hexdigest()
+
+
+def tensors(n: int = 256) -> dict[str, np.ndarray]:
+    return {"k0": np.arange(n, dtype=np.float32), "v0": np.ones(n, dtype=np.float32)}
+
+
+def meta(model: str = MODEL) -> dict[str, str]:
+    return {"model": model, "layout": LAYOUT, "parent_id": "", "block_size": "16",
+            "tokens": "16"}
+
+
+def store(tmp_path, budget: int = 1 << 30, **kw) -> SSDStore:
+    s = SSDStore(tmp_path / "kv", budget, **kw)
+    s.open()
+    return s
+
+
+def test_write_read_and_rebuild_from_headers(tmp_path):
+    s = store(tmp_path)
+    assert s.write("block", bid(0), tensors(), meta())
+    assert s.write("sidecar", bid(0), {"s1.0": np.zeros(4, np.float32)},
+                   {**meta(), "codec": "fp32"})
+    entry = s.block_entry(bid(0))
+    got, m = s.read(entry, {"model": MODEL})
+    np.testing.assert_array_equal(got["k0"], tensors()["k0"])
+    assert m["format_version"] == FORMAT_VERSION and m["block_id"] == bid(0)
+    again = store(tmp_path)  # a restart: index from headers only
+    assert again.has_block(bid(0)) and again.has_sidecar(LAYOUT, bid(0))
+    assert again.snapshot()["blocks"] == 1 and again.snapshot()["sidecars"] == 1
+
+
+def test_restart_removes_temp_files_and_ignores_other_versions(tmp_path):
+    s = store(tmp_path)
+    s.write("block", bid(0), tensors(), meta())
+    path = s.block_path(bid(1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + TMP_MARK + "123-1")
+    partial.write_bytes(b"half a file")
+    from safetensors.numpy import save_file
+    s.block_path(bid(2)).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors(), str(s.block_path(bid(2))),
+              metadata={**meta(), "format_version": "0", "kind": "block", "block_id": bid(2)})
+    again = store(tmp_path)
+    assert not partial.exists()
+    assert again.stats.temp_files_removed == 1
+    assert not again.has_block(bid(2)) and again.stats.foreign_files == 1
+    assert again.has_block(bid(0))
+
+
+def test_corrupt_file_is_rejected_and_removed(tmp_path):
+    s = store(tmp_path)
+    s.write("block", bid(0), tensors(), meta())
+    entry = s.block_entry(bid(0))
+    data = bytearray(entry.path.read_bytes())
+    data[20:40] = b"x" * 20  # breaks the JSON header
+    entry.path.write_bytes(bytes(data))
+    with pytest.raises(SSDError):
+        s.read(entry, {"model": MODEL})
+    assert not s.has_block(bid(0)) and not entry.path.exists()
+    assert s.stats.read_failures == 1
+
+
+def test_metadata_mismatch_is_rejected(tmp_path):
+    s = store(tmp_path)
+    s.write("block", bid(0), tensors(), meta())
+    with pytest.raises(SSDError, match="model"):
+        s.read(s.block_entry(bid(0)), {"model": "another"})
+
+
+def test_budget_evicts_lru_and_other_models_first(tmp_path):
+    s = store(tmp_path, budget=4 * 2000)
+    s.active = {(MODEL, LAYOUT)}
+    s.write("block", bid(100), tensors(), meta(model="f" * 64))  # a model nobody serves
+    for i in range(3):
+        s.write("block", bid(i), tensors(), meta())
+    size = s.block_entry(bid(0)).nbytes
+    s.budget_bytes = 4 * size
+    s.touch(s.block_entry(bid(0)))
+    s.write("block", bid(3), tensors(), meta())
+    assert not s.has_block(bid(100))  # the foreign model went first
+    s.write("block", bid(4), tensors(), meta())
+    assert not s.has_block(bid(1)) and s.has_block(bid(0))  # then least recently used
+    assert s.bytes_used() <= s.budget_bytes
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*.safetensors"))
+    assert on_disk == s.bytes_used()
+
+
+def test_pinned_files_survive_eviction(tmp_path):
+    s = store(tmp_path)
+    s.write("block", bid(0), tensors(), meta())
+    s.budget_bytes = s.block_entry(bid(0)).nbytes
+    s.pin([bid(0)])
+    s.write("block", bid(1), tensors(), meta())
+    assert s.has_block(bid(0))
+    s.unpin([bid(0)])
+    s.enforce_budget()
+    assert s.bytes_used() <= s.budget_bytes
+
+
+def test_removing_a_block_removes_its_sidecar_and_orphans_are_found(tmp_path):
+    s = store(tmp_path)
+    s.write("block", bid(0), tensors(), meta())
+    s.write("sidecar", bid(0), {"s": np.zeros(2, np.float32)}, meta())
+    s.write("sidecar", bid(9), {"s": np.zeros(2, np.float32)}, meta())
+    assert [e.block_id for e in s.orphans()] == [bid(9)]
+    s.remove(s.block_entry(bid(0)))
+    assert not s.has_sidecar(LAYOUT, bid(0))
+    assert not s.sidecar_path(LAYOUT, bid(0)).exists()
+
+
+def test_low_free_space_skips_writes(tmp_path):
+    s = store(tmp_path, min_free_bytes=1 << 62)
+    assert not s.write("block", bid(0), tensors(), meta())
+    assert s.stats.writes_skipped_low_space == 1 and not s.has_block(bid(0))
+
+
+def test_only_hex_ids_make_paths_and_symlinks_are_never_followed(tmp_path):
+    s = store(tmp_path)
+    with pytest.raises(SSDError):
+        s.block_path("../../etc/passwd")
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(b"precious")
+    s.write("block", bid(0), tensors(), meta())
+    link = s.block_path(bid(5))
+    link.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(outside, link)
+    again = store(tmp_path)
+    assert not again.has_block(bid(5))
+    again._unlink(outside)  # outside the cache directory: refused
+    assert outside.read_bytes() == b"precious"
+
+
+def test_directory_lock(tmp_path):
+    a = SSDStore(tmp_path / "kv", 1 << 20)
+    b = SSDStore(tmp_path / "kv", 1 << 20)
+    assert not b.directory_in_use()
+    assert a.lock_directory()
+    assert not b.lock_directory()
+
+
+def test_header_is_read_without_tensors(tmp_path):
+    s = store(tmp_path)
+    s.write("block", bid(0), tensors(1 << 16), meta())
+    table, m = read_header(s.block_path(bid(0)))
+    assert set(table) == {"k0", "v0"} and m["kind"] == "block"
