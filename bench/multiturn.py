@@ -79,7 +79,7 @@ def run_ours(name, cache: dict, system, users, gen, tmp: Path) -> tuple[list[dic
     port = free_port()
     config = write_config(tmp / "serve.yaml", port, [{
         "name": name, "source": f"embedded:{name}", "context_length": 16384,
-        "max_tokens": gen, "cache": cache}])
+        "max_tokens": gen, "cache": cache}], cache_store={"ssd_dir": str(tmp / "kv")})
     server = ServerProcess.serve_run(config, port, tmp / "serve.log")
     try:
         server.wait_ready([name])

@@ -92,7 +92,7 @@ def run_ours(name: str, tokens: int, streams: int, repeats: int, tmp: Path) -> d
     config = write_config(tmp / "serve.yaml", port, [{
         "name": name, "source": f"embedded:{name}", "context_length": 8192,
         "max_batch_size": streams, "max_queued_requests": 64, "max_tokens": tokens,
-    }])
+    }], cache_store={"ssd_dir": str(tmp / "kv")})
     server = ServerProcess.serve_run(config, port, tmp / "serve.log")
     try:
         server.wait_ready([name])

@@ -33,13 +33,15 @@ class ModelReplica:
         self.profile = ModelProfile.model_validate(profile)
         home = Path(model_home).expanduser() if model_home else None
         model, tokenizer, model_dir = load_model(self.profile, home)
-        client = None
+        client = actor = None
         if self.profile.cache.enabled:
             store = CacheStoreProfile.model_validate(cache_store)
-            actor = get_or_create_actor(int(store.hot_budget))
+            actor = get_or_create_actor(int(store.hot_budget), store.model_dump())
             ray.get(actor.stats.remote())  # wait for it here, not in the first request
             client = RayCacheClient(actor)
         self.service = ModelService(self.profile, model, tokenizer, model_dir, client)
+        if self.service.cache_client is not None:
+            ray.get(actor.activate.remote(self.service.identity, self.service.layout.digest))
         logger.info("model %s ready (source %s)", self.profile.name, self.profile.source)
 
     async def generate(self, kind: str, body: dict):

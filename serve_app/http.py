@@ -29,6 +29,7 @@ from serve_app.openai_api import (
     stream_chunk,
     usage_chunk,
 )
+from serve_app.validation import clean_loc
 
 api = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
 
@@ -47,19 +48,8 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 def _validation_error(exc: ValidationError) -> ApiError:
     first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p)) or None
+    param = ".".join(str(p) for p in clean_loc(first["loc"])) or None
     return ApiError(400, f"{param or 'body'}: {first['msg']}", param=param)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
-
-
-def _is_type_tag(part: object) -> bool:
-    """Pydantic puts union member names ('str', 'list[int]', 'TextPart') in error locations."""
-    if isinstance(part, int):
-        return False
-    text = str(part)
-    return text in _TYPE_TAGS or "[" in text or "-" in text or text[:1].isupper()
 
 
 def sse(obj: Any) -> bytes:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 
 from serve_app.embedded import EMBEDDED_MODELS, EMBEDDED_PREFIX
+from serve_app.validation import clean_loc
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -47,12 +48,22 @@ class CacheProfile(_Strict):
     # (tens of MB per checkpoint on real Qwen3.5/3-Next models).
     block_size: Annotated[int, Field(ge=1, le=65536)] | None = None
     isolate_by_api_key: bool = False
+    # Where hybrid models keep recurrent checkpoints on SSD: "auto" (sidecar
+    # files whenever the SSD tier is on), "ssd_sidecar", or "embedded" in the
+    # block file.
+    gdn_snapshot_storage: Literal["auto", "ssd_sidecar", "embedded"] = "auto"
+    sidecar_codec: Literal["fp32", "bf16", "int8", "rht_int8", "rht_int16"] = "fp32"
 
 
 class CacheStoreProfile(_Strict):
     """The per-node cache-store actor, shared by every model replica on the node."""
 
     hot_budget: ByteSize = ByteSize(1 << 30)
+    ssd: bool = True
+    ssd_dir: str | None = None
+    ssd_cache_max_size: ByteSize | Literal["auto"] = "auto"
+    ssd_min_free: ByteSize = ByteSize(1 << 30)
+    gdn_ssd_pending_max_size: ByteSize = ByteSize(512 * 1000 * 1000)
 
 
 class ModelProfile(_Strict):
@@ -172,7 +183,8 @@ def parse_profile(args: Any, where: str = "profile", key_prefix: str = "") -> Pr
         return Profile.model_validate(args)
     except ValidationError as exc:
         lines = [
-            f"{where}: {_format_loc(key_prefix, tuple(e['loc'])) or 'args'}: {_describe(e)}"
+            f"{where}: {_format_loc(key_prefix, tuple(clean_loc(e['loc']))) or 'args'}: "
+            f"{_describe(e)}"
             for e in exc.errors()
         ]
         raise ProfileError("\n".join(lines)) from None

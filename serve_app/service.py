@@ -14,15 +14,16 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from serve_app.cache.blocks import RestorePlan, validate_checkpoint
+from serve_app.cache.blocks import RestorePlan
 from serve_app.cache.client import CacheClient
 from serve_app.cache.hashing import chain, model_identity, root_id, salted_root
 from serve_app.cache.layout import layout_of
+from serve_app.cache.tiers import DiskInfo
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.engine import CachePlan, Engine, EngineEvent, QueueFullError, SamplingParams
 from serve_app.openai_api import (
@@ -62,6 +63,8 @@ class CacheStats:
     walkbacks: int = 0
     checkpoint_loads: int = 0
     checkpoint_rejects: int = 0
+    sidecar_loads: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     fetch_seconds: float = 0.0
     last_miss_reason: str | None = None
 
@@ -113,8 +116,12 @@ class ModelService:
         self.cache_client = cache_client if reason is None else None
         self.cache_stats = CacheStats(reason is None, reason, block_size)
         if reason is None:
-            identity = model_identity(model_dir, profile.source, tokenizer.chat_template)
-            self.root = root_id(identity, self.layout.digest, block_size)
+            self.identity = model_identity(model_dir, profile.source, tokenizer.chat_template)
+            self.root = root_id(self.identity, self.layout.digest, block_size)
+            self._expect = {"model": self.identity, "layout": self.layout.digest,
+                            "block_size": str(block_size)}
+            storage = profile.cache.gdn_snapshot_storage
+            self._storage = "ssd_sidecar" if storage == "auto" else storage
         else:
             logger.warning("model %s: prefix caching off: %s", profile.name, reason)
         self.engine = Engine(
@@ -285,19 +292,16 @@ class ModelService:
         restorable = min(len(ids), (len(prepared.prompt) - 1) // bs)
         hybrid = self.layout.hybrid
         stats.lookups += 1
-        while True:
-            tic = time.perf_counter()
-            found = await self.cache_client.fetch(ids[:restorable], need_checkpoint=hybrid)
-            stats.fetch_seconds += time.perf_counter() - tic
-            stats.walkbacks += found.walkbacks
-            n = len(found.payloads)
-            if not hybrid or n == 0 or validate_checkpoint(self.layout, found.payloads[-1][0]):
-                break
-            # A checkpoint that does not decode: never guess a state, walk back.
-            stats.checkpoint_rejects += 1
-            stats.walkbacks += 1
-            await self.cache_client.drop_checkpoint(ids[n - 1])
-            await self._release(found.lease)
+        tic = time.perf_counter()
+        found = await self.cache_client.fetch(self.profile.name, ids[:restorable], self.layout,
+                                              self._expect)
+        stats.fetch_seconds += time.perf_counter() - tic
+        stats.walkbacks += found.walkbacks
+        stats.checkpoint_rejects += found.checkpoint_rejects
+        stats.sidecar_loads += found.sidecar_loads
+        n = len(found.payloads)
+        for tier in found.tiers:
+            stats.hit_tokens_by_tier[tier] = stats.hit_tokens_by_tier.get(tier, 0) + bs
         restore = None
         if n:
             dtypes: dict[str, str] = {}
@@ -328,7 +332,9 @@ class ModelService:
         return "new prefix" if found.present == 0 else f"diverged at token {where}"
 
     def _publish(self, block) -> None:
-        self.cache_client.publish(self.profile.name, block)
+        disk = DiskInfo(self.identity, self.layout.digest, self.cache_stats.block_size,
+                        self._storage, self.profile.cache.sidecar_codec, block.dtypes)
+        self.cache_client.publish(self.profile.name, block, disk)
 
     async def _release(self, lease: int | None) -> None:
         if lease is not None and self.cache_client is not None:

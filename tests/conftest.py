@@ -37,7 +37,8 @@ def model_home(tmp_path_factory) -> Path:
 def server(tmp_path_factory, model_home):
     tmp = tmp_path_factory.mktemp("server")
     port = free_port()
-    config = write_config(tmp / "serve.yaml", port, TEST_MODELS)
+    config = write_config(tmp / "serve.yaml", port, TEST_MODELS,
+                          cache_store={"ssd_dir": str(tmp / "kv")})
     env = {"SERVE_APP_HOME": str(model_home)}
     proc = ServerProcess.serve_run(config, port, tmp / "serve.log", env=env)
     try:

@@ -16,7 +16,7 @@ import pytest
 
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.hashing import chain, salted_root
-from serve_app.cache.hot import HotStore
+from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
 from serve_app.openai_api import ChatCompletionRequest, CompletionRequest
 from serve_app.profile import ModelProfile
@@ -28,7 +28,7 @@ BS = 16
 def make_services(name: str, home):
     path = materialize(name, home)
     model, tokenizer = mlx_lm.load(str(path))
-    client = LocalCacheClient(HotStore(1 << 30))
+    client = LocalCacheClient(TieredStore(1 << 30))
     warm = ModelService(ModelProfile(name="warm", source=f"embedded:{name}",
                                      cache={"block_size": BS}), model, tokenizer, path, client)
     cold = ModelService(ModelProfile(name="cold", source=f"embedded:{name}",
@@ -130,7 +130,7 @@ def cached_prompt(warm: ModelService, prompt: list[int]):
 def test_forced_walkback_drops_one_block_and_stays_exact(hybrid_services):
     warm, cold, client = hybrid_services
     req, ids = cached_prompt(warm, [3 + (i * 7) % 240 for i in range(4 * BS + 3)])
-    assert asyncio.run(client.drop_checkpoint(ids[3]))  # the newest boundary
+    client.store.drop("checkpoint", "", ids[3])  # the newest boundary
     before = warm.cache_stats.walkbacks
     a = run(warm, req)
     assert warm.cache_stats.walkbacks == before + 1
@@ -141,7 +141,7 @@ def test_forced_walkback_drops_one_block_and_stays_exact(hybrid_services):
 def test_corrupt_checkpoint_is_rejected_and_walked_back(hybrid_services):
     warm, cold, client = hybrid_services
     req, ids = cached_prompt(warm, [11 + (i * 5) % 230 for i in range(3 * BS + 1)])
-    payload, _ = client.store._entries[ids[2]].handle
+    payload, _ = client.store.hot.entry(ids[2]).handle
     key = next(k for k in payload if k.startswith("s"))
     payload[key] = np.full_like(payload[key], np.nan)
     rejects = warm.cache_stats.checkpoint_rejects

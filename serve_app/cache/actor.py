@@ -1,10 +1,10 @@
 """Ray glue for the cache store: one actor per node, and the replica's client.
 
-The actor owns the index (budget, LRU, pins) of the hot tier; payload bytes
-sit in Ray's shared-memory object store. A replica ``ray.put``s a captured
-block once and hands the actor the reference; a restoring replica gets the
-references back and reads the arrays zero-copy, so the only copy on restore is
-the one into MLX arrays.
+The actor owns the tiers' state (hot index, staging, SSD index and writes);
+payload bytes sit in Ray's shared-memory object store. A replica ``ray.put``s
+a captured block once and hands the actor the reference; a restoring replica
+gets the references back and reads the arrays zero-copy (or reads SSD files
+itself), so the only copy on restore is the one into MLX arrays.
 """
 
 from __future__ import annotations
@@ -13,56 +13,73 @@ import asyncio
 import logging
 import queue
 import threading
+from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from serve_app.cache.blocks import CapturedBlock
-from serve_app.cache.client import CacheClient, FetchedChain
-from serve_app.cache.hot import HotEntry, HotStore
+from serve_app.cache.blocks import CapturedBlock, Payload
+from serve_app.cache.client import CacheClient
+from serve_app.cache.hot import HotEntry
+from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir
+from serve_app.cache.tiers import DiskInfo, TieredStore
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "serve_app"
 
 
+def make_ssd(config: dict) -> SSDStore | None:
+    """The SSD tier a ``CacheStoreProfile`` asks for, with its directory locked."""
+    if not config.get("ssd"):
+        return None
+    root = Path(config.get("ssd_dir") or default_cache_dir()).expanduser()
+    budget = config.get("ssd_cache_max_size", "auto")
+    if budget == "auto":
+        budget = auto_budget(root)
+    store = SSDStore(root, int(budget), int(config.get("ssd_min_free", 0)))
+    if not store.lock_directory():
+        logger.warning("cache directory %s is locked by another process; sharing it", root)
+    return store
+
+
 @ray.remote(num_cpus=0, max_restarts=-1)
 class CacheStoreActor:
-    """The per-node hot tier index. Sequential: every call sees the previous one."""
+    """The per-node cache store. Sequential: every call sees the previous one."""
 
-    def __init__(self, budget_bytes: int) -> None:
-        self.store = HotStore(budget_bytes)
-
-    def put(self, model: str, block_id: str, parent_id: str, nbytes: int,
-            has_checkpoint: bool, refs: list) -> bool:
-        return self.store.put(
-            HotEntry(block_id, parent_id, nbytes, has_checkpoint, handle=refs[0], model=model)
+    def __init__(self, hot_budget: int, config: dict) -> None:
+        self.tiers = TieredStore(
+            hot_budget,
+            make_ssd(config),
+            int(config.get("gdn_ssd_pending_max_size", 512 * 1000 * 1000)),
+            resolve=ray.get,
         )
 
-    def lookup(self, block_ids: list[str], need_checkpoint: bool) -> dict:
-        found = self.store.lookup(block_ids, need_checkpoint)
-        return {
-            "present": found.present,
-            "walkbacks": found.walkbacks,
-            "refs": found.handles,  # stay references: nested in a dict
-            "lease": found.lease,
-            "first_missing_evicted": found.first_missing_evicted,
-        }
+    def put(self, model: str, block_id: str, parent_id: str, nbytes: int,
+            has_checkpoint: bool, refs: list, disk: DiskInfo | None) -> None:
+        entry = HotEntry(block_id, parent_id, nbytes, has_checkpoint, handle=refs[0], model=model)
+        self.tiers.put(entry, disk)
+
+    def activate(self, model: str, layout: str) -> None:
+        """A replica serves this (model, layout): its files are evicted last."""
+        if self.tiers.ssd is not None:
+            self.tiers.ssd.active.add((model, layout))
+
+    def lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str) -> dict:
+        return self.tiers.lookup(block_ids, need_checkpoint, layout)
 
     def release(self, lease: int | None) -> None:
-        self.store.release(lease)
+        self.tiers.release(lease)
 
-    def remove(self, block_ids: list[str]) -> int:
-        return sum(self.store.remove(b) for b in block_ids)
-
-    def drop_checkpoint(self, block_id: str) -> bool:
-        return self.store.drop_checkpoint(block_id)
+    def drop(self, kind: str, layout: str, block_id: str) -> None:
+        self.tiers.drop(kind, layout, block_id)
 
     def stats(self) -> dict:
-        return self.store.snapshot()
+        return self.tiers.snapshot()
 
 
-def get_or_create_actor(budget_bytes: int):
+def get_or_create_actor(hot_budget: int, config: dict):
     """The cache-store actor of this node, created by the first replica that asks."""
     node_id = ray.get_runtime_context().get_node_id()
     return CacheStoreActor.options(
@@ -71,7 +88,7 @@ def get_or_create_actor(budget_bytes: int):
         lifetime="detached",
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(budget_bytes)
+    ).remote(hot_budget, config)
 
 
 class RayCacheClient(CacheClient):
@@ -84,47 +101,39 @@ class RayCacheClient(CacheClient):
                                         daemon=True)
         self._thread.start()
 
-    def publish(self, model: str, block: CapturedBlock) -> None:
-        self._queue.put((model, block))
+    def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None) -> None:
+        self._queue.put((model, block, disk))
 
     def _publisher(self) -> None:
         while True:
-            model, block = self._queue.get()
+            model, block, disk = self._queue.get()
             try:
                 ref = ray.put((block.payload, block.dtypes))
                 self.actor.put.remote(model, block.block_id, block.parent_id, block.nbytes,
-                                      block.has_checkpoint, [ref])
+                                      block.has_checkpoint, [ref], disk)
             except Exception:
                 logger.exception("publishing block %s failed", block.block_id)
             finally:
                 self._queue.task_done()
 
-    async def fetch(self, block_ids: list[str], need_checkpoint: bool) -> FetchedChain:
+    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str) -> dict:
         # Blocks captured before this lookup must be visible to it: wait until the
         # publisher has submitted them (actor calls from one process run in order).
         await asyncio.get_running_loop().run_in_executor(None, self._queue.join)
-        found = await self.actor.lookup.remote(block_ids, need_checkpoint)
-        payloads = []
-        if found["refs"]:
-            try:
-                payloads = list(await asyncio.gather(*found["refs"]))
-            except asyncio.CancelledError:
-                self.actor.release.remote(found["lease"])  # never leave blocks pinned
-                raise
-            except Exception:  # the owner of a block died: those bytes are gone
-                logger.warning("hot blocks lost with their owner; dropping them")
-                await self.actor.release.remote(found["lease"])
-                await self.actor.remove.remote(block_ids[: len(found["refs"])])
-                return FetchedChain(0, 0, [], None, True)
-        return FetchedChain(found["present"], found["walkbacks"], payloads, found["lease"],
-                            found["first_missing_evicted"])
+        return await self.actor.lookup.remote(block_ids, need_checkpoint, layout)
+
+    async def _resolve(self, handle: Any) -> tuple[Payload, dict[str, str]]:
+        try:
+            return await handle
+        except ray.exceptions.RayError:  # its owner died: those bytes are gone
+            raise LookupError("hot block lost with its owner") from None
+
+    async def _drop(self, kind: str, layout: str, block_id: str) -> None:
+        await self.actor.drop.remote(kind, layout, block_id)
 
     async def release(self, lease: int | None) -> None:
         if lease is not None:
             await self.actor.release.remote(lease)
-
-    async def drop_checkpoint(self, block_id: str) -> bool:
-        return await self.actor.drop_checkpoint.remote(block_id)
 
     async def stats(self) -> dict:
         return await self.actor.stats.remote()

@@ -1,48 +1,155 @@
 """How a model replica talks to the cache store.
 
 ``CacheClient`` is the replica's view: publish captured blocks (from the
-engine thread, never blocking it), look up and fetch a chain, release pins.
-``LocalCacheClient`` keeps a ``HotStore`` in-process (tests, single process);
+engine thread, never blocking it), fetch a restorable chain across tiers, and
+release pins. Fetching reads SSD block files and the one sidecar it needs
+directly (the store is on the same node), validates them, and on any bad file
+tells the store to drop it and looks again: a corrupt block is a clean miss
+from that block on, a bad checkpoint a walkback. Blocks read from SSD are
+promoted into the hot tier.
+
+``LocalCacheClient`` keeps a ``TieredStore`` in-process (tests, one process);
 ``serve_app.cache.actor.RayCacheClient`` talks to the per-node actor.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from serve_app.cache.blocks import CapturedBlock, Payload
-from serve_app.cache.hot import HotEntry, HotStore
+from serve_app.cache import codecs
+from serve_app.cache.blocks import CapturedBlock, Payload, validate_checkpoint
+from serve_app.cache.hot import HotEntry
+from serve_app.cache.layout import Layout
+from serve_app.cache.ssd import SSDError, read_file
+from serve_app.cache.tiers import DiskInfo, Source, TieredStore
+
+MAX_ATTEMPTS = 8
 
 
 @dataclass
 class FetchedChain:
-    """Result of a lookup: how many blocks are present and the payloads to restore."""
+    """Result of a fetch: what is present and the payloads to restore."""
 
     present: int
     walkbacks: int
     payloads: list[tuple[Payload, dict[str, str]]]
     lease: int | None
     first_missing_evicted: bool
+    tiers: list[str] = field(default_factory=list)
+    checkpoint_rejects: int = 0
+    sidecar_loads: int = 0
+
+
+class BadFile(Exception):
+    def __init__(self, kind: str, block_id: str) -> None:
+        super().__init__(f"{kind} {block_id}")
+        self.kind = kind
+        self.block_id = block_id
 
 
 class CacheClient:
-    """Interface; see the module docstring."""
+    """Shared fetch logic; subclasses say how to reach the store."""
 
-    def publish(self, model: str, block: CapturedBlock) -> None:
+    def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None) -> None:
         raise NotImplementedError
 
-    async def fetch(self, block_ids: list[str], need_checkpoint: bool) -> FetchedChain:
+    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str) -> dict:
+        raise NotImplementedError
+
+    async def _resolve(self, handle: Any) -> tuple[Payload, dict[str, str]]:
+        raise NotImplementedError
+
+    async def _drop(self, kind: str, layout: str, block_id: str) -> None:
         raise NotImplementedError
 
     async def release(self, lease: int | None) -> None:
         raise NotImplementedError
 
-    async def drop_checkpoint(self, block_id: str) -> bool:
-        raise NotImplementedError
-
     async def stats(self) -> dict:
         raise NotImplementedError
+
+    async def fetch(self, model: str, block_ids: list[str], layout: Layout,
+                    expect: dict[str, str]) -> FetchedChain:
+        """The longest restorable chain, payloads loaded; retried past bad files."""
+        rejects = 0
+        for _ in range(MAX_ATTEMPTS):
+            found = await self._lookup(block_ids, layout.hybrid, layout.digest)
+            try:
+                payloads, loads = await self._load(model, block_ids, found["sources"], layout,
+                                                   expect)
+            except asyncio.CancelledError:
+                asyncio.ensure_future(self.release(found["lease"]))  # never leave pins behind
+                raise
+            except BadFile as bad:
+                await self.release(found["lease"])
+                await self._drop(bad.kind, layout.digest, bad.block_id)
+                rejects += bad.kind != "block"
+                continue
+            return FetchedChain(found["present"], found["walkbacks"] + rejects, payloads,
+                                found["lease"], found["first_missing_evicted"],
+                                [s.tier for s in found["sources"]], rejects, loads)
+        return FetchedChain(0, rejects, [], None, False, [], rejects, 0)
+
+    async def _load(self, model: str, block_ids: list[str], sources: list[Source],
+                    layout: Layout, expect: dict[str, str]):
+        payloads: list[tuple[Payload, dict[str, str]]] = []
+        sidecar_loads = 0
+        loop = asyncio.get_running_loop()
+        for i, source in enumerate(sources):
+            last = i == len(sources) - 1
+            bid = block_ids[i]
+            if source.tier != "ssd":
+                try:
+                    payload, dtypes = await self._resolve(source.handle)
+                except LookupError:
+                    raise BadFile("lost", bid) from None
+                if last and layout.hybrid and not _checkpoint_ok(layout, payload):
+                    raise BadFile("checkpoint", bid)
+                payloads.append((payload, dtypes))
+                continue
+            try:
+                tensors, meta = await loop.run_in_executor(
+                    None, read_file, source.handle, {**expect, "block_id": bid})
+            except SSDError:
+                raise BadFile("block", bid) from None
+            dtypes = json.loads(meta.get("dtypes", "{}"))
+            payload = {k: v for k, v in tensors.items() if not k.startswith("s")}
+            has_checkpoint = False
+            if last and layout.hybrid:
+                state = await self._load_checkpoint(loop, source, tensors, bid, expect)
+                if not _checkpoint_ok(layout, state):
+                    raise BadFile("sidecar" if source.checkpoint != "embedded" else "block", bid)
+                payload.update(state)
+                sidecar_loads += source.checkpoint != "embedded"
+                has_checkpoint = True
+            payloads.append((payload, dtypes))
+            self.publish(model, CapturedBlock(bid, meta.get("parent_id", ""), i, payload, dtypes,
+                                              has_checkpoint), None)  # promote to hot
+        return payloads, sidecar_loads
+
+    async def _load_checkpoint(self, loop, source: Source, tensors: dict, bid: str,
+                               expect: dict[str, str]) -> dict:
+        if source.checkpoint == "embedded":
+            return {k: v for k, v in tensors.items() if k.startswith("s")}
+        if source.checkpoint is None:
+            raise BadFile("sidecar", bid)
+        try:
+            encoded, meta = await loop.run_in_executor(
+                None, read_file, source.checkpoint, {**expect, "block_id": bid})
+            codec_meta = json.loads(meta.get("codec_meta", "{}"))
+            if not codec_meta:
+                raise SSDError("no codec metadata")
+            return {name: codecs.decode(name, encoded, m) for name, m in codec_meta.items()}
+        except (SSDError, codecs.CodecError, ValueError, TypeError):
+            raise BadFile("sidecar", bid) from None
+
+
+def _checkpoint_ok(layout: Layout, payload: Payload) -> bool:
+    return validate_checkpoint(layout, payload)
 
 
 def entry_for(model: str, block: CapturedBlock, handle) -> HotEntry:
@@ -57,30 +164,26 @@ def entry_for(model: str, block: CapturedBlock, handle) -> HotEntry:
 
 
 class LocalCacheClient(CacheClient):
-    """A ``HotStore`` in this process; payloads are kept as they are."""
+    """A ``TieredStore`` in this process; payloads are kept as they are."""
 
-    def __init__(self, store: HotStore) -> None:
+    def __init__(self, store: TieredStore) -> None:
         self.store = store
         self._lock = threading.Lock()
 
-    def publish(self, model: str, block: CapturedBlock) -> None:
-        with self._lock:
-            self.store.put(entry_for(model, block, (block.payload, block.dtypes)))
+    def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None) -> None:
+        self.store.put(entry_for(model, block, (block.payload, block.dtypes)), disk)
 
-    async def fetch(self, block_ids: list[str], need_checkpoint: bool) -> FetchedChain:
-        with self._lock:
-            found = self.store.lookup(block_ids, need_checkpoint)
-        return FetchedChain(found.present, found.walkbacks, list(found.handles), found.lease,
-                            found.first_missing_evicted)
+    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str) -> dict:
+        return self.store.lookup(block_ids, need_checkpoint, layout)
+
+    async def _resolve(self, handle: Any) -> tuple[Payload, dict[str, str]]:
+        return handle
+
+    async def _drop(self, kind: str, layout: str, block_id: str) -> None:
+        self.store.drop(kind, layout, block_id)
 
     async def release(self, lease: int | None) -> None:
-        with self._lock:
-            self.store.release(lease)
-
-    async def drop_checkpoint(self, block_id: str) -> bool:
-        with self._lock:
-            return self.store.drop_checkpoint(block_id)
+        self.store.release(lease)
 
     async def stats(self) -> dict:
-        with self._lock:
-            return self.store.snapshot()
+        return self.store.snapshot()

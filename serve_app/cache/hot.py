@@ -107,20 +107,33 @@ class HotStore:
                 restore -= 1
                 walkbacks += 1
         for bid in block_ids[:present]:
-            self._entries.move_to_end(bid)
-        lease = None
-        handles: list[Any] = []
-        if restore:
-            lease = next(self._lease_ids)
-            ids = block_ids[:restore]
-            self._leases[lease] = ids
-            for bid in ids:
-                self._entries[bid].pins += 1
-            handles = [self._entries[bid].handle for bid in ids]
+            self.touch(bid)
+        ids = block_ids[:restore]
+        handles = [self._entries[bid].handle for bid in ids]
         self.stats.hit_blocks += restore
         self.stats.walkbacks += walkbacks
-        evicted = present < len(block_ids) and block_ids[present] in self._evicted
-        return Lookup(present, restore, walkbacks, handles, lease, evicted)
+        evicted = present < len(block_ids) and self.was_evicted(block_ids[present])
+        return Lookup(present, restore, walkbacks, handles, self.pin(ids), evicted)
+
+    def entry(self, block_id: str) -> HotEntry | None:
+        return self._entries.get(block_id)
+
+    def touch(self, block_id: str) -> None:
+        if block_id in self._entries:
+            self._entries.move_to_end(block_id)
+
+    def was_evicted(self, block_id: str) -> bool:
+        return block_id in self._evicted
+
+    def pin(self, block_ids: list[str]) -> int | None:
+        """Pin present blocks under a new lease (None when there is nothing to pin)."""
+        if not block_ids:
+            return None
+        lease = next(self._lease_ids)
+        self._leases[lease] = list(block_ids)
+        for bid in block_ids:
+            self._entries[bid].pins += 1
+        return lease
 
     def release(self, lease: int | None) -> None:
         for bid in self._leases.pop(lease, []) if lease is not None else []:

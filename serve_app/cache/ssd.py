@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -102,6 +103,38 @@ def read_header(path: Path) -> tuple[dict, dict[str, str]]:
         raise SSDError(f"{path.name}: header is not an object")
     meta = header.pop("__metadata__", None) or {}
     return header, meta
+
+
+def read_file(path: Path, expect: dict[str, str]) -> tuple[dict, dict[str, str]]:
+    """Tensors and metadata of one file; ``SSDError`` if it is not what ``expect`` says.
+
+    Used by replicas too: they read block files directly (same node), so the
+    cache-store actor never copies tensor bytes.
+    """
+    try:
+        _, meta = read_header(path)
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise SSDError(f"{path.name}: format version {meta.get('format_version')!r}")
+        for key, value in expect.items():
+            if meta.get(key) != value:
+                raise SSDError(f"{path.name}: {key} is {meta.get(key)!r}, expected {value!r}")
+        tensors = load_file(str(path))
+        if meta.get("sha256") != tensor_digest(tensors):
+            raise SSDError(f"{path.name}: tensor checksum mismatch")
+    except SSDError:
+        raise
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise SSDError(f"{path.name}: {exc}") from None
+    return tensors, meta
+
+
+def tensor_digest(tensors: dict[str, np.ndarray]) -> str:
+    """A checksum of tensor bytes, kept in each file: bit rot is a miss, never a wrong token."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(tensors[name]).tobytes())
+    return h.hexdigest()
 
 
 def _nofollow_opener(path, flags):
@@ -239,7 +272,8 @@ class SSDStore:
         path = self.block_path(block_id) if kind == "block" else self.sidecar_path(layout,
                                                                                     block_id)
         meta = {**meta, "format_version": FORMAT_VERSION, "kind": kind, "block_id": block_id,
-                "created": meta.get("created") or f"{time.time():.3f}"}
+                "created": meta.get("created") or f"{time.time():.3f}",
+                "sha256": tensor_digest(tensors)}
         data = save(tensors, metadata=meta)
         with self._lock:
             self._evict_for(len(data))
@@ -297,21 +331,16 @@ class SSDStore:
             return self._sidecars.get((layout, block_id))
 
     def read(self, entry: DiskEntry, expect: dict[str, str]) -> tuple[dict, dict[str, str]]:
-        """Tensors and metadata of one file; ``SSDError`` if it is not what ``expect`` says."""
+        """Tensors and metadata of one file; a file that fails is removed (``SSDError``)."""
         self.stats.reads += 1
         try:
-            _, meta = read_header(entry.path)
-            for key, value in expect.items():
-                if meta.get(key) != value:
-                    raise SSDError(f"{entry.path.name}: {key} is {meta.get(key)!r}, "
-                                   f"expected {value!r}")
-            tensors = load_file(str(entry.path))
-        except (SSDError, OSError, ValueError, RuntimeError) as exc:
+            out = read_file(entry.path, expect)
+        except SSDError:
             self.stats.read_failures += 1
             self.remove(entry)
-            raise SSDError(str(exc)) from None
+            raise
         self.touch(entry)
-        return tensors, meta
+        return out
 
     def touch(self, entry: DiskEntry) -> None:
         """Mark recently used; the file's mtime carries recency across restarts."""

@@ -1,0 +1,281 @@
+"""The cache store's state: hot tier, bounded write staging, SSD tier.
+
+Blocks arrive in the hot tier; when the SSD tier is on they are also queued
+for a write-behind thread. Staging is bounded by bytes: when it is full, the
+producer waits briefly, then writes inline; nothing is ever dropped. A block
+is readable from the pending buffer before its file exists. Lookups walk the
+chain across tiers (hot, pending, ssd). Plain Python: the Ray actor is a thin
+wrapper, and tests drive it in-process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve_app.cache import codecs
+from serve_app.cache.hot import HotEntry, HotStore
+from serve_app.cache.ssd import SSDStore
+
+logger = logging.getLogger(__name__)
+
+BACKPRESSURE_WAIT_S = 0.5
+
+
+@dataclass(frozen=True)
+class DiskInfo:
+    """What the SSD tier records of a block besides its tensors."""
+
+    model: str  # model identity digest
+    layout: str  # layout digest
+    block_size: int
+    storage: str  # "ssd_sidecar" or "embedded"
+    codec: str
+    dtypes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class PendingWrite:
+    entry: HotEntry
+    disk: DiskInfo
+
+
+@dataclass
+class StagingStats:
+    pending_bytes: int = 0
+    peak_pending_bytes: int = 0
+    backpressure_seconds: float = 0.0
+    inline_writes: int = 0
+    writes_done: int = 0
+    writes_failed: int = 0
+    writes_dropped: int = 0  # must stay 0
+
+
+@dataclass
+class Source:
+    """Where one block of a restore comes from."""
+
+    tier: str  # "hot", "pending" or "ssd"
+    handle: Any = None  # hot/pending: the store's handle; ssd: the block file path
+    checkpoint: str | None = None  # ssd: sidecar path, "embedded", or None
+
+
+class TieredStore:
+    """Hot + staging + SSD behind one lock-protected interface."""
+
+    def __init__(
+        self,
+        hot_budget: int,
+        ssd: SSDStore | None = None,
+        pending_max_bytes: int = 512 * 1000 * 1000,
+        resolve: Callable[[Any], tuple[dict, dict]] = lambda handle: handle,
+    ) -> None:
+        self.hot = HotStore(hot_budget)
+        self.ssd = ssd
+        self.pending_max_bytes = pending_max_bytes
+        self.staging = StagingStats()
+        self._resolve = resolve
+        self._pending: OrderedDict[str, PendingWrite] = OrderedDict()
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._leases: dict[int, tuple[int | None, list[str]]] = {}
+        self._lease_ids = itertools.count(1)
+        self.decode_failures = 0
+        if ssd is not None:
+            threading.Thread(target=self._open_ssd, name="ssd-open", daemon=True).start()
+            threading.Thread(target=self._writer, name="ssd-writer", daemon=True).start()
+
+    def _open_ssd(self) -> None:
+        self.ssd.open()
+        self.ssd.enforce_budget()
+
+    # ---- puts and write-behind -----------------------------------------------------------
+
+    def put(self, entry: HotEntry, disk: DiskInfo | None) -> None:
+        with self._lock:
+            self.hot.put(entry)
+            if self.ssd is None or disk is None or entry.block_id in self._pending:
+                return
+            if self.ssd.has_block(entry.block_id) and not self._needs_sidecar(entry, disk):
+                return
+            if self.staging.pending_bytes + entry.nbytes > self.pending_max_bytes:
+                tic = time.perf_counter()
+                self._cv.wait_for(
+                    lambda: self.staging.pending_bytes + entry.nbytes <= self.pending_max_bytes,
+                    timeout=BACKPRESSURE_WAIT_S,
+                )
+                self.staging.backpressure_seconds += time.perf_counter() - tic
+            inline = self.staging.pending_bytes + entry.nbytes > self.pending_max_bytes
+            if not inline:
+                self._pending[entry.block_id] = PendingWrite(entry, disk)
+                self.staging.pending_bytes += entry.nbytes
+                self.staging.peak_pending_bytes = max(self.staging.peak_pending_bytes,
+                                                      self.staging.pending_bytes)
+                self._cv.notify_all()
+                return
+            self.staging.inline_writes += 1
+        self._write(PendingWrite(entry, disk))  # staging full: write now, never drop
+
+    def _needs_sidecar(self, entry: HotEntry, disk: DiskInfo) -> bool:
+        return (entry.has_checkpoint and disk.storage == "ssd_sidecar"
+                and not self.ssd.has_sidecar(disk.layout, entry.block_id))
+
+    def _writer(self) -> None:
+        while True:
+            with self._lock:
+                self._cv.wait_for(lambda: bool(self._pending))
+                block_id, item = next(iter(self._pending.items()))
+            self._write(item)
+            with self._lock:
+                self._pending.pop(block_id, None)
+                self.staging.pending_bytes -= item.entry.nbytes
+                self._cv.notify_all()
+
+    def _write(self, item: PendingWrite) -> None:
+        entry, disk = item.entry, item.disk
+        try:
+            payload, dtypes = self._resolve(entry.handle)
+            kv = {k: v for k, v in payload.items() if not k.startswith("s")}
+            state = {k: v for k, v in payload.items() if k.startswith("s")}
+            meta = {"model": disk.model, "layout": disk.layout,
+                    "block_size": str(disk.block_size), "tokens": str(disk.block_size),
+                    "parent_id": entry.parent_id, "dtypes": json.dumps(dtypes)}
+            ok = True
+            if state and entry.has_checkpoint and disk.storage == "embedded":
+                kv = {**kv, **state}
+                meta["checkpoint"] = "embedded"
+            if not self.ssd.has_block(entry.block_id):
+                ok = self.ssd.write("block", entry.block_id, kv, meta)
+            if ok and state and entry.has_checkpoint and disk.storage == "ssd_sidecar":
+                ok = self.ssd.write("sidecar", entry.block_id, *self._encode(state, disk, meta))
+        except Exception:
+            logger.exception("writing block %s to SSD failed", entry.block_id)
+            ok = False
+        with self._lock:
+            if ok:
+                self.staging.writes_done += 1
+            else:
+                self.staging.writes_failed += 1
+
+    @staticmethod
+    def _encode(state: dict, disk: DiskInfo, meta: dict) -> tuple[dict, dict]:
+        tensors: dict = {}
+        codec_meta: dict = {}
+        for name, array in state.items():
+            t, m = codecs.encode(name, array, disk.codec)
+            tensors.update(t)
+            codec_meta[name] = m
+        return tensors, {**meta, "codec": disk.codec, "codec_meta": json.dumps(codec_meta)}
+
+    # ---- lookups ------------------------------------------------------------------------
+
+    def lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str = "") -> dict:
+        """The restorable chain across tiers, pinned under one lease."""
+        if self.ssd is not None:
+            self.ssd.ready.wait(timeout=2.0)  # a restart's index rebuild, briefly
+        with self._lock:
+            sources: list[Source] = []
+            for bid in block_ids:
+                source = self._source(bid, layout)
+                if source is None:
+                    break
+                sources.append(source)
+            present = len(sources)
+            restore = present
+            if need_checkpoint:
+                while restore and not self._has_checkpoint(block_ids[restore - 1],
+                                                           sources[restore - 1], layout):
+                    restore -= 1
+            sources = sources[:restore]
+            ids = block_ids[:restore]
+            hot_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == "hot"]
+            ssd_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == "ssd"]
+            lease = None
+            if ids:
+                lease = next(self._lease_ids)
+                self._leases[lease] = (self.hot.pin(hot_ids), ssd_ids)
+                if ssd_ids:
+                    self.ssd.pin(ssd_ids)
+            if need_checkpoint and sources and sources[-1].tier == "ssd":
+                sources[-1].checkpoint = self._disk_checkpoint(block_ids[restore - 1], layout)
+            for bid in block_ids[:present]:
+                self.hot.touch(bid)
+            for bid, s in zip(ids, sources, strict=True):
+                if s.tier == "ssd":
+                    self.ssd.touch(self.ssd.block_entry(bid))
+            evicted = present < len(block_ids) and self.hot.was_evicted(block_ids[present])
+            self.hot.stats.walkbacks += present - restore
+        return {"present": present, "walkbacks": present - restore, "lease": lease,
+                "sources": sources, "first_missing_evicted": evicted}
+
+    def _source(self, bid: str, layout: str) -> Source | None:
+        entry = self.hot.entry(bid)
+        if entry is not None:
+            return Source("hot", entry.handle)
+        pending = self._pending.get(bid)
+        if pending is not None:
+            return Source("pending", pending.entry.handle)
+        if self.ssd is not None:
+            disk = self.ssd.block_entry(bid)
+            if disk is not None:
+                return Source("ssd", str(disk.path))
+        return None
+
+    def _has_checkpoint(self, bid: str, source: Source, layout: str) -> bool:
+        if source.tier == "hot":
+            return self.hot.entry(bid).has_checkpoint
+        if source.tier == "pending":
+            return self._pending[bid].entry.has_checkpoint
+        return self._disk_checkpoint(bid, layout) is not None
+
+    def _disk_checkpoint(self, bid: str, layout: str) -> str | None:
+        sidecar = self.ssd.sidecar_entry(layout, bid)
+        if sidecar is not None:
+            return str(sidecar.path)
+        block = self.ssd.block_entry(bid)
+        if block is not None and block.meta.get("checkpoint") == "embedded":
+            return "embedded"
+        return None
+
+    def release(self, lease: int | None) -> None:
+        with self._lock:
+            hot_lease, ssd_ids = self._leases.pop(lease, (None, []))
+            self.hot.release(hot_lease)
+        if ssd_ids:
+            self.ssd.unpin(ssd_ids)
+
+    def drop(self, kind: str, layout: str, block_id: str) -> None:
+        """A file a reader could not use: remove it (and count a sidecar decode failure)."""
+        if kind in ("checkpoint", "lost"):
+            with self._lock:
+                if kind == "checkpoint":
+                    self.hot.drop_checkpoint(block_id)
+                else:
+                    self.hot.remove(block_id)
+            return
+        if self.ssd is None:
+            return
+        entry = (self.ssd.block_entry(block_id) if kind == "block"
+                 else self.ssd.sidecar_entry(layout, block_id))
+        if entry is not None:
+            self.ssd.remove(entry)
+        if kind == "sidecar":
+            with self._lock:
+                self.decode_failures += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            out = self.hot.snapshot()
+            out["staging"] = {**self.staging.__dict__, "pending_blocks": len(self._pending),
+                              "pending_max_bytes": self.pending_max_bytes}
+            out["sidecar_decode_failures"] = self.decode_failures
+        if self.ssd is not None:
+            out["ssd"] = self.ssd.snapshot()
+        return out
