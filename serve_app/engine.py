@@ -8,11 +8,13 @@ knows nothing about HTTP, Ray or text: tokens in, tokens out.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -133,6 +135,17 @@ def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.arra
     return sampler
 
 
+_live_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _park_engines() -> None:
+    """Park every engine before the interpreter finalizes: an MLX thread that is
+    still running then would be torn down mid-flight and abort the process."""
+    for engine in list(_live_engines):
+        engine.shutdown(timeout=5.0)
+
+
 class Engine:
     """Continuous batching over one model on one dedicated thread.
 
@@ -172,6 +185,7 @@ class Engine:
         self._generator: BatchGenerator | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
         self._thread.start()
+        _live_engines.add(self)
 
     # ---- called from any thread -------------------------------------------------
 

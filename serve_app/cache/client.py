@@ -89,10 +89,11 @@ class CacheClient:
                 await self._drop(bad.kind, layout.digest, bad.block_id)
                 rejects += bad.kind != "block"
                 continue
-            return FetchedChain(found["present"], found["walkbacks"] + rejects, payloads,
+            # A rejected checkpoint shows up as a walkback of the next lookup.
+            return FetchedChain(found["present"], found["walkbacks"], payloads,
                                 found["lease"], found["first_missing_evicted"],
                                 [s.tier for s in found["sources"]], rejects, loads)
-        return FetchedChain(0, rejects, [], None, False, [], rejects, 0)
+        return FetchedChain(0, 0, [], None, False, [], rejects, 0)
 
     async def _load(self, model: str, block_ids: list[str], sources: list[Source],
                     layout: Layout, expect: dict[str, str]):
@@ -102,33 +103,38 @@ class CacheClient:
         for i, source in enumerate(sources):
             last = i == len(sources) - 1
             bid = block_ids[i]
+            meta: dict[str, str] = {}
+            tensors: dict = {}
             if source.tier != "ssd":
                 try:
                     payload, dtypes = await self._resolve(source.handle)
                 except LookupError:
                     raise BadFile("lost", bid) from None
-                if last and layout.hybrid and not _checkpoint_ok(layout, payload):
-                    raise BadFile("checkpoint", bid)
-                payloads.append((payload, dtypes))
-                continue
-            try:
-                tensors, meta = await loop.run_in_executor(
-                    None, read_file, source.handle, {**expect, "block_id": bid})
-            except SSDError:
-                raise BadFile("block", bid) from None
-            dtypes = json.loads(meta.get("dtypes", "{}"))
-            payload = {k: v for k, v in tensors.items() if not k.startswith("s")}
+            else:
+                try:
+                    tensors, meta = await loop.run_in_executor(
+                        None, read_file, source.handle, {**expect, "block_id": bid})
+                except SSDError:
+                    raise BadFile("block", bid) from None
+                dtypes = json.loads(meta.get("dtypes", "{}"))
+                payload = {k: v for k, v in tensors.items() if not k.startswith("s")}
             has_checkpoint = False
             if last and layout.hybrid:
-                state = await self._load_checkpoint(loop, source, tensors, bid, expect)
-                if not _checkpoint_ok(layout, state):
-                    raise BadFile("sidecar" if source.checkpoint != "embedded" else "block", bid)
-                payload.update(state)
-                sidecar_loads += source.checkpoint != "embedded"
+                if source.checkpoint is None:  # carried by the hot/pending payload itself
+                    if not _checkpoint_ok(layout, payload):
+                        raise BadFile("checkpoint", bid)
+                else:
+                    state = await self._load_checkpoint(loop, source, tensors, bid, expect)
+                    if not _checkpoint_ok(layout, state):
+                        raise BadFile("sidecar" if source.checkpoint != "embedded" else "block",
+                                      bid)
+                    payload = {**payload, **state}
+                    sidecar_loads += source.checkpoint != "embedded"
                 has_checkpoint = True
             payloads.append((payload, dtypes))
-            self.publish(model, CapturedBlock(bid, meta.get("parent_id", ""), i, payload, dtypes,
-                                              has_checkpoint), None)  # promote to hot
+            if source.tier == "ssd":  # promote to the hot tier
+                self.publish(model, CapturedBlock(bid, meta.get("parent_id", ""), i, payload,
+                                                  dtypes, has_checkpoint), None)
         return payloads, sidecar_loads
 
     async def _load_checkpoint(self, loop, source: Source, tensors: dict, bid: str,

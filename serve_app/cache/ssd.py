@@ -105,12 +105,13 @@ def read_header(path: Path) -> tuple[dict, dict[str, str]]:
     return header, meta
 
 
-def read_file(path: Path, expect: dict[str, str]) -> tuple[dict, dict[str, str]]:
+def read_file(path: Path | str, expect: dict[str, str]) -> tuple[dict, dict[str, str]]:
     """Tensors and metadata of one file; ``SSDError`` if it is not what ``expect`` says.
 
     Used by replicas too: they read block files directly (same node), so the
     cache-store actor never copies tensor bytes.
     """
+    path = Path(path)
     try:
         _, meta = read_header(path)
         if meta.get("format_version") != FORMAT_VERSION:

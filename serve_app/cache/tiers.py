@@ -203,7 +203,8 @@ class TieredStore:
                 self._leases[lease] = (self.hot.pin(hot_ids), ssd_ids)
                 if ssd_ids:
                     self.ssd.pin(ssd_ids)
-            if need_checkpoint and sources and sources[-1].tier == "ssd":
+            if need_checkpoint and sources and not self._inline_checkpoint(block_ids[restore - 1],
+                                                                           sources[-1]):
                 sources[-1].checkpoint = self._disk_checkpoint(block_ids[restore - 1], layout)
             for bid in block_ids[:present]:
                 self.hot.touch(bid)
@@ -229,11 +230,16 @@ class TieredStore:
         return None
 
     def _has_checkpoint(self, bid: str, source: Source, layout: str) -> bool:
+        return self._inline_checkpoint(bid, source) or (
+            self.ssd is not None and self._disk_checkpoint(bid, layout) is not None)
+
+    def _inline_checkpoint(self, bid: str, source: Source) -> bool:
+        """Whether the block's own payload (hot or pending) carries its checkpoint."""
         if source.tier == "hot":
             return self.hot.entry(bid).has_checkpoint
         if source.tier == "pending":
             return self._pending[bid].entry.has_checkpoint
-        return self._disk_checkpoint(bid, layout) is not None
+        return False
 
     def _disk_checkpoint(self, bid: str, layout: str) -> str | None:
         sidecar = self.ssd.sidecar_entry(layout, bid)
