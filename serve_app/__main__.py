@@ -1,4 +1,4 @@
-"""Command line: ``python -m serve_app check FILE`` and ``materialize NAME``."""
+"""Command line: ``check FILE``, ``materialize NAME``, ``gc [--apply]``."""
 
 from __future__ import annotations
 
@@ -9,12 +9,18 @@ from serve_app.profile import ProfileError, load_serve_config
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gc"]:
+        from serve_app.gc import main as gc_main
+
+        return gc_main(argv[1:])
     parser = argparse.ArgumentParser(prog="serve_app")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="validate a Serve config file's profiles")
     check.add_argument("config")
     mat = sub.add_parser("materialize", help="build an embedded model and print its path")
     mat.add_argument("name")
+    sub.add_parser("gc", help="report (and with --apply clean) an SSD cache directory")
     args = parser.parse_args(argv)
 
     if args.command == "check":

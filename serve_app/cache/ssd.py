@@ -198,15 +198,22 @@ class SSDStore:
         finally:
             os.close(fd)
 
-    def open(self) -> None:
-        """Rebuild the index from file headers; remove temporary files of a crash."""
+    def open(self, clean: bool = True) -> None:
+        """Rebuild the index from file headers; remove temporary files of a crash.
+
+        ``clean=False`` only counts them (``temp_files``), for a dry run.
+        """
         self.base.mkdir(parents=True, exist_ok=True)
         blocks: dict[str, DiskEntry] = {}
         sidecars: dict[tuple[str, str], DiskEntry] = {}
+        self.temp_files: list[Path] = []
         for path in self._walk():
             if TMP_MARK in path.name:
-                self._unlink(path)
-                self.stats.temp_files_removed += 1
+                if clean:
+                    self._unlink(path)
+                    self.stats.temp_files_removed += 1
+                else:
+                    self.temp_files.append(path)
                 continue
             try:
                 entry = self._entry_from_file(path)
@@ -417,6 +424,19 @@ class SSDStore:
     def enforce_budget(self) -> None:
         with self._lock:
             self._evict_for(0)
+
+    def over_budget(self) -> list[DiskEntry]:
+        """What ``enforce_budget`` would delete, in order (a dry run)."""
+        with self._lock:
+            used = self.bytes_used()
+            out = []
+            for entry in self._eviction_order():
+                if used <= self.budget_bytes:
+                    break
+                if not self._pins.get(entry.block_id):
+                    out.append(entry)
+                    used -= entry.nbytes
+            return out
 
     def snapshot(self) -> dict:
         with self._lock:

@@ -1,0 +1,77 @@
+"""``python -m serve_app gc``: dry run and --apply do what they report, no MLX needed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from serve_app.cache.ssd import TMP_MARK, SSDStore
+from tests.test_ssd import LAYOUT, bid, meta, tensors
+
+
+def gc(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "serve_app", "gc", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def populate(root) -> SSDStore:
+    s = SSDStore(root, 1 << 30)
+    s.open()
+    for i in range(4):
+        s.write("block", bid(i), tensors(), meta())
+        s.write("sidecar", bid(i), {"s": np.zeros(8, np.float32)}, meta())
+    s.write("sidecar", bid(99), {"s": np.zeros(8, np.float32)}, meta())  # orphan
+    tmp = s.block_path(bid(7)).with_name(f"x.safetensors{TMP_MARK}1-1")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_bytes(b"partial")
+    return s
+
+
+def files(root) -> set[str]:
+    return {p.name for p in root.rglob("*") if p.is_file() and p.name != "LOCK"}
+
+
+def test_dry_run_reports_and_deletes_nothing(tmp_path):
+    populate(tmp_path)
+    before = files(tmp_path)
+    r = gc("--dir", str(tmp_path), "--json", "--budget", "10KB")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["dry_run"] and out["blocks"] == 4 and out["sidecars"] == 5
+    assert len(out["orphans"]) == 1 and len(out["temp_files"]) == 1
+    assert out["over_budget_bytes"] > 0
+    assert files(tmp_path) == before
+
+
+def test_apply_deletes_what_was_reported(tmp_path):
+    s = populate(tmp_path)
+    report = json.loads(gc("--dir", str(tmp_path), "--json", "--budget", "10KB").stdout)
+    r = gc("--dir", str(tmp_path), "--json", "--budget", "10KB", "--apply")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["deleted"]["orphans"] == 1 and out["deleted"]["temp_files"] == 1
+    remaining = {p for p in tmp_path.rglob("*.safetensors*")}
+    for path in report["orphans"] + report["temp_files"] + report["over_budget"]:
+        assert not any(str(p) == path for p in remaining)
+    total = sum(p.stat().st_size for p in tmp_path.rglob("*.safetensors"))
+    assert total <= 10_000 and out["deleted"]["bytes_left"] == total
+    assert not s.sidecar_path(LAYOUT, bid(99)).exists()
+
+
+def test_refuses_while_a_server_holds_the_directory(tmp_path):
+    server = populate(tmp_path)
+    assert server.lock_directory()
+    r = gc("--dir", str(tmp_path), "--apply")
+    assert r.returncode == 3 and "refusing" in r.stdout
+    assert gc("--dir", str(tmp_path), "--apply", "--force").returncode == 0
+
+
+def test_gc_needs_no_mlx(tmp_path):
+    populate(tmp_path)
+    code = ("import sys; from serve_app.__main__ import main; main(['gc', '--dir', "
+            f"{str(tmp_path)!r}]); print('MLX' if 'mlx' in sys.modules else 'NO-MLX')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip().endswith("NO-MLX"), r.stdout + r.stderr
