@@ -115,6 +115,17 @@ class ServerProcess:
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
+    def kill(self) -> None:
+        """SIGKILL the server and everything below it at once, as a crash would."""
+        self._pids.update(descendants(self.proc.pid))
+        for pid in [self.proc.pid, *self._pids]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+        self._log.close()
+
     def stop(self) -> None:
         """SIGINT (serve shuts down cleanly), then SIGKILL whatever is left, by pid."""
         if self.proc.poll() is None:

@@ -1,0 +1,119 @@
+"""The SSD tier across a full stop and start (a new Ray cluster), and across kill -9."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from serve_app.cache.ssd import TMP_MARK
+from serve_app.devserver import ServerProcess, free_port, write_config
+
+BS = 16
+HYBRID = "restart-hybrid"
+DENSE = "restart-dense"
+MODELS = [
+    {"name": HYBRID, "source": "embedded:tiny-hybrid", "context_length": 1024,
+     "cache": {"block_size": BS}},
+    {"name": DENSE, "source": "embedded:tiny-dense", "context_length": 1024,
+     "cache": {"block_size": BS}},
+]
+
+
+@pytest.fixture
+def start(tmp_path, model_home):
+    kv = tmp_path / "kv"
+    servers: list[ServerProcess] = []
+
+    def go() -> ServerProcess:
+        port = free_port()
+        config = write_config(tmp_path / f"serve{len(servers)}.yaml", port, MODELS,
+                              cache_store={"ssd_dir": str(kv)})
+        server = ServerProcess.serve_run(config, port, tmp_path / f"serve{len(servers)}.log",
+                                         env={"SERVE_APP_HOME": str(model_home)})
+        servers.append(server)
+        server.wait_ready([HYBRID, DENSE])
+        return server
+
+    yield go, kv
+    for server in servers:
+        if server.proc.poll() is None:
+            server.stop()
+
+
+def client(server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="k", max_retries=0, timeout=120)
+
+
+def ask(server: ServerProcess, model: str, messages: list[dict]):
+    return client(server).chat.completions.create(model=model, messages=messages,
+                                                  max_tokens=12, temperature=0)
+
+
+def store_stats(server: ServerProcess, model: str) -> dict:
+    return httpx.get(f"{server.base_url}/v1/stats", timeout=30).json()["models"][model]
+
+
+def wait_written(server: ServerProcess, model: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        store = store_stats(server, model)["cache_store"]
+        if store["staging"]["pending_bytes"] == 0 and store["ssd"]["index_ready"]:
+            return store
+        assert time.monotonic() < deadline, store
+        time.sleep(0.1)
+
+
+def conversation(model: str) -> list[dict]:
+    return [{"role": "system", "content": f"Restart test for {model}. " * 3},
+            {"role": "user", "content": "First question, please answer."}]
+
+
+@pytest.mark.parametrize("model", [HYBRID, DENSE])
+def test_conversation_survives_a_restart(start, model):
+    go, _ = start
+    first = go()
+    messages = conversation(model)
+    reply = ask(first, model, messages)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                 {"role": "user", "content": "And the second one?"}]
+    turn2 = ask(first, model, messages)
+    store = wait_written(first, model)
+    assert store["staging"]["writes_dropped"] == 0 and store["ssd"]["blocks"] > 0
+    first.stop()
+
+    second = go()
+    again = ask(second, model, messages)
+    prompt = again.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // BS * BS
+    assert again.choices[0].message.content == turn2.choices[0].message.content
+    stats = store_stats(second, model)["cache"]
+    assert stats["hit_tokens_by_tier"].get("ssd", 0) > 0
+    assert stats["sidecar_loads"] == (1 if model == HYBRID else 0)
+
+
+def test_kill_9_leaves_no_partial_file_and_later_turns_hit(start):
+    go, kv = start
+    first = go()
+    messages = conversation(HYBRID)
+    reply = ask(first, HYBRID, messages)
+    for i in range(3):  # more writes in flight when the processes die
+        ask(first, HYBRID, [{"role": "user", "content": f"filler {i} " * 20}])
+    first.kill()
+    # A write interrupted between its temporary file and the rename:
+    crashed = Path(kv) / "v1" / "blocks" / "ab" / f"{'ab' * 32}.safetensors{TMP_MARK}9-9"
+    crashed.parent.mkdir(parents=True, exist_ok=True)
+    crashed.write_bytes(b"half a block")
+
+    second = go()
+    store = wait_written(second, HYBRID)
+    assert store["ssd"]["temp_files_removed"] >= 1
+    assert not list(Path(kv).rglob(f"*{TMP_MARK}*"))
+    again = ask(second, HYBRID, messages)
+    assert again.choices[0].message.content == reply.choices[0].message.content
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                 {"role": "user", "content": "Next turn."}]
+    assert ask(second, HYBRID, messages).usage.prompt_tokens_details.cached_tokens > 0
