@@ -64,6 +64,8 @@ class CacheStats:
     checkpoint_loads: int = 0
     checkpoint_rejects: int = 0
     sidecar_loads: int = 0
+    ssd_read_bytes: int = 0
+    ssd_read_seconds: float = 0.0
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     fetch_seconds: float = 0.0
     last_miss_reason: str | None = None
@@ -299,6 +301,8 @@ class ModelService:
         stats.walkbacks += found.walkbacks
         stats.checkpoint_rejects += found.checkpoint_rejects
         stats.sidecar_loads += found.sidecar_loads
+        stats.ssd_read_bytes += found.ssd_bytes
+        stats.ssd_read_seconds += found.ssd_seconds
         n = len(found.payloads)
         for tier in found.tiers:
             stats.hit_tokens_by_tier[tier] = stats.hit_tokens_by_tier.get(tier, 0) + bs

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,8 @@ class FetchedChain:
     tiers: list[str] = field(default_factory=list)
     checkpoint_rejects: int = 0
     sidecar_loads: int = 0
+    ssd_bytes: int = 0
+    ssd_seconds: float = 0.0
 
 
 class BadFile(Exception):
@@ -79,8 +82,10 @@ class CacheClient:
         for _ in range(MAX_ATTEMPTS):
             found = await self._lookup(block_ids, layout.hybrid, layout.digest)
             try:
+                tic = time.perf_counter()
                 payloads, loads = await self._load(model, block_ids, found["sources"], layout,
                                                    expect)
+                toc = time.perf_counter()
             except asyncio.CancelledError:
                 asyncio.ensure_future(self.release(found["lease"]))  # never leave pins behind
                 raise
@@ -90,9 +95,12 @@ class CacheClient:
                 rejects += bad.kind != "block"
                 continue
             # A rejected checkpoint shows up as a walkback of the next lookup.
+            tiers = [s.tier for s in found["sources"]]
+            ssd_bytes = sum(a.nbytes for (p, _), t in zip(payloads, tiers, strict=True)
+                            if t == "ssd" for a in p.values())
             return FetchedChain(found["present"], found["walkbacks"], payloads,
-                                found["lease"], found["first_missing_evicted"],
-                                [s.tier for s in found["sources"]], rejects, loads)
+                                found["lease"], found["first_missing_evicted"], tiers, rejects,
+                                loads, ssd_bytes, (toc - tic) if ssd_bytes else 0.0)
         return FetchedChain(0, 0, [], None, False, [], rejects, 0)
 
     async def _load(self, model: str, block_ids: list[str], sources: list[Source],
