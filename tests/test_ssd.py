@@ -161,3 +161,12 @@ def test_header_is_read_without_tensors(tmp_path):
     s.write("block", bid(0), tensors(1 << 16), meta())
     table, m = read_header(s.block_path(bid(0)))
     assert set(table) == {"k0", "v0"} and m["kind"] == "block"
+
+
+def test_non_contiguous_arrays_are_written_in_logical_order(tmp_path):
+    s = store(tmp_path)
+    x = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4).transpose(0, 2, 1)
+    assert not x.flags["C_CONTIGUOUS"]
+    s.write("block", bid(0), {"k0": x}, meta())
+    got, _ = s.read(s.block_entry(bid(0)), {})
+    np.testing.assert_array_equal(got["k0"], x)

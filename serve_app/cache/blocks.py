@@ -51,9 +51,10 @@ class RestorePlan:
 
 
 def _to_numpy(a: mx.array) -> tuple[np.ndarray, str]:
+    """A C-ordered numpy copy (a cache slice can be a transposed view in MLX)."""
     if a.dtype == mx.bfloat16:
-        return np.array(a.view(mx.uint16)), "bfloat16"
-    return np.array(a), str(a.dtype).removeprefix("mlx.core.")
+        return np.array(a.view(mx.uint16), order="C"), "bfloat16"
+    return np.array(a, order="C"), str(a.dtype).removeprefix("mlx.core.")
 
 
 def _to_mlx(a: np.ndarray, dtype: str) -> mx.array:

@@ -277,6 +277,8 @@ class SSDStore:
               meta: dict[str, str]) -> bool:
         """Write one file atomically and index it. False (counted) if it was not written."""
         layout = meta["layout"]
+        # safetensors writes raw memory, ignoring strides: make every array C-contiguous.
+        tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
         path = self.block_path(block_id) if kind == "block" else self.sidecar_path(layout,
                                                                                     block_id)
         meta = {**meta, "format_version": FORMAT_VERSION, "kind": kind, "block_id": block_id,
