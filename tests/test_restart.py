@@ -108,9 +108,19 @@ def test_kill_9_leaves_no_partial_file_and_later_turns_hit(start):
     crashed.parent.mkdir(parents=True, exist_ok=True)
     crashed.write_bytes(b"half a block")
 
+    # ... and a sidecar whose block file is gone (a copy renamed to another id):
+    second_layout_dirs = list((Path(kv) / "v1" / "sidecars").iterdir())
+    assert second_layout_dirs
+    stray = second_layout_dirs[0] / "cd" / f"{'cd' * 32}.safetensors"
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    some_sidecar = next(second_layout_dirs[0].rglob("*.safetensors"))
+    header_ok = some_sidecar.read_bytes()
+    stray.write_bytes(header_ok.replace(some_sidecar.stem.encode(), ("cd" * 32).encode()))
+
     second = go()
     store = wait_written(second, HYBRID)
     assert store["ssd"]["temp_files_removed"] >= 1
+    assert store["ssd"]["orphans"] == 0 and not stray.exists()
     assert not list(Path(kv).rglob(f"*{TMP_MARK}*"))
     again = ask(second, HYBRID, messages)
     assert again.choices[0].message.content == reply.choices[0].message.content

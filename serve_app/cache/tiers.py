@@ -93,7 +93,10 @@ class TieredStore:
             threading.Thread(target=self._writer, name="ssd-writer", daemon=True).start()
 
     def _open_ssd(self) -> None:
+        """Index the directory, then reconcile: orphan sidecars go, the budget holds."""
         self.ssd.open()
+        for orphan in self.ssd.orphans():
+            self.ssd.remove(orphan)
         self.ssd.enforce_budget()
 
     # ---- puts and write-behind -----------------------------------------------------------
