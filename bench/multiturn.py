@@ -8,13 +8,12 @@ turns 2-6 (goal: ours <= 0.8x mlx_lm.server), whether every turn's output is
 identical between our warm and cold runs, and hot-restore throughput next to
 a plain memory copy of the same number of bytes.
 
-Usage: python bench/multiturn.py [--model tiny-hybrid] [--block-size N]
+Usage: python -m bench.multiturn [--model tiny-hybrid] [--block-size N]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.common import emit, stream_chat
 from serve_app.devserver import ServerProcess, free_port, write_config
 from serve_app.embedded import materialize
 
@@ -45,33 +45,15 @@ def conversation(turns: int, system_chars: int, user_chars: int) -> tuple[str, l
 
 
 def replay(base_url: str, model: str, system: str, users: list[str], gen: int) -> list[dict]:
+    """Each user turn in order, with the server's own answers as history."""
     messages = [{"role": "system", "content": system}]
     results = []
     for user in users:
         messages.append({"role": "user", "content": user})
-        body = {"model": model, "messages": messages, "max_tokens": gen, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        start = time.perf_counter()
-        ttft = None
-        parts, usage = [], None
-        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body,
-                          timeout=600) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                obj = json.loads(line[6:])
-                usage = obj.get("usage") or usage
-                for choice in obj.get("choices", []):
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        ttft = ttft or time.perf_counter() - start
-                        parts.append(content)
-        text = "".join(parts)
-        cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        results.append({"ttft": ttft, "text": text, "cached_tokens": cached,
-                        "prompt_tokens": (usage or {}).get("prompt_tokens")})
-        messages.append({"role": "assistant", "content": text})
+        r = stream_chat(base_url, {"model": model, "messages": messages, "max_tokens": gen,
+                                   "temperature": 0})
+        results.append(r)
+        messages.append({"role": "assistant", "content": r["text"]})
     return results
 
 
@@ -170,10 +152,7 @@ def main() -> int:
                     "share_of_engine_time": engine["capture_seconds"] /
                     max(engine["step_seconds"], 1e-9)},
     }
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+    emit(result, args.out)
     return 0
 
 

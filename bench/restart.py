@@ -7,13 +7,12 @@ run: the same turn with caching disabled, and ``mlx_lm.server`` after its own
 restart. Also SSD restore throughput next to the disk's sequential read
 bandwidth, and peak RSS of a long hybrid session with sidecars vs embedded.
 
-Usage: python bench/restart.py [--block-size N]
+Usage: python -m bench.restart [--block-size N]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import emit, stream_chat
 from bench.multiturn import conversation, replay
 from serve_app.devserver import ServerProcess, descendants, free_port, write_config
 from serve_app.embedded import materialize
@@ -29,8 +29,9 @@ from serve_app.embedded import materialize
 MODEL = "tiny-hybrid"
 
 
-def drop_page_cache(root: Path) -> None:
-    for p in root.rglob("*.safetensors"):
+def drop_page_cache(*paths: Path) -> None:
+    """Evict files from the page cache, so reads after a restart come from the disk."""
+    for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -46,7 +47,7 @@ def sequential_read_bandwidth(directory: Path, size: int = 256 << 20) -> float:
             f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
-    drop_page_cache_file(path)
+    drop_page_cache(path)
     tic = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.read(8 << 20):
@@ -54,14 +55,6 @@ def sequential_read_bandwidth(directory: Path, size: int = 256 << 20) -> float:
     seconds = time.perf_counter() - tic
     path.unlink()
     return size / seconds
-
-
-def drop_page_cache_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def start(tmp: Path, name: str, cache: dict, kv: Path) -> ServerProcess:
@@ -98,34 +91,15 @@ def wait_written(server: ServerProcess) -> None:
         time.sleep(0.1)
 
 
-def last_turn(system: str, users: list[str], answers: list[str]) -> tuple[str, list[str]]:
-    """The messages of the last turn, as one replay step (system, history, last user)."""
-    history = []
-    for user, answer in zip(users[:-1], answers[:-1], strict=True):
-        history += [user, answer]
-    return system, history + [users[-1]]
-
-
 def replay_last(server_url: str, model: str, system: str, users: list[str],
                 answers: list[str], gen: int) -> dict:
+    """Only the last turn, with the earlier turns' answers as history."""
     messages = [{"role": "system", "content": system}]
     for user, answer in zip(users[:-1], answers[:-1], strict=True):
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
-    body = {"model": model, "messages": messages + [{"role": "user", "content": users[-1]}],
-            "max_tokens": gen, "temperature": 0, "stream": True}
-    start_t = time.perf_counter()
-    ttft, parts = None, []
-    with httpx.stream("POST", f"{server_url}/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices", []):
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    ttft = ttft or time.perf_counter() - start_t
-                    parts.append(content)
-    return {"ttft": ttft, "text": "".join(parts)}
+    messages.append({"role": "user", "content": users[-1]})
+    return stream_chat(server_url, {"model": model, "messages": messages, "max_tokens": gen,
+                                    "temperature": 0})
 
 
 def main() -> int:
@@ -146,7 +120,7 @@ def main() -> int:
         answers = [r["text"] for r in replay(first.base_url, MODEL, system, users, args.gen)]
         wait_written(first)
         first.stop()
-        drop_page_cache(kv)
+        drop_page_cache(*kv.rglob("*.safetensors"))
         second = start(tmp, "second", cache, kv)
         ours = replay_last(second.base_url, MODEL, system, users, answers, args.gen)
         s = stats(second)
@@ -196,10 +170,7 @@ def main() -> int:
             rss[storage] = peak_rss(server)
             server.stop()
         result["peak_rss_bytes_long_session"] = rss
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+    emit(result, args.out)
     return 0
 
 

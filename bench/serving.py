@@ -6,21 +6,19 @@
     --decode-concurrency N`` (goal >= 1.0x).
 
 Each server runs alone (the other is stopped) so they do not share the CPU.
-Usage: python bench/serving.py --model tiny-dense [--tokens 256] [--streams 8]
+Usage: python -m bench.serving --model tiny-dense [--tokens 256] [--streams 8]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
+from bench.common import emit, stream_chat
 from serve_app.devserver import ServerProcess, free_port, write_config
 from serve_app.embedded import materialize
 
@@ -42,31 +40,8 @@ def in_process_decode_tps(model_dir: Path, tokens: int, repeats: int) -> float:
 
 def stream_once(base_url: str, model: str, tokens: int) -> dict:
     """One streaming chat request: token count, time to first token, decode time."""
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = last = None
-    chunks = 0
-    usage = None
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("usage"):
-                usage = obj["usage"]
-            for choice in obj.get("choices", []):
-                if (choice.get("delta") or {}).get("content"):
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    chunks += 1
-    end = time.perf_counter()
-    n = usage["completion_tokens"] if usage else chunks
-    return {"tokens": n, "ttft": (first or end) - start, "decode_s": (last or end) - (first or end),
-            "total_s": end - start}
+    return stream_chat(base_url, {"model": model, "max_tokens": tokens, "temperature": 0,
+                                  "messages": [{"role": "user", "content": PROMPT}]})
 
 
 def http_decode_tps(base_url: str, model: str, tokens: int, repeats: int) -> float:
@@ -142,10 +117,7 @@ def main() -> int:
         "aggregate": {"ours_tps": ours["aggregate_tps"], "mlx_lm_server_tps": baseline_agg,
                       "ratio": ours["aggregate_tps"] / baseline_agg, "goal": 1.0},
     }
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+    emit(result, args.out)
     return 0
 
 
