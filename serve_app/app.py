@@ -18,7 +18,13 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.http import OpenAIIngress, api
 from serve_app.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
-from serve_app.profile import CacheStoreProfile, ModelProfile, Profile, parse_profile
+from serve_app.profile import (
+    CacheStoreProfile,
+    ModelProfile,
+    Profile,
+    ProfileError,
+    parse_profile,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -71,7 +77,12 @@ def deployment_name(model_name: str) -> str:
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """Serve's application builder: validate the profile, then bind deployments."""
-    profile: Profile = parse_profile(args, where="serve config application args")
+    try:
+        profile: Profile = parse_profile(args, where="serve config application args")
+    except ProfileError as exc:
+        raise ProfileError(
+            f"{exc}\n(`python -m serve_app check CONFIG.yaml` names the file too)"
+        ) from None
     handles: dict[str, Any] = {}
     for m in profile.models:
         threads = m.cpu_threads or os.cpu_count() or 1
