@@ -135,6 +135,14 @@ def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.arra
     return sampler
 
 
+def _deliver(req: _Request, event: EngineEvent) -> None:
+    """Hand an event to its request; a broken receiver must not take the engine down."""
+    try:
+        req.sink(event)
+    except Exception:
+        logger.exception("delivering an event for request %d failed", req.rid)
+
+
 _live_engines: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -199,6 +207,10 @@ class Engine:
         """Queue a request; events for it arrive through ``sink`` on the engine thread."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
+        if cache is not None and (self.layout is None or not self.layout.supported):
+            raise ValueError("this engine has no supported cache layout")
+        if self._stopping.is_set():
+            raise QueueFullError(f"model {self.name!r} is shutting down")
         with self._lock:
             if self.stats.in_flight >= self.max_batch_size + self.max_queued_requests:
                 self.stats.rejected += 1
@@ -206,8 +218,6 @@ class Engine:
             self.stats.in_flight += 1
             self.stats.submitted += 1
             rid = next(self._ids)
-        if cache is not None and (self.layout is None or not self.layout.supported):
-            raise ValueError("this engine has no supported cache layout")
         self._commands.put(("submit", _Request(rid, list(prompt), params, sink, cache)))
         return rid
 
@@ -342,7 +352,7 @@ class Engine:
         with self._lock:
             self.stats.cancelled += 1
             self.stats.in_flight -= 1
-        req.sink(EngineEvent(finish_reason="cancelled"))
+        _deliver(req, EngineEvent(finish_reason="cancelled"))
 
     def _step(self) -> None:
         tic = time.perf_counter()
@@ -362,7 +372,7 @@ class Engine:
             if req.cache is not None:
                 # The cache now holds the prompt and every token returned so far.
                 self._capture(req, len(req.prompt) + req.generated, r.prompt_cache)
-            req.sink(EngineEvent(token=r.token))
+            _deliver(req, EngineEvent(token=r.token))
             if r.finish_reason is not None:
                 self._finish(req, r.finish_reason)
         with self._lock:
@@ -425,14 +435,14 @@ class Engine:
         with self._lock:
             self.stats.finished += 1
             self.stats.in_flight -= 1
-        req.sink(EngineEvent(finish_reason=reason))
+        _deliver(req, EngineEvent(finish_reason=reason))
 
     def _fail(self, req: _Request, message: str) -> None:
         self._requests.pop(req.rid, None)
         with self._lock:
             self.stats.failed += 1
             self.stats.in_flight -= 1
-        req.sink(EngineEvent(error=message))
+        _deliver(req, EngineEvent(error=message))
 
     def _fail_all(self, message: str) -> None:
         for req in list(self._requests.values()):

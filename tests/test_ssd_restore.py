@@ -234,3 +234,36 @@ def test_low_disk_and_enospc_keep_serving(loaded, tmp_path, monkeypatch):
     assert not list((tmp_path / "full").rglob("*.tmp-*"))  # no partial file left
     assert asyncio.run(broken.service.stats())["cache"]["enabled"]
     broken.close()
+
+
+def test_truncated_block_file_is_a_clean_miss(loaded, tmp_path):
+    prompt = prompt_of(59, 4)
+    first = Server(loaded, tmp_path)
+    first.ask(prompt)
+    first.drain()
+    path = first.ssd.block_path(first.ids(prompt)[1])
+    first.close()
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    again = Server(loaded, tmp_path)
+    b = again.ask(prompt)
+    assert b["cached"] == 1 * BS and b["text"] == cold_text(loaded, prompt)
+    assert again.store.snapshot()["pinned_blocks"] == 0 and not again.ssd._pins
+    again.close()
+
+
+def test_embedded_checkpoint_behind_a_promoted_block(loaded, tmp_path):
+    """Blocks promoted from SSD carry no checkpoint in RAM; the file still has it."""
+    cache = {"gdn_snapshot_storage": "embedded"}
+    prompt = prompt_of(61, 4)
+    first = Server(loaded, tmp_path, cache=cache)
+    first.ask(prompt)
+    first.drain()
+    first.close()
+    again = Server(loaded, tmp_path, cache=cache)
+    assert again.ask(prompt)["cached"] == 4 * BS  # blocks 0-2 promoted without checkpoints
+    other = prompt[: 2 * BS + 5] + [(t + 3) % 250 for t in prompt[2 * BS + 5:]]
+    b = again.ask(other)
+    assert b["cached"] == 2 * BS and b["text"] == cold_text(loaded, other)
+    assert again.ssd.block_path(again.ids(prompt)[1]).exists()
+    again.close()

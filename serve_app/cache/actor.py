@@ -28,6 +28,7 @@ from serve_app.cache.tiers import DiskInfo, TieredStore
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "serve_app"
+PUBLISH_QUEUE_BLOCKS = 256
 
 
 def make_ssd(config: dict) -> SSDStore | None:
@@ -96,17 +97,25 @@ class RayCacheClient(CacheClient):
 
     def __init__(self, actor) -> None:
         self.actor = actor
-        self._queue: queue.Queue = queue.Queue()
+        # Bounded: if Ray falls behind, the engine waits instead of memory growing.
+        self._queue: queue.Queue = queue.Queue(maxsize=PUBLISH_QUEUE_BLOCKS)
+        self._cv = threading.Condition()
+        self._seq = 0
+        self._unsubmitted: set[int] = set()
         self._thread = threading.Thread(target=self._publisher, name="cache-publish",
                                         daemon=True)
         self._thread.start()
 
     def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None) -> None:
-        self._queue.put((model, block, disk))
+        with self._cv:
+            self._seq += 1
+            seq = self._seq
+            self._unsubmitted.add(seq)
+        self._queue.put((seq, model, block, disk))
 
     def _publisher(self) -> None:
         while True:
-            model, block, disk = self._queue.get()
+            seq, model, block, disk = self._queue.get()
             try:
                 ref = ray.put((block.payload, block.dtypes))
                 self.actor.put.remote(model, block.block_id, block.parent_id, block.nbytes,
@@ -114,12 +123,22 @@ class RayCacheClient(CacheClient):
             except Exception:
                 logger.exception("publishing block %s failed", block.block_id)
             finally:
-                self._queue.task_done()
+                with self._cv:
+                    self._unsubmitted.discard(seq)
+                    self._cv.notify_all()
+
+    def _wait_submitted(self, seqs: set[int]) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: not (seqs & self._unsubmitted))
 
     async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str) -> dict:
-        # Blocks captured before this lookup must be visible to it: wait until the
-        # publisher has submitted them (actor calls from one process run in order).
-        await asyncio.get_running_loop().run_in_executor(None, self._queue.join)
+        # Blocks published before this lookup must be visible to it: wait until the
+        # publisher has submitted those (actor calls from one process run in order),
+        # not the ones published after.
+        with self._cv:
+            before = set(self._unsubmitted)
+        if before:
+            await asyncio.get_running_loop().run_in_executor(None, self._wait_submitted, before)
         return await self.actor.lookup.remote(block_ids, need_checkpoint, layout)
 
     async def _resolve(self, handle: Any) -> tuple[Payload, dict[str, str]]:

@@ -86,14 +86,14 @@ class CacheClient:
                 payloads, loads = await self._load(model, block_ids, found["sources"], layout,
                                                    expect)
                 toc = time.perf_counter()
-            except asyncio.CancelledError:
-                asyncio.ensure_future(self.release(found["lease"]))  # never leave pins behind
-                raise
             except BadFile as bad:
                 await self.release(found["lease"])
                 await self._drop(bad.kind, layout.digest, bad.block_id)
                 rejects += bad.kind != "block"
                 continue
+            except BaseException:  # cancelled or unexpected: never leave pins behind
+                asyncio.ensure_future(self.release(found["lease"]))
+                raise
             # A rejected checkpoint shows up as a walkback of the next lookup.
             tiers = [s.tier for s in found["sources"]]
             ssd_bytes = sum(a.nbytes for (p, _), t in zip(payloads, tiers, strict=True)
@@ -162,7 +162,7 @@ class CacheClient:
             if not codec_meta:
                 raise SSDError("no codec metadata")
             return {name: codecs.decode(name, encoded, m) for name, m in codec_meta.items()}
-        except (SSDError, codecs.CodecError, ValueError, TypeError):
+        except Exception:  # unreadable, wrong metadata, or a codec that does not decode
             raise BadFile("sidecar", bid) from None
 
 

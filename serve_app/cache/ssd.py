@@ -67,6 +67,7 @@ class SSDStats:
     writes_done: int = 0
     writes_failed: int = 0
     writes_skipped_low_space: int = 0
+    writes_skipped_budget: int = 0
     reads: int = 0
     read_failures: int = 0
     evictions: int = 0
@@ -120,21 +121,26 @@ def read_file(path: Path | str, expect: dict[str, str]) -> tuple[dict, dict[str,
             if meta.get(key) != value:
                 raise SSDError(f"{path.name}: {key} is {meta.get(key)!r}, expected {value!r}")
         tensors = load_file(str(path))
-        if meta.get("sha256") != tensor_digest(tensors):
-            raise SSDError(f"{path.name}: tensor checksum mismatch")
+        if meta.get("sha256") != tensor_digest(tensors, meta):
+            raise SSDError(f"{path.name}: checksum mismatch")
     except SSDError:
         raise
-    except (OSError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # safetensors raises its own error type on truncated files
         raise SSDError(f"{path.name}: {exc}") from None
     return tensors, meta
 
 
-def tensor_digest(tensors: dict[str, np.ndarray]) -> str:
-    """A checksum of tensor bytes, kept in each file: bit rot is a miss, never a wrong token."""
+def tensor_digest(tensors: dict[str, np.ndarray], meta: dict[str, str]) -> str:
+    """A checksum of a file's metadata, tensor dtypes, shapes and bytes.
+
+    Kept in the file itself: bit rot anywhere is a miss, never a wrong token.
+    """
     h = hashlib.sha256()
+    h.update(json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True).encode())
     for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(tensors[name]).tobytes())
+        t = np.ascontiguousarray(tensors[name])
+        h.update(f"{name}|{t.dtype.str}|{t.shape}".encode())
+        h.update(t.tobytes())
     return h.hexdigest()
 
 
@@ -282,11 +288,14 @@ class SSDStore:
         path = self.block_path(block_id) if kind == "block" else self.sidecar_path(layout,
                                                                                     block_id)
         meta = {**meta, "format_version": FORMAT_VERSION, "kind": kind, "block_id": block_id,
-                "created": meta.get("created") or f"{time.time():.3f}",
-                "sha256": tensor_digest(tensors)}
+                "created": meta.get("created") or f"{time.time():.3f}"}
+        meta["sha256"] = tensor_digest(tensors, meta)
         data = save(tensors, metadata=meta)
         with self._lock:
             self._evict_for(len(data))
+            if self.bytes_used() + len(data) > self.budget_bytes:  # pinned files fill it
+                self.stats.writes_skipped_budget += 1
+                return False
         if shutil.disk_usage(self.root).free - len(data) < self.min_free_bytes:
             self.stats.writes_skipped_low_space += 1
             return False
@@ -352,8 +361,10 @@ class SSDStore:
         self.touch(entry)
         return out
 
-    def touch(self, entry: DiskEntry) -> None:
+    def touch(self, entry: DiskEntry | None) -> None:
         """Mark recently used; the file's mtime carries recency across restarts."""
+        if entry is None:  # evicted meanwhile: the read will miss cleanly
+            return
         entry.last_used = time.time()
         try:
             os.utime(entry.path, follow_symlinks=False)
@@ -405,8 +416,8 @@ class SSDStore:
         for entry in self._eviction_order():
             if used + incoming <= self.budget_bytes:
                 break
-            if self._pins.get(entry.block_id):
-                continue
+            if self._pins.get(entry.block_id) or not self._indexed(entry):
+                continue  # pinned, or already gone with its block
             freed = entry.nbytes
             if entry.kind == "block":
                 freed += sum(e.nbytes for k, e in self._sidecars.items() if k[1] == entry.block_id)
@@ -414,6 +425,11 @@ class SSDStore:
             used -= freed
             self.stats.evictions += 1
             self.stats.evicted_bytes += freed
+
+    def _indexed(self, entry: DiskEntry) -> bool:
+        if entry.kind == "block":
+            return self._blocks.get(entry.block_id) is entry
+        return self._sidecars.get((entry.layout, entry.block_id)) is entry
 
     def _eviction_order(self) -> list[DiskEntry]:
         orphans = self.orphans()

@@ -27,6 +27,7 @@ from serve_app.cache.ssd import SSDStore
 logger = logging.getLogger(__name__)
 
 BACKPRESSURE_WAIT_S = 0.5
+LEASE_TTL_S = 120.0  # a restore copies its blocks in well under this
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class TieredStore:
         self._pending: OrderedDict[str, PendingWrite] = OrderedDict()
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self._leases: dict[int, tuple[int | None, list[str]]] = {}
+        self._leases: dict[int, tuple[int | None, list[str], float]] = {}
         self._lease_ids = itertools.count(1)
         self.decode_failures = 0
         if ssd is not None:
@@ -94,10 +95,15 @@ class TieredStore:
 
     def _open_ssd(self) -> None:
         """Index the directory, then reconcile: orphan sidecars go, the budget holds."""
-        self.ssd.open()
-        for orphan in self.ssd.orphans():
-            self.ssd.remove(orphan)
-        self.ssd.enforce_budget()
+        try:
+            self.ssd.open()
+            for orphan in self.ssd.orphans():
+                self.ssd.remove(orphan)
+            self.ssd.enforce_budget()
+        except Exception:
+            logger.exception("indexing the SSD cache directory failed; serving without it")
+        finally:
+            self.ssd.ready.set()
 
     # ---- puts and write-behind -----------------------------------------------------------
 
@@ -131,6 +137,7 @@ class TieredStore:
                 and not self.ssd.has_sidecar(disk.layout, entry.block_id))
 
     def _writer(self) -> None:
+        self.ssd.ready.wait()  # indexing removes temporary files; ours must come after
         while True:
             with self._lock:
                 self._cv.wait_for(lambda: bool(self._pending))
@@ -184,6 +191,7 @@ class TieredStore:
         if self.ssd is not None:
             self.ssd.ready.wait(timeout=2.0)  # a restart's index rebuild, briefly
         with self._lock:
+            self._expire_leases()
             sources: list[Source] = []
             for bid in block_ids:
                 source = self._source(bid, layout)
@@ -198,26 +206,36 @@ class TieredStore:
                     restore -= 1
             sources = sources[:restore]
             ids = block_ids[:restore]
+            if need_checkpoint and sources and not self._inline_checkpoint(ids[-1], sources[-1]):
+                disk = self._disk_checkpoint(ids[-1], layout)
+                if disk == "embedded":  # the state is in the block file: read that file
+                    sources[-1] = Source("ssd", str(self.ssd.block_entry(ids[-1]).path))
+                sources[-1].checkpoint = disk
             hot_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == "hot"]
             ssd_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == "ssd"]
             lease = None
             if ids:
                 lease = next(self._lease_ids)
-                self._leases[lease] = (self.hot.pin(hot_ids), ssd_ids)
+                self._leases[lease] = (self.hot.pin(hot_ids), ssd_ids, time.monotonic())
                 if ssd_ids:
                     self.ssd.pin(ssd_ids)
-            if need_checkpoint and sources and not self._inline_checkpoint(block_ids[restore - 1],
-                                                                           sources[-1]):
-                sources[-1].checkpoint = self._disk_checkpoint(block_ids[restore - 1], layout)
             for bid in block_ids[:present]:
                 self.hot.touch(bid)
-            for bid, s in zip(ids, sources, strict=True):
-                if s.tier == "ssd":
-                    self.ssd.touch(self.ssd.block_entry(bid))
+            for bid in ssd_ids:
+                self.ssd.touch(self.ssd.block_entry(bid))
+            if sources and sources[-1].checkpoint not in (None, "embedded"):
+                self.ssd.touch(self.ssd.sidecar_entry(layout, ids[-1]))
             evicted = present < len(block_ids) and self.hot.was_evicted(block_ids[present])
             self.hot.stats.walkbacks += present - restore
         return {"present": present, "walkbacks": present - restore, "lease": lease,
                 "sources": sources, "first_missing_evicted": evicted}
+
+    def _expire_leases(self) -> None:
+        """Leases of clients that vanished mid-restore must not pin blocks for ever."""
+        now = time.monotonic()
+        for lease, (_, _, taken) in list(self._leases.items()):
+            if now - taken > LEASE_TTL_S:
+                self._release_locked(lease)
 
     def _source(self, bid: str, layout: str) -> Source | None:
         entry = self.hot.entry(bid)
@@ -255,8 +273,11 @@ class TieredStore:
 
     def release(self, lease: int | None) -> None:
         with self._lock:
-            hot_lease, ssd_ids = self._leases.pop(lease, (None, []))
-            self.hot.release(hot_lease)
+            self._release_locked(lease)
+
+    def _release_locked(self, lease: int | None) -> None:
+        hot_lease, ssd_ids, _ = self._leases.pop(lease, (None, [], 0.0))
+        self.hot.release(hot_lease)
         if ssd_ids:
             self.ssd.unpin(ssd_ids)
 
