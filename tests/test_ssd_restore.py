@@ -68,6 +68,15 @@ class Server:
         self.service.shutdown()
 
 
+def cached_on_disk(loaded, directory, prompt: list[int], cache: dict | None = None) -> Server:
+    """Serve ``prompt`` once and stop: its blocks are on disk, that server is closed."""
+    first = Server(loaded, directory, cache=cache)
+    first.ask(prompt)
+    first.drain()
+    first.close()
+    return first
+
+
 def prompt_of(seed: int, blocks: int) -> list[int]:
     return [5 + (i * seed) % 240 for i in range(blocks * BS + 3)]
 
@@ -99,11 +108,8 @@ def test_restart_restores_from_ssd_with_one_sidecar(loaded, tmp_path):
 
 def test_deleted_newest_sidecar_walks_back_once(loaded, tmp_path):
     prompt = prompt_of(11, 4)
-    first = Server(loaded, tmp_path)
-    first.ask(prompt)
-    first.drain()
+    first = cached_on_disk(loaded, tmp_path, prompt)
     ids = first.ids(prompt)
-    first.close()
     first.ssd.sidecar_path(first.service.layout.digest, ids[3]).unlink()
 
     again = Server(loaded, tmp_path)
@@ -116,11 +122,8 @@ def test_deleted_newest_sidecar_walks_back_once(loaded, tmp_path):
 
 def test_corrupt_sidecar_is_a_decode_failure_and_a_walkback(loaded, tmp_path):
     prompt = prompt_of(13, 3)
-    first = Server(loaded, tmp_path)
-    first.ask(prompt)
-    first.drain()
+    first = cached_on_disk(loaded, tmp_path, prompt)
     path = first.ssd.sidecar_path(first.service.layout.digest, first.ids(prompt)[2])
-    first.close()
     data = bytearray(path.read_bytes())
     data[-8:] = b"\x7f" * 8  # flip bytes inside the tensor data
     path.write_bytes(bytes(data))
@@ -137,11 +140,8 @@ def test_corrupt_sidecar_is_a_decode_failure_and_a_walkback(loaded, tmp_path):
 
 def test_corrupt_kv_block_is_a_clean_miss_from_that_block_on(loaded, tmp_path):
     prompt = prompt_of(17, 4)
-    first = Server(loaded, tmp_path)
-    first.ask(prompt)
-    first.drain()
+    first = cached_on_disk(loaded, tmp_path, prompt)
     path = first.ssd.block_path(first.ids(prompt)[1])
-    first.close()
     data = bytearray(path.read_bytes())
     data[-16:] = b"\x00" * 16
     path.write_bytes(bytes(data))
@@ -155,10 +155,7 @@ def test_corrupt_kv_block_is_a_clean_miss_from_that_block_on(loaded, tmp_path):
 
 def test_embedded_checkpoints_need_no_sidecar(loaded, tmp_path):
     prompt = prompt_of(19, 3)
-    first = Server(loaded, tmp_path, cache={"gdn_snapshot_storage": "embedded"})
-    first.ask(prompt)
-    first.drain()
-    first.close()
+    first = cached_on_disk(loaded, tmp_path, prompt, cache={"gdn_snapshot_storage": "embedded"})
     assert first.ssd.snapshot()["sidecars"] == 0
     again = Server(loaded, tmp_path, cache={"gdn_snapshot_storage": "embedded"})
     b = again.ask(prompt)
@@ -170,10 +167,7 @@ def test_embedded_checkpoints_need_no_sidecar(loaded, tmp_path):
 def test_inexact_codec_restores(loaded, tmp_path):
     """rht_int8 is lossy: restores work, but tokens are not promised to match."""
     prompt = prompt_of(23, 3)
-    first = Server(loaded, tmp_path, cache={"sidecar_codec": "rht_int8"})
-    first.ask(prompt)
-    first.drain()
-    first.close()
+    cached_on_disk(loaded, tmp_path, prompt, cache={"sidecar_codec": "rht_int8"})
     again = Server(loaded, tmp_path, cache={"sidecar_codec": "rht_int8"})
     assert again.ask(prompt)["cached"] == 3 * BS
     assert again.service.cache_stats.sidecar_loads == 1
@@ -238,11 +232,8 @@ def test_low_disk_and_enospc_keep_serving(loaded, tmp_path, monkeypatch):
 
 def test_truncated_block_file_is_a_clean_miss(loaded, tmp_path):
     prompt = prompt_of(59, 4)
-    first = Server(loaded, tmp_path)
-    first.ask(prompt)
-    first.drain()
+    first = cached_on_disk(loaded, tmp_path, prompt)
     path = first.ssd.block_path(first.ids(prompt)[1])
-    first.close()
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
     again = Server(loaded, tmp_path)
@@ -256,10 +247,7 @@ def test_embedded_checkpoint_behind_a_promoted_block(loaded, tmp_path):
     """Blocks promoted from SSD carry no checkpoint in RAM; the file still has it."""
     cache = {"gdn_snapshot_storage": "embedded"}
     prompt = prompt_of(61, 4)
-    first = Server(loaded, tmp_path, cache=cache)
-    first.ask(prompt)
-    first.drain()
-    first.close()
+    cached_on_disk(loaded, tmp_path, prompt, cache=cache)
     again = Server(loaded, tmp_path, cache=cache)
     assert again.ask(prompt)["cached"] == 4 * BS  # blocks 0-2 promoted without checkpoints
     other = prompt[: 2 * BS + 5] + [(t + 3) % 250 for t in prompt[2 * BS + 5:]]
