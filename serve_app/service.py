@@ -316,7 +316,6 @@ class ModelService:
                 blocks=[p for p, _ in found.payloads],
                 dtypes=dtypes,
                 checkpoint=found.payloads[-1][0] if hybrid else None,
-                block_ids=ids[:n],
             )
             stats.checkpoint_loads += int(hybrid)
         stats.hit_tokens += n * bs

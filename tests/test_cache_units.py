@@ -15,8 +15,9 @@ from mlx_lm.models.cache import (
 
 from serve_app.cache import hashing
 from serve_app.cache.blocks import slice_block, to_payload, validate_checkpoint
-from serve_app.cache.hot import HotEntry, HotStore
+from serve_app.cache.hot import HotEntry
 from serve_app.cache.layout import KV, RECURRENT, Layout, canonical_kind, layout_of
+from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
 
 # ---- hashing --------------------------------------------------------------------------
@@ -117,71 +118,80 @@ def test_bfloat16_round_trips_through_uint16():
     assert mx.array_equal(_to_mlx(payload["k0"], "bfloat16").reshape(1, 2), a)
 
 
-# ---- the hot store --------------------------------------------------------------------------
+# ---- the hot store, through the tiered store's chain lookups ------------------------------
 
 
 def entry(i: int, nbytes: int = 100, checkpoint: bool = False) -> HotEntry:
     return HotEntry(f"b{i}", f"b{i - 1}", nbytes, checkpoint, handle=i, model="m")
 
 
+def hot_only(budget: int) -> TieredStore:
+    return TieredStore(hot_budget=budget)
+
+
+def lookup(store: TieredStore, ids: list[str], need_checkpoint: bool = False) -> dict:
+    return store.lookup(ids, need_checkpoint=need_checkpoint)
+
+
 def test_budget_is_never_exceeded_and_lru_goes_first():
-    store = HotStore(budget_bytes=350)
+    store = hot_only(350)
     for i in range(3):
-        assert store.put(entry(i))
-    store.lookup(["b0"], need_checkpoint=False)  # b0 becomes most recent
-    assert store.put(entry(3))
-    assert "b1" not in store
-    assert all(f"b{i}" in store for i in (0, 2, 3))
-    assert store.bytes <= 350
-    assert store.stats.evictions == 1
+        assert store.hot.put(entry(i))
+    store.release(lookup(store, ["b0"])["lease"])  # b0 becomes most recent
+    assert store.hot.put(entry(3))
+    assert "b1" not in store.hot
+    assert all(f"b{i}" in store.hot for i in (0, 2, 3))
+    assert store.hot.bytes <= 350
+    assert store.hot.stats.evictions == 1
 
 
 def test_pinned_blocks_are_never_evicted():
-    store = HotStore(budget_bytes=300)
+    store = hot_only(300)
     for i in range(3):
-        store.put(entry(i))
-    found = store.lookup(["b0", "b1", "b2"], need_checkpoint=False)
-    assert found.restore == 3 and found.handles == [0, 1, 2]
-    assert not store.put(entry(3))  # nothing can be evicted: rejected, not over budget
-    assert store.bytes == 300 and store.stats.rejected_puts == 1
-    store.release(found.lease)
-    assert store.put(entry(3)) and "b0" not in store
-    assert store.pinned_ids() == set()
+        store.hot.put(entry(i))
+    found = lookup(store, ["b0", "b1", "b2"])
+    assert [s.handle for s in found["sources"]] == [0, 1, 2]
+    assert not store.hot.put(entry(3))  # nothing can be evicted: rejected, not over budget
+    assert store.hot.bytes == 300 and store.hot.stats.rejected_puts == 1
+    store.release(found["lease"])
+    assert store.hot.put(entry(3)) and "b0" not in store.hot
+    assert store.hot.pinned_ids() == set()
 
 
 def test_many_puts_keep_bytes_within_budget():
-    store = HotStore(budget_bytes=1000)
+    store = hot_only(1000)
     rng = np.random.default_rng(1)
     lease = None
     for i in range(500):
-        store.put(entry(i, int(rng.integers(1, 200))))
-        assert store.bytes <= 1000
+        store.hot.put(entry(i, int(rng.integers(1, 200))))
+        assert store.hot.bytes <= 1000
         if i % 50 == 0:
             store.release(lease)
-            lease = store.lookup([f"b{i}"], need_checkpoint=False).lease
-        assert store.pinned_ids() <= {f"b{j}" for j in range(i + 1)}
-    assert store.snapshot()["bytes"] == store.bytes
+            lease = lookup(store, [f"b{i}"])["lease"]
+        assert store.hot.pinned_ids() <= {f"b{j}" for j in range(i + 1)}
+    assert store.snapshot()["bytes"] == store.hot.bytes
 
 
 def test_hybrid_lookup_walks_back_to_a_checkpoint():
-    store = HotStore(budget_bytes=10_000)
-    store.put(entry(0, checkpoint=True))
-    store.put(entry(1, checkpoint=True))
-    store.put(entry(2, checkpoint=False))
-    found = store.lookup(["b0", "b1", "b2", "b3"], need_checkpoint=True)
-    assert (found.present, found.restore, found.walkbacks) == (3, 2, 1)
-    store.release(found.lease)
-    assert store.drop_checkpoint("b1")
-    found = store.lookup(["b0", "b1", "b2"], need_checkpoint=True)
-    assert (found.restore, found.walkbacks) == (1, 2)
-    store.release(found.lease)
-    store.put(entry(1, checkpoint=True))  # a fresh capture restores the checkpoint
-    assert store.lookup(["b0", "b1"], need_checkpoint=True).restore == 2
+    store = hot_only(10_000)
+    store.hot.put(entry(0, checkpoint=True))
+    store.hot.put(entry(1, checkpoint=True))
+    store.hot.put(entry(2, checkpoint=False))
+    found = lookup(store, ["b0", "b1", "b2", "b3"], need_checkpoint=True)
+    assert (found["present"], len(found["sources"]), found["walkbacks"]) == (3, 2, 1)
+    store.release(found["lease"])
+    assert store.hot.drop_checkpoint("b1")
+    found = lookup(store, ["b0", "b1", "b2"], need_checkpoint=True)
+    assert (len(found["sources"]), found["walkbacks"]) == (1, 2)
+    store.release(found["lease"])
+    store.hot.put(entry(1, checkpoint=True))  # a fresh capture restores the checkpoint
+    assert len(lookup(store, ["b0", "b1"], need_checkpoint=True)["sources"]) == 2
+    assert store.snapshot()["lookups"] == 3 and store.snapshot()["hit_blocks"] == 5
 
 
 def test_lookup_reports_evicted_blocks():
-    store = HotStore(budget_bytes=100)
-    store.put(entry(0))
-    store.put(entry(1))  # evicts b0
-    assert store.lookup(["b0"], need_checkpoint=False).first_missing_evicted
-    assert not store.lookup(["zz"], need_checkpoint=False).first_missing_evicted
+    store = hot_only(100)
+    store.hot.put(entry(0))
+    store.hot.put(entry(1))  # evicts b0
+    assert lookup(store, ["b0"])["first_missing_evicted"]
+    assert not lookup(store, ["zz"])["first_missing_evicted"]

@@ -8,7 +8,7 @@ layer's state exactly at the block's end boundary. Arrays travel as numpy
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -43,7 +43,6 @@ class RestorePlan:
     blocks: list[Payload]
     dtypes: dict[str, str]
     checkpoint: Payload | None = None
-    block_ids: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:

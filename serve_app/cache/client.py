@@ -133,11 +133,11 @@ class CacheClient:
             has_checkpoint = False
             if last and layout.hybrid:
                 if source.checkpoint is None:  # carried by the hot/pending payload itself
-                    if not _checkpoint_ok(layout, payload):
+                    if not validate_checkpoint(layout, payload):
                         raise BadFile("checkpoint", bid)
                 else:
                     state = await self._load_checkpoint(loop, source, tensors, bid, expect)
-                    if not _checkpoint_ok(layout, state):
+                    if not validate_checkpoint(layout, state):
                         raise BadFile("sidecar" if source.checkpoint != "embedded" else "block",
                                       bid)
                     payload = {**payload, **state}
@@ -171,10 +171,6 @@ def _read_or_none(path: str, expect: dict[str, str]) -> tuple[dict, dict] | None
         return read_file(path, expect)
     except SSDError:
         return None
-
-
-def _checkpoint_ok(layout: Layout, payload: Payload) -> bool:
-    return validate_checkpoint(layout, payload)
 
 
 def entry_for(model: str, block: CapturedBlock, handle) -> HotEntry:

@@ -1,8 +1,8 @@
 """The hot tier: block entries in RAM under a byte budget, LRU, pinned while restoring.
 
-Plain Python, no Ray: the cache-store actor wraps it, and tests drive it
-directly. It stores opaque handles (Ray object refs in production, payload
-dicts in tests) with their sizes; it never looks inside a payload.
+Plain Python, no Ray: ``TieredStore`` walks chains across it and the other
+tiers. It stores opaque handles (Ray object refs in production, payload dicts
+in tests) with their sizes; it never looks inside a payload.
 """
 
 from __future__ import annotations
@@ -22,18 +22,6 @@ class HotEntry:
     handle: Any
     model: str = ""
     pins: int = 0
-
-
-@dataclass
-class Lookup:
-    """The answer to "how much of this chain can I restore?"."""
-
-    present: int  # leading blocks present
-    restore: int  # leading blocks to restore (after walking back to a checkpoint)
-    walkbacks: int
-    handles: list[Any]
-    lease: int | None
-    first_missing_evicted: bool = False
 
 
 @dataclass
@@ -89,31 +77,6 @@ class HotStore:
         self._model_stats(entry.model)["blocks"] += 1
         self._model_stats(entry.model)["bytes"] += entry.nbytes
         return True
-
-    def lookup(self, block_ids: list[str], need_checkpoint: bool) -> Lookup:
-        """Longest present prefix of the chain; for hybrid models, walk back to a checkpoint.
-
-        The blocks to restore are pinned under a lease until ``release``.
-        """
-        self.stats.lookups += 1
-        present = 0
-        for bid in block_ids:
-            if bid not in self._entries:
-                break
-            present += 1
-        restore, walkbacks = present, 0
-        if need_checkpoint:
-            while restore > 0 and not self._entries[block_ids[restore - 1]].has_checkpoint:
-                restore -= 1
-                walkbacks += 1
-        for bid in block_ids[:present]:
-            self.touch(bid)
-        ids = block_ids[:restore]
-        handles = [self._entries[bid].handle for bid in ids]
-        self.stats.hit_blocks += restore
-        self.stats.walkbacks += walkbacks
-        evicted = present < len(block_ids) and self.was_evicted(block_ids[present])
-        return Lookup(present, restore, walkbacks, handles, self.pin(ids), evicted)
 
     def entry(self, block_id: str) -> HotEntry | None:
         return self._entries.get(block_id)

@@ -226,6 +226,8 @@ class TieredStore:
             if sources and sources[-1].checkpoint not in (None, "embedded"):
                 self.ssd.touch(self.ssd.sidecar_entry(layout, ids[-1]))
             evicted = present < len(block_ids) and self.hot.was_evicted(block_ids[present])
+            self.hot.stats.lookups += 1
+            self.hot.stats.hit_blocks += restore
             self.hot.stats.walkbacks += present - restore
         return {"present": present, "walkbacks": present - restore, "lease": lease,
                 "sources": sources, "first_missing_evicted": evicted}
