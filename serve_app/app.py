@@ -7,8 +7,10 @@ in ``serve_app.http`` and ``serve_app.service``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.http import OpenAIIngress, api
+from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition
 from serve_app.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
 from serve_app.profile import (
     CacheStoreProfile,
@@ -27,6 +30,8 @@ from serve_app.profile import (
 )
 
 logger = logging.getLogger("ray.serve")
+
+METRICS_FETCH_TIMEOUT_S = 5.0
 
 
 class ModelReplica:
@@ -45,9 +50,12 @@ class ModelReplica:
             actor = get_or_create_actor(int(store.hot_budget), store.model_dump())
             ray.get(actor.stats.remote())  # wait for it here, not in the first request
             client = RayCacheClient(actor)
-        self.service = ModelService(self.profile, model, tokenizer, model_dir, client)
+        recorder = RayRecorder("replica", serve=True)
+        self.service = ModelService(self.profile, model, tokenizer, model_dir, client, recorder)
         if self.service.cache_client is not None:
-            ray.get(actor.activate.remote(self.service.identity, self.service.layout.digest))
+            ray.get(actor.activate.remote(self.profile.name, self.service.identity,
+                                          self.service.layout.digest))
+        self.pump = MetricsPump(recorder, self.service.metric_samples).start()
         logger.info("model %s ready (source %s)", self.profile.name, self.profile.source)
 
     async def generate(self, kind: str, body: dict):
@@ -64,6 +72,9 @@ class ModelReplica:
         return await self.service.stats()
 
     def __del__(self) -> None:
+        pump = getattr(self, "pump", None)
+        if pump is not None:
+            pump.stop()
         service = getattr(self, "service", None)
         if service is not None:
             service.shutdown()
@@ -122,6 +133,9 @@ class Ingress(OpenAIIngress):
     def __init__(self, profile: dict, handles: dict[str, DeploymentHandle]) -> None:
         self.profile = Profile.model_validate(profile)
         self.handles = handles
+        self.recorder = RayRecorder("ingress", serve=True)
+        for m in self.profile.models:  # known series exist before the first request
+            self.recorder.zero("serve_app_requests", {"model": m.name, "status": "200"})
 
     def stream_events(self, name: str, kind: str, body: dict):
         return self.handles[name].options(stream=True).generate.remote(kind, body)
@@ -131,3 +145,20 @@ class Ingress(OpenAIIngress):
         for name, handle in self.handles.items():
             out[name] = await handle.stats.remote()
         return out
+
+    async def metrics_text(self) -> str:
+        """Our families from every alive node's Ray metrics export, merged."""
+        nodes = await asyncio.to_thread(ray.nodes)
+        urls = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+                for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
+        texts = await asyncio.gather(*(asyncio.to_thread(_fetch, url) for url in urls))
+        return merge_exposition(t for t in texts if t)
+
+
+def _fetch(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=METRICS_FETCH_TIMEOUT_S) as response:
+            return response.read().decode()
+    except OSError as exc:  # one node down must not blank the others
+        logger.warning("reading node metrics from %s failed: %s", url, exc)
+        return None

@@ -50,6 +50,7 @@ class EngineEvent:
     token: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    at: float = field(default_factory=time.perf_counter)  # when the engine produced it
 
 
 EventSink = Callable[[EngineEvent], None]

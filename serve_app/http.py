@@ -13,10 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve_app.metrics import Recorder
 from serve_app.openai_api import (
     API_KEY_DIGEST_FIELD,
     ApiError,
@@ -76,11 +78,15 @@ class OpenAIIngress:
     """Routes; subclasses say how to reach models (``stream_events``)."""
 
     profile: Any
+    recorder: Recorder = Recorder()
 
     def stream_events(self, name: str, kind: str, body: dict) -> Any:
         raise NotImplementedError
 
     async def model_stats(self) -> dict:
+        raise NotImplementedError
+
+    async def metrics_text(self) -> str:
         raise NotImplementedError
 
     def has_model(self, name: str) -> bool:
@@ -119,6 +125,10 @@ class OpenAIIngress:
     async def stats(self) -> dict:
         return {"models": await self.model_stats()}
 
+    @api.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        return PlainTextResponse(await self.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         return await self._complete(request, "chat", ChatCompletionRequest)
@@ -128,8 +138,23 @@ class OpenAIIngress:
         return await self._complete(request, "completion", CompletionRequest)
 
     async def _complete(self, request: Request, kind: str, cls):
+        """One completion request, counted by model and HTTP status."""
+        labels = {"model": "unknown", "status": "500"}
+        try:
+            response = await self._answer(request, kind, cls, labels)
+            labels["status"] = "200"
+            return response
+        except ApiError as exc:
+            labels["status"] = str(exc.status)
+            raise
+        finally:
+            self.recorder.inc("serve_app_requests", 1, labels)
+
+    async def _answer(self, request: Request, kind: str, cls, labels: dict[str, str]):
         body, parsed = await _parse(request, cls)
-        if not self.has_model(parsed.model):
+        if self.has_model(parsed.model):
+            labels["model"] = parsed.model
+        else:
             known = ", ".join(m.name for m in self.profile.models)
             raise ApiError(404, f"model {parsed.model!r} does not exist; served: {known}",
                            type="not_found_error", param="model", code="model_not_found")

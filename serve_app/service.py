@@ -26,6 +26,7 @@ from serve_app.cache.layout import layout_of
 from serve_app.cache.tiers import DiskInfo
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.engine import CachePlan, Engine, EngineEvent, QueueFullError, SamplingParams
+from serve_app.metrics import Recorder, replica_samples
 from serve_app.openai_api import (
     API_KEY_DIGEST_FIELD,
     ApiError,
@@ -62,13 +63,25 @@ class CacheStats:
     missed_tokens: int = 0
     walkbacks: int = 0
     checkpoint_loads: int = 0
+    checkpoint_loads_by_tier: dict[str, int] = field(default_factory=dict)
     checkpoint_rejects: int = 0
     sidecar_loads: int = 0
     ssd_read_bytes: int = 0
     ssd_read_seconds: float = 0.0
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     fetch_seconds: float = 0.0
+    misses_by_reason: dict[str, int] = field(default_factory=dict)
     last_miss_reason: str | None = None
+
+    def miss(self, reason: str, text: str) -> None:
+        """A lookup that restored less than it could: ``reason`` is the metric label."""
+        self.misses_by_reason[reason] = self.misses_by_reason.get(reason, 0) + 1
+        self.last_miss_reason = text
+
+    def summary(self) -> dict:
+        """The counters plus the derived hit rate (of prompt tokens)."""
+        seen = self.hit_tokens + self.missed_tokens
+        return {**self.__dict__, "hit_rate": round(self.hit_tokens / seen, 4) if seen else None}
 
 
 def resolve_source(profile: ModelProfile, home: Path | None = None) -> str:
@@ -102,8 +115,11 @@ class ModelService:
         tokenizer,
         model_dir: Path | None = None,
         cache_client: CacheClient | None = None,
+        metrics: Recorder | None = None,
     ) -> None:
         self.profile = profile
+        self.metrics = metrics or Recorder()
+        self._labels = {"model": profile.name}
         self.tokenizer = tokenizer
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.layout = layout_of(make_prompt_cache(model))
@@ -203,6 +219,7 @@ class ModelService:
         then one ``finish`` with usage. Closing the iterator early cancels the
         request in the engine, which frees its batch slot at once.
         """
+        arrived = time.perf_counter()
         events = EventChannel(asyncio.get_running_loop())
         if self.engine.at_capacity():  # before any cache work
             yield [_queue_full(self.engine.capacity_message()).to_event()]
@@ -220,6 +237,7 @@ class ModelService:
         interval = self.profile.stream_interval_ms / 1000.0
         decoder = _TextDecoder(self.tokenizer, self.eos_ids, prepared.stops)
         done = False
+        last_token_at: float | None = None
         try:
             yield [{"type": "start", "prompt_tokens": len(prepared.prompt),
                     "cached_tokens": cached}]
@@ -240,6 +258,8 @@ class ModelService:
                         done = True
                         break
                     if event.token is not None:
+                        self._observe_token(arrived, last_token_at, event.at)
+                        last_token_at = event.at
                         text, stopped = decoder.add(event.token)
                         if text:
                             out.append({"type": "delta", "text": text})
@@ -274,6 +294,16 @@ class ModelService:
                 self.engine.cancel(rid)
             if lease is not None:
                 await self._release(lease)
+            self.metrics.observe("serve_app_request_duration_seconds",
+                                 time.perf_counter() - arrived, self._labels)
+
+    def _observe_token(self, arrived: float, previous: float | None, at: float) -> None:
+        if previous is None:
+            self.metrics.observe("serve_app_time_to_first_token_seconds", at - arrived,
+                                 self._labels)
+        else:
+            self.metrics.observe("serve_app_inter_token_latency_seconds", at - previous,
+                                 self._labels)
 
     # ---- prefix cache ---------------------------------------------------------------
 
@@ -285,7 +315,7 @@ class ModelService:
         token is always left to compute.
         """
         if self.cache_client is None:
-            self.cache_stats.last_miss_reason = self.cache_stats.disabled_reason
+            self.cache_stats.miss("disabled", self.cache_stats.disabled_reason)
             return None, None
         stats = self.cache_stats
         bs = stats.block_size
@@ -317,22 +347,29 @@ class ModelService:
                 dtypes=dtypes,
                 checkpoint=found.payloads[-1][0] if hybrid else None,
             )
-            stats.checkpoint_loads += int(hybrid)
+            if hybrid:
+                tier = found.tiers[-1]
+                stats.checkpoint_loads += 1
+                stats.checkpoint_loads_by_tier[tier] = stats.checkpoint_loads_by_tier.get(tier,
+                                                                                        0) + 1
         stats.hit_tokens += n * bs
         stats.missed_tokens += len(prepared.prompt) - n * bs
         if n < restorable:
-            stats.last_miss_reason = self._miss_reason(found, n, bs)
+            stats.miss(*self._miss_reason(found, n, bs))
         plan = CachePlan(bs, root, ids, restore, self._publish)
         return plan, found.lease
 
     @staticmethod
-    def _miss_reason(found, restored: int, bs: int) -> str:
+    def _miss_reason(found, restored: int, bs: int) -> tuple[str, str]:
+        """(metric label, human text) of a lookup that restored ``restored`` blocks."""
         if found.present > restored:
-            return f"no valid recurrent checkpoint after token {restored * bs}"
+            return "no_checkpoint", f"no valid recurrent checkpoint after token {restored * bs}"
         where = found.present * bs
         if found.first_missing_evicted:
-            return f"evicted at token {where}"
-        return "new prefix" if found.present == 0 else f"diverged at token {where}"
+            return "evicted", f"evicted at token {where}"
+        if found.present == 0:
+            return "new_prefix", "new prefix"
+        return "diverged", f"diverged at token {where}"
 
     def _publish(self, block) -> None:
         disk = DiskInfo(self.identity, self.layout.digest, self.cache_stats.block_size,
@@ -344,11 +381,16 @@ class ModelService:
             await self.cache_client.release(lease)
         return None
 
+    def metric_samples(self) -> list:
+        """This replica's counters and gauges, for the metrics pump."""
+        return replica_samples(self.profile.name, self.engine.snapshot(),
+                               self.cache_stats.summary())
+
     async def stats(self) -> dict:
         out = {
             "model": self.profile.name,
             "engine": self.engine.snapshot(),
-            "cache": dict(self.cache_stats.__dict__),
+            "cache": self.cache_stats.summary(),
         }
         if self.cache_client is not None:
             out["cache_store"] = await self.cache_client.stats()

@@ -24,6 +24,7 @@ from serve_app.cache.client import CacheClient
 from serve_app.cache.hot import HotEntry
 from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir
 from serve_app.cache.tiers import DiskInfo, TieredStore
+from serve_app.metrics import MetricsPump, RayRecorder, store_samples
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +57,21 @@ class CacheStoreActor:
             int(config.get("gdn_ssd_pending_max_size", 512 * 1000 * 1000)),
             resolve=ray.get,
         )
+        self.names: dict[str, str] = {}  # model identity[:16] -> a name it is served under
+        recorder = RayRecorder("store", serve=False)
+        self.pump = MetricsPump(recorder, self._metric_samples, name="cache-metrics").start()
+
+    def _metric_samples(self) -> list:
+        return store_samples(self.tiers.snapshot(), dict(self.names))
 
     def put(self, model: str, block_id: str, parent_id: str, nbytes: int,
             has_checkpoint: bool, refs: list, disk: DiskInfo | None) -> None:
         entry = HotEntry(block_id, parent_id, nbytes, has_checkpoint, handle=refs[0], model=model)
         self.tiers.put(entry, disk)
 
-    def activate(self, model: str, layout: str) -> None:
-        """A replica serves this (model, layout): its files are evicted last."""
+    def activate(self, name: str, model: str, layout: str) -> None:
+        """A replica serves model identity ``model`` as ``name``: its files are evicted last."""
+        self.names.setdefault(model[:16], name)
         if self.tiers.ssd is not None:
             self.tiers.ssd.active.add((model, layout))
 

@@ -165,6 +165,7 @@ class SSDStore:
         self.budget_bytes = budget_bytes
         self.min_free_bytes = min_free_bytes
         self.stats = SSDStats()
+        self._evictions_by_model: dict[str, int] = {}  # model identity[:16] -> files evicted
         self.active: set[tuple[str, str]] = set()  # (model identity, layout) being served
         self._blocks: dict[str, DiskEntry] = {}
         self._sidecars: dict[tuple[str, str], DiskEntry] = {}  # (layout, block id)
@@ -425,6 +426,8 @@ class SSDStore:
             used -= freed
             self.stats.evictions += 1
             self.stats.evicted_bytes += freed
+            key = entry.model[:16]
+            self._evictions_by_model[key] = self._evictions_by_model.get(key, 0) + 1
 
     def _indexed(self, entry: DiskEntry) -> bool:
         if entry.kind == "block":
@@ -459,11 +462,17 @@ class SSDStore:
     def snapshot(self) -> dict:
         with self._lock:
             by_model: dict[str, dict[str, int]] = {}
+
+            def of(key: str) -> dict[str, int]:
+                return by_model.setdefault(key, {"blocks": 0, "block_bytes": 0, "sidecars": 0,
+                                                 "sidecar_bytes": 0, "evictions": 0})
+
             for e in list(self._blocks.values()) + list(self._sidecars.values()):
-                m = by_model.setdefault(e.model[:16], {"blocks": 0, "block_bytes": 0,
-                                                       "sidecars": 0, "sidecar_bytes": 0})
+                m = of(e.model[:16])
                 m[f"{e.kind}s"] += 1
                 m[f"{e.kind}_bytes"] += e.nbytes
+            for key, n in self._evictions_by_model.items():
+                of(key)["evictions"] = n
             return {
                 "dir": str(self.root),
                 "budget_bytes": self.budget_bytes,

@@ -1,0 +1,395 @@
+"""Prometheus metrics: one table of definitions, how values reach Ray, /metrics text.
+
+Every metric is declared once, in ``METRICS``. Deployments record through
+``ray.serve.metrics`` and the cache-store actor through ``ray.util.metrics``;
+Ray exports them on each node's metrics export port as ``ray_<name>``
+(``_total`` added to counters). ``GET /metrics`` on the API port serves the
+same families gathered from every node's export, so one set of dashboards
+works with either scrape.
+
+Latency histograms are observed where the event happens. Everything else is
+already counted in plain stats dataclasses (engine, prefix cache, tiers); a
+``MetricsPump`` thread reads those every second and turns them into samples,
+so the engine and the cache store stay free of Ray and of metric code.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+logger = logging.getLogger(__name__)
+
+EXPORT_PREFIX = "ray_"  # what Ray's exporter puts in front of every name
+PUMP_INTERVAL_S = 1.0
+
+TIERS = ("hot", "pending", "ssd")
+MISS_REASONS = ("new_prefix", "diverged", "evicted", "no_checkpoint", "disabled")
+WRITE_RESULTS = ("done", "failed", "dropped")
+
+Kind = Literal["counter", "gauge", "histogram"]
+Where = Literal["ingress", "replica", "store"]
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One metric: its Ray name (without prefix or ``_total``), kind, help and labels."""
+
+    name: str
+    kind: Kind
+    where: Where
+    help: str
+    labels: tuple[str, ...] = ("model",)
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def exported(self) -> str:
+        """The name Prometheus sees (``_bucket``/``_sum``/``_count`` for histograms)."""
+        return EXPORT_PREFIX + self.name + ("_total" if self.kind == "counter" else "")
+
+
+def _c(name: str, where: Where, help: str, labels: tuple[str, ...] = ("model",)) -> MetricDef:
+    return MetricDef(name, "counter", where, help, labels)
+
+
+def _g(name: str, where: Where, help: str, labels: tuple[str, ...] = ("model",)) -> MetricDef:
+    return MetricDef(name, "gauge", where, help, labels)
+
+
+def _h(name: str, help: str, buckets: tuple[float, ...]) -> MetricDef:
+    return MetricDef(name, "histogram", "replica", help, ("model",), buckets)
+
+
+METRICS: tuple[MetricDef, ...] = (
+    # ---- serving
+    _c("serve_app_requests", "ingress",
+       "Completion requests answered, by HTTP status (`unknown` model for requests naming none "
+       "we serve).", ("model", "status")),
+    _h("serve_app_time_to_first_token_seconds",
+       "From arrival at the model replica to the first generated token.", TTFT_BUCKETS),
+    _h("serve_app_inter_token_latency_seconds",
+       "Between consecutive generated tokens of a request, as the engine produced them.",
+       ITL_BUCKETS),
+    _h("serve_app_request_duration_seconds",
+       "From arrival at the model replica to the request's end (finished, stopped, cancelled).",
+       E2E_BUCKETS),
+    _c("serve_app_prompt_tokens", "replica", "Prompt tokens of admitted requests."),
+    _c("serve_app_generation_tokens", "replica", "Tokens generated."),
+    _g("serve_app_running_requests", "replica", "Requests in the running batch."),
+    _g("serve_app_queued_requests", "replica", "Admitted requests waiting for a batch slot."),
+    _c("serve_app_rejected_requests", "replica",
+       "Requests refused with 429 because the queue was full.", ("model", "reason")),
+    # ---- prefix cache (as seen by the replicas)
+    _c("serve_app_prefix_cache_lookups", "replica", "Prefix-cache lookups (one per request)."),
+    _c("serve_app_prefix_cache_hit_tokens", "replica",
+       "Prompt tokens restored from the cache, by the tier each block came from.",
+       ("model", "tier")),
+    _c("serve_app_prefix_cache_missed_tokens", "replica", "Prompt tokens that were prefilled."),
+    _c("serve_app_prefix_cache_misses", "replica",
+       "Lookups that restored less than the prompt's full blocks, by reason.",
+       ("model", "reason")),
+    _c("serve_app_prefix_cache_walkbacks", "replica",
+       "Blocks a hybrid-model restore stepped back over for lack of a valid recurrent "
+       "checkpoint."),
+    _c("serve_app_prefix_cache_checkpoint_loads", "replica",
+       "Recurrent-state (GDN) checkpoints restored, by the tier they came from.",
+       ("model", "tier")),
+    _c("serve_app_prefix_cache_checkpoint_decode_failures", "replica",
+       "Checkpoints rejected on restore (unreadable, undecodable or not finite)."),
+    _c("serve_app_prefix_cache_ssd_read_bytes", "replica",
+       "Bytes of SSD block files read for restores."),
+    _c("serve_app_prefix_cache_ssd_read_seconds", "replica",
+       "Seconds spent reading SSD block files for restores."),
+    # ---- capacity (the node's cache store)
+    _g("serve_app_cache_bytes", "store",
+       "Bytes held, by tier and kind (`block`: KV, with the recurrent state in the hot tier; "
+       "`sidecar`: GDN state files on SSD).", ("model", "tier", "kind")),
+    _g("serve_app_cache_entries", "store", "Blocks or sidecar files held, by tier and kind.",
+       ("model", "tier", "kind")),
+    _g("serve_app_cache_budget_bytes", "store",
+       "Byte budget of each tier (`staging` is the write-behind buffer).", ("tier",)),
+    _c("serve_app_cache_evictions", "store", "Entries evicted to stay within budget, by tier.",
+       ("model", "tier")),
+    # ---- staging (write-behind to SSD)
+    _g("serve_app_cache_staging_pending_bytes", "store", "Bytes waiting to be written to SSD.",
+       ()),
+    _g("serve_app_cache_staging_peak_pending_bytes", "store",
+       "Highest pending bytes since the store started.", ()),
+    _c("serve_app_cache_staging_backpressure_seconds", "store",
+       "Seconds producers waited because staging was full.", ()),
+    _c("serve_app_cache_staging_inline_writes", "store",
+       "Writes done by the producer itself because staging stayed full.", ()),
+    _c("serve_app_cache_staging_writes", "store",
+       "SSD writes by result (`dropped` must stay 0: a full staging buffer waits, never drops).",
+       ("result",)),
+)
+
+DEFS: dict[str, MetricDef] = {d.name: d for d in METRICS}
+
+
+class Sample(NamedTuple):
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+# ---- where values go ----------------------------------------------------------------------
+
+
+class Recorder:
+    """Where metric values go. This base drops them (no Ray: tests, benchmarks)."""
+
+    def inc(self, name: str, value: float, labels: dict[str, str]) -> None:
+        pass
+
+    def zero(self, name: str, labels: dict[str, str]) -> None:
+        """Export a counter at 0, so a label set we know exists before its first event."""
+
+    def set(self, name: str, value: float, labels: dict[str, str]) -> None:
+        pass
+
+    def observe(self, name: str, value: float, labels: dict[str, str]) -> None:
+        pass
+
+
+class RayRecorder(Recorder):
+    """Ray metric objects for the definitions recorded in one kind of process.
+
+    ``serve=True`` uses ``ray.serve.metrics``, which adds the deployment,
+    replica and application labels; the cache-store actor uses plain
+    ``ray.util.metrics``.
+    """
+
+    def __init__(self, where: Where, serve: bool) -> None:
+        if serve:
+            from ray.serve import metrics as mod
+        else:
+            from ray.util import metrics as mod
+        self._metrics: dict[str, Any] = {}
+        for d in METRICS:
+            if d.where != where:
+                continue
+            if d.kind == "counter":
+                m = mod.Counter(d.name, description=d.help, tag_keys=d.labels)
+            elif d.kind == "gauge":
+                m = mod.Gauge(d.name, description=d.help, tag_keys=d.labels)
+            else:
+                m = mod.Histogram(d.name, description=d.help, boundaries=list(d.buckets),
+                                  tag_keys=d.labels)
+            self._metrics[d.name] = m
+
+    def inc(self, name: str, value: float, labels: dict[str, str]) -> None:
+        if value > 0:
+            self._metrics[name].inc(value, labels)
+
+    def zero(self, name: str, labels: dict[str, str]) -> None:
+        # Ray's public ``inc`` refuses 0; recording 0 is how Prometheus clients
+        # initialize a known series (ray 2.60's Metric._record).
+        try:
+            self._metrics[name]._record(0.0, tags=labels)
+        except Exception:  # a Ray without it: the series appears at its first event
+            logger.debug("cannot initialize %s at 0", name, exc_info=True)
+
+    def set(self, name: str, value: float, labels: dict[str, str]) -> None:
+        self._metrics[name].set(value, labels)
+
+    def observe(self, name: str, value: float, labels: dict[str, str]) -> None:
+        self._metrics[name].observe(value, labels)
+
+
+class MetricsPump:
+    """Publishes samples read from stats every ``interval`` seconds, on its own thread.
+
+    Stats hold cumulative totals; a counter is incremented by the difference
+    since the last reading (a total that went down means the stats restarted).
+    """
+
+    def __init__(self, recorder: Recorder, read: Callable[[], Iterable[Sample]],
+                 interval: float = PUMP_INTERVAL_S, name: str = "metrics-pump") -> None:
+        self.recorder = recorder
+        self.read = read
+        self.interval = interval
+        self._last: dict[tuple, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> MetricsPump:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def publish(self, samples: Iterable[Sample]) -> None:
+        for s in samples:
+            if DEFS[s.name].kind == "gauge":
+                self.recorder.set(s.name, s.value, s.labels)
+                continue
+            key = (s.name, tuple(sorted(s.labels.items())))
+            last = self._last.get(key)
+            if last is None and s.value == 0:
+                self.recorder.zero(s.name, s.labels)
+            elif last is None or s.value < last:
+                self.recorder.inc(s.name, s.value, s.labels)
+            elif s.value > last:
+                self.recorder.inc(s.name, s.value - last, s.labels)
+            self._last[key] = s.value
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.publish(self.read())
+            except Exception:
+                logger.exception("publishing metrics failed")
+            self._stop.wait(self.interval)
+
+
+# ---- stats to samples ---------------------------------------------------------------------
+
+
+def replica_samples(model: str, engine: dict, cache: dict) -> list[Sample]:
+    """Samples of one replica from its engine and prefix-cache stats (plain dicts)."""
+    m = {"model": model}
+    out = [
+        Sample("serve_app_prompt_tokens", m, engine["prompt_tokens"]),
+        Sample("serve_app_generation_tokens", m, engine["generated_tokens"]),
+        Sample("serve_app_running_requests", m, engine["running_batch_size"]),
+        Sample("serve_app_queued_requests", m,
+               max(0, engine["in_flight"] - engine["running_batch_size"])),
+        Sample("serve_app_rejected_requests", {**m, "reason": "queue_full"}, engine["rejected"]),
+        Sample("serve_app_prefix_cache_lookups", m, cache["lookups"]),
+        Sample("serve_app_prefix_cache_missed_tokens", m, cache["missed_tokens"]),
+        Sample("serve_app_prefix_cache_walkbacks", m, cache["walkbacks"]),
+        Sample("serve_app_prefix_cache_checkpoint_decode_failures", m,
+               cache["checkpoint_rejects"]),
+        Sample("serve_app_prefix_cache_ssd_read_bytes", m, cache["ssd_read_bytes"]),
+        Sample("serve_app_prefix_cache_ssd_read_seconds", m, cache["ssd_read_seconds"]),
+    ]
+    for tier in TIERS:
+        out.append(Sample("serve_app_prefix_cache_hit_tokens", {**m, "tier": tier},
+                          cache["hit_tokens_by_tier"].get(tier, 0)))
+        out.append(Sample("serve_app_prefix_cache_checkpoint_loads", {**m, "tier": tier},
+                          cache["checkpoint_loads_by_tier"].get(tier, 0)))
+    for reason in MISS_REASONS:
+        out.append(Sample("serve_app_prefix_cache_misses", {**m, "reason": reason},
+                          cache["misses_by_reason"].get(reason, 0)))
+    return out
+
+
+def store_samples(snapshot: dict, names: dict[str, str]) -> list[Sample]:
+    """Samples of a node's cache store from ``TieredStore.snapshot()``.
+
+    ``names`` maps a model identity's first 16 hex digits (how SSD files name
+    their model) to the name it is served under; files of models nobody serves
+    here now are labelled ``other``.
+    """
+    out = [Sample("serve_app_cache_budget_bytes", {"tier": "hot"}, snapshot["budget_bytes"])]
+    hot = {name: {"blocks": 0, "bytes": 0, "evictions": 0} for name in set(names.values())}
+    hot.update(snapshot["by_model"])
+    for model, m in hot.items():
+        labels = {"model": model, "tier": "hot"}
+        out.append(Sample("serve_app_cache_bytes", {**labels, "kind": "block"}, m["bytes"]))
+        out.append(Sample("serve_app_cache_entries", {**labels, "kind": "block"}, m["blocks"]))
+        out.append(Sample("serve_app_cache_evictions", labels, m["evictions"]))
+    staging = snapshot["staging"]
+    out += [
+        Sample("serve_app_cache_budget_bytes", {"tier": "staging"}, staging["pending_max_bytes"]),
+        Sample("serve_app_cache_staging_pending_bytes", {}, staging["pending_bytes"]),
+        Sample("serve_app_cache_staging_peak_pending_bytes", {}, staging["peak_pending_bytes"]),
+        Sample("serve_app_cache_staging_backpressure_seconds", {},
+               staging["backpressure_seconds"]),
+        Sample("serve_app_cache_staging_inline_writes", {}, staging["inline_writes"]),
+    ]
+    for result in WRITE_RESULTS:
+        out.append(Sample("serve_app_cache_staging_writes", {"result": result},
+                          staging[f"writes_{result}"]))
+    ssd = snapshot.get("ssd")
+    if ssd is None:
+        return out
+    out.append(Sample("serve_app_cache_budget_bytes", {"tier": "ssd"}, ssd["budget_bytes"]))
+    per_name: dict[str, dict[str, int]] = {
+        name: {"blocks": 0, "block_bytes": 0, "sidecars": 0, "sidecar_bytes": 0, "evictions": 0}
+        for name in set(names.values())}
+    for key, m in ssd["by_model"].items():
+        into = per_name.setdefault(names.get(key, "other"), dict.fromkeys(m, 0))
+        for field, value in m.items():
+            into[field] += value
+    for model, m in per_name.items():
+        labels = {"model": model, "tier": "ssd"}
+        for kind in ("block", "sidecar"):
+            out.append(Sample("serve_app_cache_bytes", {**labels, "kind": kind},
+                              m[f"{kind}_bytes"]))
+            out.append(Sample("serve_app_cache_entries", {**labels, "kind": kind},
+                              m[f"{kind}s"]))
+        out.append(Sample("serve_app_cache_evictions", labels, m["evictions"]))
+    return out
+
+
+# ---- /metrics on the API port -------------------------------------------------------------
+
+
+# Ray's own labels on every sample: renamed to Prometheus' snake_case, or dropped
+# where they say nothing a series needs (process kind, versions, empty OTel scope).
+RAY_LABELS = {"NodeAddress": "node", "WorkerId": "worker_id"}
+RAY_LABELS_DROPPED = {"Component", "SessionName", "Version", "otel_scope_name",
+                      "otel_scope_schema_url", "otel_scope_version"}
+
+
+def merge_exposition(texts: Iterable[str], prefix: str = EXPORT_PREFIX + "serve_app_") -> str:
+    """Our metric families out of several nodes' exports, as one valid exposition.
+
+    Each node's text has every family once; two nodes' texts repeat family
+    headers, which Prometheus rejects, so samples are regrouped under one.
+    Ray's CamelCase labels become snake_case (``promtool check metrics``).
+    """
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Any] = {}
+    for text in texts:
+        ours = "\n".join(line for line in text.splitlines()
+                         if line.startswith(prefix) or line.startswith(("# HELP " + prefix,
+                                                                          "# TYPE " + prefix)))
+        for family in text_string_to_metric_families(ours + "\n"):
+            family.samples = [_relabel(s) for s in family.samples]
+            if family.name in families:
+                families[family.name].samples.extend(family.samples)
+            else:
+                families[family.name] = family
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families.values()))
+    return generate_latest(registry).decode()
+
+
+def _relabel(sample: Any) -> Any:
+    labels = {RAY_LABELS.get(k, k): v for k, v in sample.labels.items()
+              if k not in RAY_LABELS_DROPPED}
+    return sample._replace(labels=labels)
+
+
+class _Families:
+    def __init__(self, families: Iterable[Any]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterable[Any]:
+        return self._families
+
+
+# ---- documentation ------------------------------------------------------------------------
+
+
+def markdown_table() -> str:
+    """The README's metrics table; a test keeps the README equal to this."""
+    rows = ["| Metric (as Prometheus sees it) | Type | Labels | Recorded by | Meaning |",
+            "|---|---|---|---|---|"]
+    for d in METRICS:
+        labels = ", ".join(f"`{label}`" for label in d.labels) or "-"
+        rows.append(f"| `{d.exported}` | {d.kind} | {labels} | {d.where} | {d.help} |")
+    return "\n".join(rows) + "\n"
