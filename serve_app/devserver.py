@@ -87,8 +87,13 @@ class ServerProcess:
         serve_bin = str(Path(sys.executable).with_name("serve"))
         return cls([serve_bin, "run", str(config)], port, log, env)
 
-    def wait_ready(self, models: list[str], timeout: float = 240.0) -> None:
-        """Wait until every model answers a one-token completion."""
+    def wait_ready(self, models: list[str], timeout: float = 240.0,
+                   generate: bool = True) -> None:
+        """Wait until every model answers a one-token completion.
+
+        ``generate=False`` waits for every model's replica through ``/v1/stats``
+        instead, so that no request shows in the server's counters.
+        """
         deadline = time.monotonic() + timeout
         pending = list(models)
         while pending:
@@ -97,20 +102,30 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server not ready; log:\n{self.log_tail()}")
             self._pids.update(descendants(self.proc.pid))
-            body = json.dumps({"model": pending[0], "prompt": "hi", "max_tokens": 1}).encode()
-            request = urllib.request.Request(
-                f"{self.base_url}/v1/completions", data=body,
-                headers={"Content-Type": "application/json"},
-            )
             try:
-                with urllib.request.urlopen(request, timeout=30) as r:
-                    if r.status == 200:
-                        pending.pop(0)
-                        continue
-            except (urllib.error.URLError, OSError):
+                if generate and self._completes(pending[0]):
+                    pending.pop(0)
+                    continue
+                if not generate:
+                    pending = [m for m in pending if m not in self._stats_models()]
+            except (urllib.error.URLError, OSError, ValueError):
                 pass
-            time.sleep(1.0)
+            if pending:
+                time.sleep(1.0)
         self._pids.update(descendants(self.proc.pid))
+
+    def _completes(self, model: str) -> bool:
+        body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode()
+        request = urllib.request.Request(
+            f"{self.base_url}/v1/completions", data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status == 200
+
+    def _stats_models(self) -> set[str]:
+        with urllib.request.urlopen(f"{self.base_url}/v1/stats", timeout=60) as r:
+            return set(json.loads(r.read())["models"]) if r.status == 200 else set()
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

@@ -1,0 +1,219 @@
+"""Grafana dashboards for serve_app, built with grafana-foundation-sdk.
+
+Run ``python -m dashboards.generate`` after changing a panel; it rewrites the
+JSON files next to this one, which are committed so users can import them
+without Python. A test regenerates them and fails if the committed JSON
+differs, and runs every panel's query against a real Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import common, dashboard, prometheus, stat, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import (
+    BigValueGraphMode,
+    LegendDisplayMode,
+    LegendPlacement,
+    SortOrder,
+    TooltipDisplayMode,
+)
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos, VariableRefresh
+
+HERE = Path(__file__).parent
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+MODEL = 'model=~"$model"'
+RATE = "[$__rate_interval]"
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    title: str
+    unit: str
+    queries: tuple[Query, ...]
+    description: str = ""
+    kind: str = "timeseries"  # or "stat"
+
+
+def rate(metric: str, by: str, selector: str = MODEL) -> str:
+    return f"sum by ({by}) (rate({metric}{{{selector}}}{RATE}))"
+
+
+def quantiles(metric: str) -> tuple[Query, ...]:
+    return tuple(
+        Query(f"histogram_quantile({q}, sum by (le, model) "
+              f"(rate({metric}_bucket{{{MODEL}}}{RATE})))", f"p{int(q * 100)} {{{{model}}}}")
+        for q in (0.5, 0.95))
+
+
+def ratio(numerator: str, denominator: str) -> str:
+    """A ratio of rates that reads 0, not NaN, while there is no traffic."""
+    return f"({numerator}) / clamp_min({denominator}, 1e-9)"
+
+
+HIT = rate("ray_serve_app_prefix_cache_hit_tokens_total", "model")
+MISSED = rate("ray_serve_app_prefix_cache_missed_tokens_total", "model")
+
+SERVING = (
+    PanelSpec("Requests by status", "reqps", (
+        Query(rate("ray_serve_app_requests_total", "model, status"),
+              "{{model}} {{status}}"),)),
+    PanelSpec("Time to first token", "s", quantiles("ray_serve_app_time_to_first_token_seconds"),
+              "From arrival at the model replica to the first token."),
+    PanelSpec("Inter-token latency", "s",
+              quantiles("ray_serve_app_inter_token_latency_seconds")),
+    PanelSpec("End-to-end latency", "s", quantiles("ray_serve_app_request_duration_seconds")),
+    PanelSpec("Tokens per second", "short", (
+        Query(rate("ray_serve_app_prompt_tokens_total", "model"), "prompt {{model}}"),
+        Query(rate("ray_serve_app_generation_tokens_total", "model"), "generated {{model}}"))),
+    PanelSpec("Running batch and queue", "short", (
+        Query(f"sum by (model) (ray_serve_app_running_requests{{{MODEL}}})",
+              "running {{model}}"),
+        Query(f"sum by (model) (ray_serve_app_queued_requests{{{MODEL}}})", "queued {{model}}"))),
+    PanelSpec("Rejected (queue full)", "reqps", (
+        Query(rate("ray_serve_app_rejected_requests_total", "model, reason"),
+              "{{model}} {{reason}}"),)),
+)
+
+PREFIX_CACHE = (
+    PanelSpec("Prompt tokens served from cache", "percentunit", (
+        Query(ratio(HIT, f"{HIT} + {MISSED}"), "{{model}}"),),
+        "Hit tokens / (hit + prefilled) prompt tokens."),
+    PanelSpec("Hit tokens by tier", "short", (
+        Query(rate("ray_serve_app_prefix_cache_hit_tokens_total", "model, tier"),
+              "{{model}} {{tier}}"),)),
+    PanelSpec("Misses by reason", "short", (
+        Query(rate("ray_serve_app_prefix_cache_misses_total", "model, reason"),
+              "{{model}} {{reason}}"),)),
+    PanelSpec("Lookups", "short", (
+        Query(rate("ray_serve_app_prefix_cache_lookups_total", "model"), "{{model}}"),)),
+    PanelSpec("Walkbacks and checkpoint decode failures", "short", (
+        Query(rate("ray_serve_app_prefix_cache_walkbacks_total", "model"),
+              "walkbacks {{model}}"),
+        Query(rate("ray_serve_app_prefix_cache_checkpoint_decode_failures_total", "model"),
+              "decode failures {{model}}"))),
+    PanelSpec("GDN checkpoint loads by tier", "short", (
+        Query(rate("ray_serve_app_prefix_cache_checkpoint_loads_total", "model, tier"),
+              "{{model}} {{tier}}"),)),
+    PanelSpec("Hot tier bytes", "bytes", (
+        Query(f'sum by (model) (ray_serve_app_cache_bytes{{tier="hot", {MODEL}}})',
+              "{{model}}"),
+        Query('sum(ray_serve_app_cache_budget_bytes{tier="hot"})', "budget"))),
+    PanelSpec("Hot tier blocks", "short", (
+        Query(f'sum by (model) (ray_serve_app_cache_entries{{tier="hot", {MODEL}}})',
+              "{{model}}"),)),
+    PanelSpec("Evictions by tier", "short", (
+        Query(rate("ray_serve_app_cache_evictions_total", "model, tier"),
+              "{{model}} {{tier}}"),)),
+)
+
+STAGING_SSD = (
+    PanelSpec("SSD bytes", "bytes", (
+        Query('sum by (kind) (ray_serve_app_cache_bytes{tier="ssd"})', "{{kind}}"),
+        Query('sum(ray_serve_app_cache_budget_bytes{tier="ssd"})', "budget"))),
+    PanelSpec("SSD files", "short", (
+        Query('sum by (kind) (ray_serve_app_cache_entries{tier="ssd"})', "{{kind}}s"),)),
+    PanelSpec("Staging pending bytes", "bytes", (
+        Query("sum(ray_serve_app_cache_staging_pending_bytes)", "pending"),
+        Query("max(ray_serve_app_cache_staging_peak_pending_bytes)", "peak"),
+        Query('sum(ray_serve_app_cache_budget_bytes{tier="staging"})', "budget"))),
+    PanelSpec("SSD writes by result", "short", (
+        Query('sum by (result) (rate(ray_serve_app_cache_staging_writes_total[$__rate_interval]))',
+              "{{result}}"),)),
+    PanelSpec("Dropped writes (must stay 0)", "short", (
+        Query('sum(ray_serve_app_cache_staging_writes_total{result="dropped"})', "dropped"),),
+        kind="stat"),
+    PanelSpec("Staging backpressure", "short", (
+        Query("sum(rate(ray_serve_app_cache_staging_backpressure_seconds_total"
+              "[$__rate_interval]))", "seconds waited per second"),
+        Query("sum(rate(ray_serve_app_cache_staging_inline_writes_total[$__rate_interval]))",
+              "inline writes per second"))),
+    PanelSpec("SSD restore reads", "Bps", (
+        Query(rate("ray_serve_app_prefix_cache_ssd_read_bytes_total", "model"), "{{model}}"),)),
+    PanelSpec("SSD restore read time", "percentunit", (
+        Query(rate("ray_serve_app_prefix_cache_ssd_read_seconds_total", "model"),
+              "{{model}} (seconds per second)"),)),
+)
+
+DASHBOARDS = {
+    "serving": ("serve_app / Serving", SERVING),
+    "prefix-cache": ("serve_app / Prefix cache and tiers", PREFIX_CACHE),
+    "staging-ssd": ("serve_app / Staging and SSD", STAGING_SSD),
+}
+
+
+def _panel(spec: PanelSpec, index: int):
+    if spec.kind == "stat":
+        builder = (stat.Panel().graph_mode(BigValueGraphMode.NONE)
+                   .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"])))
+    else:
+        builder = (timeseries.Panel()
+                   .legend(common.VizLegendOptions().show_legend(True)
+                           .display_mode(LegendDisplayMode.LIST)
+                           .placement(LegendPlacement.BOTTOM).calcs([]))
+                   .tooltip(common.VizTooltipOptions().mode(TooltipDisplayMode.MULTI)
+                            .sort(SortOrder.DESCENDING)))
+    builder = (builder.title(spec.title).unit(spec.unit).datasource(DATASOURCE)
+               .grid_pos(GridPos(h=8, w=12, x=(index % 2) * 12, y=(index // 2) * 8)))
+    if spec.description:
+        builder = builder.description(spec.description)
+    for i, q in enumerate(spec.queries):
+        builder = builder.with_target(
+            prometheus.Dataquery().expr(q.expr).legend_format(q.legend)
+            .ref_id(chr(ord("A") + i)).datasource(DATASOURCE))
+    return builder
+
+
+def build(key: str) -> dict:
+    title, panels = DASHBOARDS[key]
+    board = (
+        dashboard.Dashboard(title)
+        .uid(f"serve-app-{key}")
+        .tags(["serve_app", "generated"])
+        .refresh("30s")
+        .time("now-1h", "now")
+        .with_variable(dashboard.DatasourceVariable("datasource").label("Prometheus")
+                       .type("prometheus"))
+        .with_variable(
+            dashboard.QueryVariable("model").label("Model").datasource(DATASOURCE)
+            .query("label_values(ray_serve_app_prompt_tokens_total, model)")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .multi(True).include_all(True).all_value(".*"))
+    )
+    for i, spec in enumerate(panels):
+        board = board.with_panel(_panel(spec, i))
+    return json.loads(JSONEncoder(sort_keys=True, indent=2).encode(board.build()))
+
+
+def render(key: str) -> str:
+    return json.dumps(build(key), indent=2, sort_keys=True) + "\n"
+
+
+def panel_queries(board: dict) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target of a dashboard's JSON."""
+    return [(p["title"], t["expr"]) for p in board["panels"] for t in p.get("targets", [])]
+
+
+def concrete(expr: str, rate_interval: str = "1m") -> str:
+    """A panel query as Prometheus runs it with every model selected."""
+    return re.sub(r"\$__rate_interval", rate_interval, expr).replace("$model", ".*")
+
+
+def main() -> None:
+    for key in DASHBOARDS:
+        (HERE / f"{key}.json").write_text(render(key))
+        print(f"wrote {HERE / f'{key}.json'}")
+
+
+if __name__ == "__main__":
+    main()
