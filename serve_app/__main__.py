@@ -1,4 +1,4 @@
-"""Command line: ``check FILE``, ``materialize NAME``, ``gc [--apply]``."""
+"""Command line: ``check FILE``, ``materialize NAME``, ``gc [--apply]``, ``metrics-table``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     mat = sub.add_parser("materialize", help="build an embedded model and print its path")
     mat.add_argument("name")
     sub.add_parser("gc", help="report (and with --apply clean) an SSD cache directory")
+    sub.add_parser("metrics-table", help="print the README's table of metrics")
     args = parser.parse_args(argv)
 
     if args.command == "check":
@@ -41,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        return 0
+    if args.command == "metrics-table":
+        from serve_app.metrics import markdown_table
+
+        print(markdown_table(), end="")
         return 0
     return 2
 

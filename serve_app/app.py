@@ -147,12 +147,16 @@ class Ingress(OpenAIIngress):
         return out
 
     async def metrics_text(self) -> str:
-        """Our families from every alive node's Ray metrics export, merged."""
-        nodes = await asyncio.to_thread(ray.nodes)
-        urls = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
-                for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
-        texts = await asyncio.gather(*(asyncio.to_thread(_fetch, url) for url in urls))
-        return merge_exposition(t for t in texts if t)
+        return await gather_node_metrics()
+
+
+async def gather_node_metrics() -> str:
+    """serve_app's families from every alive node's Ray metrics export, merged."""
+    nodes = await asyncio.to_thread(ray.nodes)
+    urls = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+            for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
+    texts = await asyncio.gather(*(asyncio.to_thread(_fetch, url) for url in urls))
+    return merge_exposition(t for t in texts if t)
 
 
 def _fetch(url: str) -> str | None:

@@ -1,0 +1,15 @@
+"""The README's commands are the ones that run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Test it"):readme.index("## Talk to it")]
+    (command,) = re.findall(r"```bash\n(.*?)\n```", section, re.S)
+    assert (REPO / ".ci" / "run").read_text().rstrip().splitlines()[-1] == command
