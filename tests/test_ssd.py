@@ -170,3 +170,42 @@ def test_non_contiguous_arrays_are_written_in_logical_order(tmp_path):
     s.write("block", bid(0), {"k0": x}, meta())
     got, _ = s.read(s.block_entry(bid(0)), {})
     np.testing.assert_array_equal(got["k0"], x)
+
+
+def test_running_totals_match_a_recount(tmp_path):
+    """Budgets and stats use running totals; after any mix of writes, sidecar-only
+    writes, removals, evictions and a restart they equal a full count of the index."""
+    rng = np.random.default_rng(7)
+    other = hashlib.sha256(b"other model").hexdigest()
+    s = store(tmp_path, budget=30_000)  # a dozen files or so: evictions happen
+
+    def recount(st: SSDStore) -> None:
+        snap = st.snapshot()
+        files = [*st._blocks.values(), *st._sidecars.values()]
+        assert st.bytes_used() == sum(e.nbytes for e in files) <= st.budget_bytes
+        assert snap["block_bytes"] == sum(e.nbytes for e in st._blocks.values())
+        assert snap["sidecar_bytes"] == sum(e.nbytes for e in st._sidecars.values())
+        assert snap["orphans"] == len(st.orphans())
+        for model in (MODEL, other):
+            mine = [e for e in files if e.model == model]
+            got = snap["by_model"].get(model[:16], {})
+            assert got.get("blocks", 0) == sum(e.kind == "block" for e in mine)
+            assert got.get("sidecar_bytes", 0) == sum(e.nbytes for e in mine
+                                                      if e.kind == "sidecar")
+
+    for _ in range(300):
+        i = int(rng.integers(0, 20))
+        model = MODEL if i % 3 else other
+        op = rng.random()
+        if op < 0.45:
+            s.write("block", bid(i), tensors(int(rng.integers(64, 512))), meta(model))
+        elif op < 0.8:  # a sidecar, sometimes without (or before) its block: an orphan
+            s.write("sidecar", bid(i), {"s1.0": np.zeros(int(rng.integers(4, 64)), np.float32)},
+                    {**meta(model), "codec": "fp32"})
+        elif op < 0.9 and s.block_entry(bid(i)) is not None:
+            s.remove(s.block_entry(bid(i)))
+        elif s.sidecar_entry(LAYOUT, bid(i)) is not None:
+            s.remove(s.sidecar_entry(LAYOUT, bid(i)))
+        recount(s)
+    assert s.snapshot()["evictions"] > 0
+    recount(store(tmp_path, budget=s.budget_bytes))  # a restart rebuilds the same totals

@@ -169,6 +169,11 @@ class SSDStore:
         self.active: set[tuple[str, str]] = set()  # (model identity, layout) being served
         self._blocks: dict[str, DiskEntry] = {}
         self._sidecars: dict[tuple[str, str], DiskEntry] = {}  # (layout, block id)
+        # Kept current by _index/_unindex, so budgets and stats never walk the index.
+        self._layouts_of: dict[str, set[str]] = {}  # block id -> layouts with a sidecar
+        self._usage: dict[str, dict[str, int]] = {}  # model identity[:16] -> counts, bytes
+        self._bytes = 0
+        self._orphans = 0  # sidecars whose block is not indexed
         self._pins: dict[str, int] = {}
         self._lock = threading.RLock()
         self._lock_fd: int | None = None
@@ -234,8 +239,8 @@ class SSDStore:
             else:
                 sidecars[(entry.layout, entry.block_id)] = entry
         with self._lock:
-            self._blocks.update(blocks)
-            self._sidecars.update(sidecars)
+            for entry in [*blocks.values(), *sidecars.values()]:
+                self._index(entry)
         self.ready.set()
 
     def _walk(self) -> Iterator[Path]:
@@ -308,10 +313,7 @@ class SSDStore:
         entry = DiskEntry(kind, block_id, path, len(data), meta.get("model", ""), layout,
                           time.time(), meta)
         with self._lock:
-            if kind == "block":
-                self._blocks[block_id] = entry
-            else:
-                self._sidecars[(layout, block_id)] = entry
+            self._index(entry)
             self.stats.writes_done += 1
         return True
 
@@ -392,17 +394,60 @@ class SSDStore:
         """Delete a file; removing a block also removes its sidecars (worthless alone)."""
         with self._lock:
             if entry.kind == "block":
-                self._blocks.pop(entry.block_id, None)
-                for key in [k for k in self._sidecars if k[1] == entry.block_id]:
-                    self._unlink(self._sidecars.pop(key).path)
+                indexed = self._blocks.get(entry.block_id)
+                if indexed is not None:
+                    self._unindex(indexed)
+                for layout in list(self._layouts_of.get(entry.block_id, ())):
+                    sidecar = self._sidecars[(layout, entry.block_id)]
+                    self._unindex(sidecar)
+                    self._unlink(sidecar.path)
             else:
-                self._sidecars.pop((entry.layout, entry.block_id), None)
+                indexed = self._sidecars.get((entry.layout, entry.block_id))
+                if indexed is not None:
+                    self._unindex(indexed)
         self._unlink(entry.path)
+
+    def _index(self, entry: DiskEntry) -> None:
+        """Add a file to the index (replacing one of the same key). Under the lock."""
+        if entry.kind == "block":
+            old = self._blocks.get(entry.block_id)
+            if old is not None:
+                self._unindex(old)
+            self._blocks[entry.block_id] = entry
+            self._orphans -= len(self._layouts_of.get(entry.block_id, ()))
+        else:
+            old = self._sidecars.get((entry.layout, entry.block_id))
+            if old is not None:
+                self._unindex(old)
+            self._sidecars[(entry.layout, entry.block_id)] = entry
+            self._layouts_of.setdefault(entry.block_id, set()).add(entry.layout)
+            self._orphans += entry.block_id not in self._blocks
+        self._account(entry, +1)
+
+    def _unindex(self, entry: DiskEntry) -> None:
+        """Take an indexed file out of the index. Under the lock."""
+        if entry.kind == "block":
+            del self._blocks[entry.block_id]
+            self._orphans += len(self._layouts_of.get(entry.block_id, ()))
+        else:
+            del self._sidecars[(entry.layout, entry.block_id)]
+            layouts = self._layouts_of[entry.block_id]
+            layouts.discard(entry.layout)
+            if not layouts:
+                del self._layouts_of[entry.block_id]
+            self._orphans -= entry.block_id not in self._blocks
+        self._account(entry, -1)
+
+    def _account(self, entry: DiskEntry, sign: int) -> None:
+        usage = self._usage.setdefault(entry.model[:16], {
+            "blocks": 0, "block_bytes": 0, "sidecars": 0, "sidecar_bytes": 0})
+        usage[f"{entry.kind}s"] += sign
+        usage[f"{entry.kind}_bytes"] += sign * entry.nbytes
+        self._bytes += sign * entry.nbytes
 
     def bytes_used(self) -> int:
         with self._lock:
-            return sum(e.nbytes for e in self._blocks.values()) + sum(
-                e.nbytes for e in self._sidecars.values())
+            return self._bytes
 
     def orphans(self) -> list[DiskEntry]:
         """Sidecars whose KV block is gone."""
@@ -421,7 +466,8 @@ class SSDStore:
                 continue  # pinned, or already gone with its block
             freed = entry.nbytes
             if entry.kind == "block":
-                freed += sum(e.nbytes for k, e in self._sidecars.items() if k[1] == entry.block_id)
+                freed += sum(self._sidecars[(layout, entry.block_id)].nbytes
+                             for layout in self._layouts_of.get(entry.block_id, ()))
             self.remove(entry)
             used -= freed
             self.stats.evictions += 1
@@ -460,27 +506,21 @@ class SSDStore:
             return out
 
     def snapshot(self) -> dict:
+        """Counts and bytes from the running totals: cheap at any index size."""
         with self._lock:
-            by_model: dict[str, dict[str, int]] = {}
-
-            def of(key: str) -> dict[str, int]:
-                return by_model.setdefault(key, {"blocks": 0, "block_bytes": 0, "sidecars": 0,
-                                                 "sidecar_bytes": 0, "evictions": 0})
-
-            for e in list(self._blocks.values()) + list(self._sidecars.values()):
-                m = of(e.model[:16])
-                m[f"{e.kind}s"] += 1
-                m[f"{e.kind}_bytes"] += e.nbytes
+            by_model = {key: {**usage, "evictions": self._evictions_by_model.get(key, 0)}
+                        for key, usage in self._usage.items()}
             for key, n in self._evictions_by_model.items():
-                of(key)["evictions"] = n
+                by_model.setdefault(key, {"blocks": 0, "block_bytes": 0, "sidecars": 0,
+                                          "sidecar_bytes": 0, "evictions": n})
             return {
                 "dir": str(self.root),
                 "budget_bytes": self.budget_bytes,
-                "block_bytes": sum(e.nbytes for e in self._blocks.values()),
-                "sidecar_bytes": sum(e.nbytes for e in self._sidecars.values()),
+                "block_bytes": sum(u["block_bytes"] for u in self._usage.values()),
+                "sidecar_bytes": sum(u["sidecar_bytes"] for u in self._usage.values()),
                 "blocks": len(self._blocks),
                 "sidecars": len(self._sidecars),
-                "orphans": len(self.orphans()),
+                "orphans": self._orphans,
                 "index_ready": self.ready.is_set(),
                 **self.stats.__dict__,
                 "by_model": by_model,
