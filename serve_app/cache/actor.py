@@ -30,8 +30,6 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "serve_app"
 PUBLISH_QUEUE_BLOCKS = 256
-# A snapshot walks the SSD index under its lock; Ray exports every 10 s anyway.
-METRICS_INTERVAL_S = 5.0
 
 
 def make_ssd(config: dict) -> SSDStore | None:
@@ -61,8 +59,7 @@ class CacheStoreActor:
         )
         self.names: dict[str, str] = {}  # model identity[:16] -> a name it is served under
         recorder = RayRecorder("store", serve=False)
-        self.pump = MetricsPump(recorder, self._metric_samples, METRICS_INTERVAL_S,
-                                name="cache-metrics").start()
+        self.pump = MetricsPump(recorder, self._metric_samples, name="cache-metrics").start()
 
     def _metric_samples(self) -> list:
         return store_samples(self.tiers.snapshot(), dict(self.names))
