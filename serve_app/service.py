@@ -62,7 +62,6 @@ class CacheStats:
     hit_tokens: int = 0
     missed_tokens: int = 0
     walkbacks: int = 0
-    checkpoint_loads: int = 0
     checkpoint_loads_by_tier: dict[str, int] = field(default_factory=dict)
     checkpoint_rejects: int = 0
     sidecar_loads: int = 0
@@ -348,10 +347,8 @@ class ModelService:
                 checkpoint=found.payloads[-1][0] if hybrid else None,
             )
             if hybrid:
-                tier = found.tiers[-1]
-                stats.checkpoint_loads += 1
-                stats.checkpoint_loads_by_tier[tier] = stats.checkpoint_loads_by_tier.get(tier,
-                                                                                        0) + 1
+                loads = stats.checkpoint_loads_by_tier
+                loads[found.tiers[-1]] = loads.get(found.tiers[-1], 0) + 1
         stats.hit_tokens += n * bs
         stats.missed_tokens += len(prepared.prompt) - n * bs
         if n < restorable:
