@@ -207,5 +207,7 @@ def test_running_totals_match_a_recount(tmp_path):
         elif s.sidecar_entry(LAYOUT, bid(i)) is not None:
             s.remove(s.sidecar_entry(LAYOUT, bid(i)))
         recount(s)
-    assert s.snapshot()["evictions"] > 0
+    snap = s.snapshot()
+    assert snap["evictions"] > 0
+    assert sum(m["evictions"] for m in snap["by_model"].values()) == snap["evictions"]
     recount(store(tmp_path, budget=s.budget_bytes))  # a restart rebuilds the same totals

@@ -165,13 +165,12 @@ class SSDStore:
         self.budget_bytes = budget_bytes
         self.min_free_bytes = min_free_bytes
         self.stats = SSDStats()
-        self._evictions_by_model: dict[str, int] = {}  # model identity[:16] -> files evicted
         self.active: set[tuple[str, str]] = set()  # (model identity, layout) being served
         self._blocks: dict[str, DiskEntry] = {}
         self._sidecars: dict[tuple[str, str], DiskEntry] = {}  # (layout, block id)
         # Kept current by _index/_unindex, so budgets and stats never walk the index.
         self._layouts_of: dict[str, set[str]] = {}  # block id -> layouts with a sidecar
-        self._usage: dict[str, dict[str, int]] = {}  # model identity[:16] -> counts, bytes
+        self._usage: dict[str, dict[str, int]] = {}  # model identity[:16] -> files, evictions
         self._bytes = 0
         self._orphans = 0  # sidecars whose block is not indexed
         self._pins: dict[str, int] = {}
@@ -438,9 +437,12 @@ class SSDStore:
             self._orphans -= entry.block_id not in self._blocks
         self._account(entry, -1)
 
+    def _usage_of(self, model: str) -> dict[str, int]:
+        return self._usage.setdefault(model[:16], {"blocks": 0, "block_bytes": 0, "sidecars": 0,
+                                                   "sidecar_bytes": 0, "evictions": 0})
+
     def _account(self, entry: DiskEntry, sign: int) -> None:
-        usage = self._usage.setdefault(entry.model[:16], {
-            "blocks": 0, "block_bytes": 0, "sidecars": 0, "sidecar_bytes": 0})
+        usage = self._usage_of(entry.model)
         usage[f"{entry.kind}s"] += sign
         usage[f"{entry.kind}_bytes"] += sign * entry.nbytes
         self._bytes += sign * entry.nbytes
@@ -456,24 +458,18 @@ class SSDStore:
 
     def _evict_for(self, incoming: int) -> None:
         """Evict until ``incoming`` more bytes fit: other models first, then LRU."""
-        used = self.bytes_used()
-        if used + incoming <= self.budget_bytes:
+        if self._bytes + incoming <= self.budget_bytes:
             return
         for entry in self._eviction_order():
-            if used + incoming <= self.budget_bytes:
+            if self._bytes + incoming <= self.budget_bytes:
                 break
             if self._pins.get(entry.block_id) or not self._indexed(entry):
                 continue  # pinned, or already gone with its block
-            freed = entry.nbytes
-            if entry.kind == "block":
-                freed += sum(self._sidecars[(layout, entry.block_id)].nbytes
-                             for layout in self._layouts_of.get(entry.block_id, ()))
-            self.remove(entry)
-            used -= freed
+            before = self._bytes
+            self.remove(entry)  # a block takes its sidecars with it
             self.stats.evictions += 1
-            self.stats.evicted_bytes += freed
-            key = entry.model[:16]
-            self._evictions_by_model[key] = self._evictions_by_model.get(key, 0) + 1
+            self.stats.evicted_bytes += before - self._bytes
+            self._usage_of(entry.model)["evictions"] += 1
 
     def _indexed(self, entry: DiskEntry) -> bool:
         if entry.kind == "block":
@@ -508,11 +504,7 @@ class SSDStore:
     def snapshot(self) -> dict:
         """Counts and bytes from the running totals: cheap at any index size."""
         with self._lock:
-            by_model = {key: {**usage, "evictions": self._evictions_by_model.get(key, 0)}
-                        for key, usage in self._usage.items()}
-            for key, n in self._evictions_by_model.items():
-                by_model.setdefault(key, {"blocks": 0, "block_bytes": 0, "sidecars": 0,
-                                          "sidecar_bytes": 0, "evictions": n})
+            by_model = {key: dict(usage) for key, usage in self._usage.items()}
             return {
                 "dir": str(self.root),
                 "budget_bytes": self.budget_bytes,
