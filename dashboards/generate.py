@@ -102,6 +102,13 @@ PREFIX_CACHE = (
               "walkbacks {{model}}"),
         Query(rate("ray_serve_app_prefix_cache_checkpoint_decode_failures_total", "model"),
               "decode failures {{model}}"))),
+    PanelSpec("Rejected payloads and failed restores", "short", (
+        Query(rate("ray_serve_app_prefix_cache_incompatible_payloads_total", "model"),
+              "incompatible {{model}}"),
+        Query(rate("ray_serve_app_prefix_cache_restore_failures_total", "model"),
+              "restore failures {{model}}")),
+        "Cached data that did not fit the model's layout, and restores that fell back to a "
+        "cold prefill. Both should stay at 0."),
     PanelSpec("GDN checkpoint loads by tier", "short", (
         Query(rate("ray_serve_app_prefix_cache_checkpoint_loads_total", "model, tier"),
               "{{model}} {{tier}}"),)),
@@ -130,9 +137,12 @@ STAGING_SSD = (
     PanelSpec("SSD writes by result", "short", (
         Query('sum by (result) (rate(ray_serve_app_cache_staging_writes_total[$__rate_interval]))',
               "{{result}}"),)),
-    PanelSpec("Dropped writes (must stay 0)", "short", (
-        Query('sum(ray_serve_app_cache_staging_writes_total{result="dropped"})', "dropped"),),
-        kind="stat"),
+    PanelSpec("Dropped blocks by reason", "short", (
+        Query('sum by (reason) (rate(ray_serve_app_cache_dropped_blocks_total'
+              '[$__rate_interval]))', "{{reason}}"),),
+        "Blocks or sidecars dropped instead of stored: a replica could not publish, the hot "
+        "tier was full of pinned blocks with no SSD tier, or an SSD write was skipped (free-space "
+        "floor, budget full of pinned files)."),
     PanelSpec("Staging backpressure", "short", (
         Query("sum(rate(ray_serve_app_cache_staging_backpressure_seconds_total"
               "[$__rate_interval]))", "seconds waited per second"),

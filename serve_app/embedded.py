@@ -32,13 +32,22 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
 
 
+# Weight formats, as Mac checkpoints come: fp32 (the base), bf16 and fp16
+# casts, and mlx-lm's own 4-bit affine quantization of the bf16 weights (bf16
+# scales and activations, like mlx-community's 4-bit models).
+FORMATS = ("fp32", "bf16", "fp16", "q4")
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "q4": "bfloat16"}
+Q4_GROUP_SIZE = 32
+
+
 @dataclass(frozen=True)
 class EmbeddedSpec:
-    """One embedded model: its mlx-lm config and the seed of its weights."""
+    """One embedded model: its mlx-lm config, the seed of its weights, their format."""
 
     name: str
     config: dict
     seed: int
+    format: str = "fp32"
 
 
 def _vocab_size() -> int:
@@ -60,7 +69,7 @@ _COMMON = {
     "eos_token_id": 256 + SPECIAL_TOKENS.index(EOS_TOKEN),
 }
 
-EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
+_BASE_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-dense": EmbeddedSpec(
         name="tiny-dense",
         config={**_COMMON, "model_type": "qwen3", "num_hidden_layers": 2},
@@ -89,6 +98,20 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
         seed=2,
     ),
 }
+
+
+def _variants() -> dict[str, EmbeddedSpec]:
+    """Every base model in every format: ``tiny-hybrid``, ``tiny-hybrid-bf16``, ..."""
+    out: dict[str, EmbeddedSpec] = {}
+    for base in _BASE_MODELS.values():
+        for fmt in FORMATS:
+            name = base.name if fmt == "fp32" else f"{base.name}-{fmt}"
+            config = {**base.config, "torch_dtype": _DTYPE_NAMES[fmt]}
+            out[name] = EmbeddedSpec(name, config, base.seed, fmt)
+    return out
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedSpec] = _variants()
 
 
 def default_home() -> Path:
@@ -169,7 +192,7 @@ def _zero_rows(weight, rows):
 def _build(spec: EmbeddedSpec, path: Path) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.utils import _get_classes, save_config, save_model
+    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
     model_cls, args_cls = _get_classes(spec.config)
     model = model_cls(args_cls.from_dict(spec.config))
@@ -180,9 +203,15 @@ def _build(spec: EmbeddedSpec, path: Path) -> None:
     special = mx.arange(256, 256 + len(SPECIAL_TOKENS))
     new = [(k, _zero_rows(v, special) if k == "lm_head.weight" else v) for k, v in new]
     model.update(tree_unflatten(new))
+    config = dict(spec.config)
+    if spec.format != "fp32":  # the same fp32 values, cast (rounded to nearest even)
+        dtype = getattr(mx, _DTYPE_NAMES[spec.format])
+        model.update(tree_unflatten([(k, v.astype(dtype)) for k, v in new]))
+    if spec.format == "q4":
+        model, config = quantize_model(model, config, group_size=Q4_GROUP_SIZE, bits=4)
     mx.eval(model.parameters())
     save_model(path, model)
-    save_config(dict(spec.config), path / "config.json")
+    save_config(config, path / "config.json")
     _write_tokenizer(path)
     (path / "EMBEDDED").write_text(f"{spec.name} format={FORMAT_VERSION}\n")
 

@@ -22,9 +22,9 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_top_p, greedy_sampler, make_sampler
 
-from serve_app.cache.blocks import CapturedBlock, RestorePlan, build_cache, slice_block, to_payload
+from serve_app.cache.blocks import CapturedBlock, RestorePlan, build_cache, capture_block
 from serve_app.cache.hashing import block_id
-from serve_app.cache.layout import Layout
+from serve_app.cache.layout import Layout, probe_layout
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class EngineEvent:
     token: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    restored: int | None = None  # tokens the request really started from (cache plans only)
     at: float = field(default_factory=time.perf_counter)  # when the engine produced it
 
 
@@ -92,6 +93,7 @@ class EngineStats:
     restored_tokens: int = 0
     restored_bytes: int = 0
     restore_seconds: float = 0.0
+    restore_failures: int = 0  # restores that did not build: the request prefilled cold
     captured_blocks: int = 0
     captured_bytes: int = 0
     capture_seconds: float = 0.0
@@ -108,7 +110,6 @@ class _Request:
     generated: int = 0
     output: list[int] = field(default_factory=list)
     restored: int = 0
-    submitted_at: float = field(default_factory=time.monotonic)
 
 
 def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
@@ -173,10 +174,9 @@ class Engine:
         prefill_step_size: int = 512,
         prefill_batch_size: int | None = None,
         name: str = "model",
-        layout: Layout | None = None,
     ) -> None:
         self.model = model
-        self.layout = layout
+        self.layout: Layout | None = None  # probed on the engine thread (wait_ready)
         self.name = name
         self.stop_tokens = set(stop_tokens)
         self.max_batch_size = max_batch_size
@@ -191,6 +191,8 @@ class Engine:
         self._by_uid: dict[int, _Request] = {}
         self._stopping = threading.Event()
         self._stopped = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
         self._generator: BatchGenerator | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
         self._thread.start()
@@ -236,6 +238,14 @@ class Engine:
             f"{self.max_queued_requests})"
         )
 
+    def wait_ready(self, timeout: float | None = None) -> Layout:
+        """Block until the engine thread has probed the model's cache layout."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"engine {self.name!r} did not start in {timeout} s")
+        if self._start_error is not None:
+            raise RuntimeError(f"engine {self.name!r} failed to start") from self._start_error
+        return self.layout
+
     def cancel(self, rid: int) -> None:
         """Stop a request and free its batch slot before the next decode step."""
         self._commands.put(("cancel", rid))
@@ -264,7 +274,13 @@ class Engine:
         )
 
     def _run(self) -> None:
-        self._generator = self._new_generator()
+        try:
+            self.layout = probe_layout(self.model)
+            self._generator = self._new_generator()
+        except BaseException as exc:  # reported by wait_ready
+            self._start_error = exc
+            self._stopping.set()
+        self._ready.set()
         while not self._stopping.is_set():
             try:
                 self._drain_commands(block=not self._requests)
@@ -319,18 +335,38 @@ class Engine:
         cuts = list(range(bs - req.restored % bs, len(rest), bs))
         return [rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)], strict=True)]
 
+    def _restore(self, req: _Request) -> list | None:
+        """The request's restored cache, or None to prefill it cold.
+
+        A restore that fails to build (a payload that does not fit the model)
+        costs that one request its cache hit, never the running batch.
+        """
+        plan = req.cache.restore if req.cache else None
+        if plan is None or not plan.tokens:
+            return None
+        tic = time.perf_counter()
+        try:
+            cache = build_cache(self.model, self.layout, plan)
+        except Exception:
+            logger.exception("engine %s: restore of request %d failed; prefilling it cold",
+                             self.name, req.rid)
+            with self._lock:
+                self.stats.restore_failures += 1
+            return None
+        req.restored = plan.tokens
+        with self._lock:
+            self.stats.restored_tokens += plan.tokens
+            self.stats.restored_bytes += plan.nbytes
+            self.stats.restore_seconds += time.perf_counter() - tic
+        return cache
+
     def _insert(self, req: _Request) -> None:
         caches, all_tokens = None, None
-        plan = req.cache.restore if req.cache else None
-        if plan is not None and plan.tokens:
-            tic = time.perf_counter()
-            caches = [build_cache(self.model, self.layout, plan)]
-            req.restored = plan.tokens
-            all_tokens = [req.prompt[: plan.tokens]]
-            with self._lock:
-                self.stats.restored_tokens += plan.tokens
-                self.stats.restored_bytes += plan.nbytes
-                self.stats.restore_seconds += time.perf_counter() - tic
+        cache = self._restore(req)
+        if cache is not None:
+            caches, all_tokens = [cache], [req.prompt[: req.restored]]
+        if req.cache is not None:
+            _deliver(req, EngineEvent(restored=req.restored))
         (uid,) = self._generator.insert_segments(
             [self._segments(req)],
             max_tokens=[req.params.max_tokens],
@@ -413,16 +449,12 @@ class Engine:
             layer_caches, row = finished_cache, 0
         else:
             layer_caches, row = self._batch_caches(req.uid)
-        arrays = slice_block(layer_caches, row, self.layout, covered - bs, covered,
-                             checkpoint=self.layout.hybrid)
-        payload, dtypes = to_payload(arrays)
+        payload = capture_block(layer_caches, row, self.layout, covered - bs, covered,
+                                checkpoint=self.layout.hybrid)
         block = CapturedBlock(
             block_id=plan.block_ids[index],
             parent_id=plan.block_ids[index - 1] if index else plan.root,
-            index=index,
             payload=payload,
-            dtypes=dtypes,
-            has_checkpoint=self.layout.hybrid,
         )
         plan.publish(block)
         with self._lock:

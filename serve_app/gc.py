@@ -4,12 +4,15 @@ Needs neither MLX nor a model: it reads file headers only. A dry run reports
 entries, bytes by model, orphans (sidecars whose block is gone), temporary
 files left by a crash and what is over budget; ``--apply`` deletes exactly
 that, and refuses while a server holds the directory unless ``--force``.
+Both come from one plan (``plan``): the dry run lists it, ``--apply`` deletes
+it and lists what it deleted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from serve_app.cache.ssd import SSDStore, default_cache_dir
@@ -21,9 +24,41 @@ def parse_size(text: str) -> int:
     return int(TypeAdapter(ByteSize).validate_python(text))
 
 
-def report(store: SSDStore, budget_given: bool) -> dict:
+@dataclass(frozen=True)
+class Doomed:
+    """One file the plan deletes."""
+
+    path: Path
+    nbytes: int
+    why: str  # "temp_file", "orphan" or "over_budget"
+
+
+def plan(store: SSDStore, budget_given: bool) -> list[Doomed]:
+    """Every file ``--apply`` deletes, each once, with its size: the dry run reports this list.
+
+    Temporary files and orphan sidecars always; then, with a budget, what
+    eviction would delete once the orphans are gone (a block with its sidecars).
+    """
+    doomed = []
+    for path in store.temp_files:
+        try:
+            doomed.append(Doomed(path, path.lstat().st_size, "temp_file"))
+        except OSError:  # gone meanwhile
+            continue
+    orphans = store.orphans()
+    doomed += [Doomed(e.path, e.nbytes, "orphan") for e in orphans]
+    if budget_given:
+        doomed += [Doomed(e.path, e.nbytes, "over_budget")
+                   for e in store.eviction_plan(gone=orphans)]
+    return doomed
+
+
+def report(store: SSDStore, budget_given: bool, doomed: list[Doomed]) -> dict:
     snap = store.snapshot()
-    over = store.over_budget() if budget_given else []
+
+    def paths(why: str) -> list[str]:
+        return [str(d.path) for d in doomed if d.why == why]
+
     return {
         "dir": snap["dir"],
         "blocks": snap["blocks"],
@@ -31,12 +66,29 @@ def report(store: SSDStore, budget_given: bool) -> dict:
         "block_bytes": snap["block_bytes"],
         "sidecar_bytes": snap["sidecar_bytes"],
         "bytes_by_model": snap["by_model"],
-        "orphans": [str(e.path) for e in store.orphans()],
-        "temp_files": [str(p) for p in store.temp_files],
+        "orphans": paths("orphan"),
+        "temp_files": paths("temp_file"),
         "foreign_files": snap["foreign_files"],
         "budget_bytes": store.budget_bytes if budget_given else None,
-        "over_budget": [str(e.path) for e in over],
-        "over_budget_bytes": sum(e.nbytes for e in over),
+        "over_budget": paths("over_budget"),
+        "over_budget_bytes": sum(d.nbytes for d in doomed if d.why == "over_budget"),
+        "plan": [{"path": str(d.path), "bytes": d.nbytes, "why": d.why} for d in doomed],
+        "plan_bytes": sum(d.nbytes for d in doomed),
+    }
+
+
+def apply(store: SSDStore, doomed: list[Doomed]) -> dict:
+    """Delete the plan's files; report those actually deleted (one may vanish meanwhile)."""
+    deleted = [d for d in doomed if store._unlink(d.path)]
+    by_reason: dict[str, int] = {}
+    for d in deleted:
+        by_reason[d.why] = by_reason.get(d.why, 0) + 1
+    indexed = sum(d.nbytes for d in deleted if d.why != "temp_file")
+    return {
+        "files": [str(d.path) for d in deleted],
+        "bytes": sum(d.nbytes for d in deleted),
+        "by_reason": by_reason,
+        "bytes_left": store.bytes_used() - indexed,
     }
 
 
@@ -56,25 +108,13 @@ def main(argv: list[str]) -> int:
         return 0
     store = SSDStore(root, args.budget if args.budget is not None else 1 << 62)
     store.open(clean=False)
-    before = report(store, args.budget is not None)
-    result = {"dry_run": not args.apply, **before}
+    doomed = plan(store, args.budget is not None)
+    result = {"dry_run": not args.apply, **report(store, args.budget is not None, doomed)}
     if args.apply:
         if store.directory_in_use() and not args.force:
             print(f"refusing: a server is using {root} (stop it, or pass --force)")
             return 3
-        for entry in store.orphans():
-            store.remove(entry)
-        for path in store.temp_files:
-            store._unlink(path)
-        if args.budget is not None:
-            store.enforce_budget()
-        after = store.snapshot()
-        result["deleted"] = {
-            "orphans": len(before["orphans"]),
-            "temp_files": len(before["temp_files"]),
-            "over_budget_files": store.stats.evictions,
-            "bytes_left": after["block_bytes"] + after["sidecar_bytes"],
-        }
+        result["deleted"] = apply(store, doomed)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -94,7 +134,9 @@ def _print(r: dict) -> None:
     if r["budget_bytes"] is not None:
         print(f"  over budget {r['budget_bytes']}: {len(r['over_budget'])} files, "
               f"{r['over_budget_bytes']} bytes")
+    print(f"  to delete: {len(r['plan'])} files, {r['plan_bytes']} bytes")
     if "deleted" in r:
         d = r["deleted"]
-        print(f"  deleted {d['orphans']} orphans, {d['temp_files']} temporary files, "
-              f"{d['over_budget_files']} files over budget; {d['bytes_left']} bytes left")
+        reasons = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in d["by_reason"].items())
+        print(f"  deleted {len(d['files'])} files ({reasons or 'none'}), {d['bytes']} bytes; "
+              f"{d['bytes_left']} bytes left")

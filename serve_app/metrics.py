@@ -27,8 +27,10 @@ EXPORT_PREFIX = "ray_"  # what Ray's exporter puts in front of every name
 PUMP_INTERVAL_S = 1.0
 
 TIERS = ("hot", "pending", "ssd")
-MISS_REASONS = ("new_prefix", "diverged", "evicted", "no_checkpoint", "disabled")
+MISS_REASONS = ("new_prefix", "diverged", "evicted", "no_checkpoint", "incompatible",
+                "restore_failed", "disabled")
 WRITE_RESULTS = ("done", "failed", "dropped")
+DROP_REASONS = ("publish", "hot_full", "ssd_low_space", "ssd_budget")
 
 Kind = Literal["counter", "gauge", "histogram"]
 Where = Literal["ingress", "replica", "store"]
@@ -103,6 +105,11 @@ METRICS: tuple[MetricDef, ...] = (
        ("model", "tier")),
     _c("serve_app_prefix_cache_checkpoint_decode_failures", "replica",
        "Checkpoints rejected on restore (unreadable, undecodable or not finite)."),
+    _c("serve_app_prefix_cache_incompatible_payloads", "replica",
+       "Cached blocks or checkpoints rejected because their shapes or dtypes did not fit the "
+       "model's layout (dropped, never restored)."),
+    _c("serve_app_prefix_cache_restore_failures", "replica",
+       "Restores that failed while building the cache; the request was prefilled cold."),
     _c("serve_app_prefix_cache_ssd_read_bytes", "replica",
        "Bytes of SSD block files read for restores."),
     _c("serve_app_prefix_cache_ssd_read_seconds", "replica",
@@ -127,8 +134,13 @@ METRICS: tuple[MetricDef, ...] = (
     _c("serve_app_cache_staging_inline_writes", "store",
        "Writes done by the producer itself because staging stayed full.", ()),
     _c("serve_app_cache_staging_writes", "store",
-       "SSD writes by result (`dropped` must stay 0: a full staging buffer waits, never drops).",
-       ("result",)),
+       "SSD writes by result (`dropped`: skipped for the free-space floor or a budget full of "
+       "pinned files; a full staging buffer waits, never drops).", ("result",)),
+    _c("serve_app_cache_dropped_blocks", "store",
+       "Blocks or sidecars dropped instead of stored, by reason: `publish` (a replica could not "
+       "hand it to the store), `hot_full` (pinned blocks fill the hot tier and no SSD tier), "
+       "`ssd_low_space` (free-space floor), `ssd_budget` (SSD budget full of pinned files).",
+       ("reason",)),
 )
 
 DEFS: dict[str, MetricDef] = {d.name: d for d in METRICS}
@@ -269,6 +281,9 @@ def replica_samples(model: str, engine: dict, cache: dict) -> list[Sample]:
         Sample("serve_app_prefix_cache_walkbacks", m, cache["walkbacks"]),
         Sample("serve_app_prefix_cache_checkpoint_decode_failures", m,
                cache["checkpoint_rejects"]),
+        Sample("serve_app_prefix_cache_incompatible_payloads", m,
+               cache["incompatible_payloads"]),
+        Sample("serve_app_prefix_cache_restore_failures", m, cache["restore_failures"]),
         Sample("serve_app_prefix_cache_ssd_read_bytes", m, cache["ssd_read_bytes"]),
         Sample("serve_app_prefix_cache_ssd_read_seconds", m, cache["ssd_read_seconds"]),
     ]
@@ -310,8 +325,12 @@ def store_samples(snapshot: dict, names: dict[str, str]) -> list[Sample]:
     for result in WRITE_RESULTS:
         out.append(Sample("serve_app_cache_staging_writes", {"result": result},
                           staging[f"writes_{result}"]))
+    dropped = snapshot.get("dropped", {})
+    for reason in DROP_REASONS:
+        out.append(Sample("serve_app_cache_dropped_blocks", {"reason": reason},
+                          dropped.get(reason, 0)))
     ssd = snapshot.get("ssd")
-    if ssd is None:
+    if ssd is None or "disabled" in ssd:
         return out
     out.append(Sample("serve_app_cache_budget_bytes", {"tier": "ssd"}, ssd["budget_bytes"]))
     per_name: dict[str, dict[str, int]] = {

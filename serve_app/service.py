@@ -17,12 +17,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_lm.models.cache import make_prompt_cache
-
+from serve_app.cache import codecs
 from serve_app.cache.blocks import RestorePlan
-from serve_app.cache.client import CacheClient
+from serve_app.cache.client import CacheClient, FetchedChain, FetchRequest
 from serve_app.cache.hashing import chain, model_identity, root_id, salted_root
-from serve_app.cache.layout import layout_of
 from serve_app.cache.tiers import DiskInfo
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.engine import CachePlan, Engine, EngineEvent, QueueFullError, SamplingParams
@@ -64,6 +62,8 @@ class CacheStats:
     walkbacks: int = 0
     checkpoint_loads_by_tier: dict[str, int] = field(default_factory=dict)
     checkpoint_rejects: int = 0
+    incompatible_payloads: int = 0  # cached payloads whose shapes/dtypes did not fit
+    restore_failures: int = 0  # restores that failed to build: prefilled cold instead
     sidecar_loads: int = 0
     ssd_read_bytes: int = 0
     ssd_read_seconds: float = 0.0
@@ -121,7 +121,16 @@ class ModelService:
         self._labels = {"model": profile.name}
         self.tokenizer = tokenizer
         self.eos_ids = set(tokenizer.eos_token_ids)
-        self.layout = layout_of(make_prompt_cache(model))
+        self.engine = Engine(
+            model,
+            stop_tokens=self.eos_ids,
+            max_batch_size=profile.max_batch_size,
+            max_queued_requests=profile.max_queued_requests,
+            prefill_step_size=profile.prefill_step_size,
+            name=profile.name,
+        )
+        # The engine thread probes the layout: every cached array's shape and dtype.
+        self.layout = self.engine.wait_ready()
         block_size = profile.cache.block_size or (256 if self.layout.hybrid else 64)
         reason = None
         if not profile.cache.enabled:
@@ -133,7 +142,8 @@ class ModelService:
         self.cache_client = cache_client if reason is None else None
         self.cache_stats = CacheStats(reason is None, reason, block_size)
         if reason is None:
-            self.identity = model_identity(model_dir, profile.source, tokenizer.chat_template)
+            self.identity = model_identity(model_dir, profile.source, tokenizer.chat_template,
+                                           memo=default_home() / "weights-digests.json")
             self.root = root_id(self.identity, self.layout.digest, block_size)
             self._expect = {"model": self.identity, "layout": self.layout.digest,
                             "block_size": str(block_size)}
@@ -141,15 +151,6 @@ class ModelService:
             self._storage = "ssd_sidecar" if storage == "auto" else storage
         else:
             logger.warning("model %s: prefix caching off: %s", profile.name, reason)
-        self.engine = Engine(
-            model,
-            stop_tokens=self.eos_ids,
-            max_batch_size=profile.max_batch_size,
-            max_queued_requests=profile.max_queued_requests,
-            prefill_step_size=profile.prefill_step_size,
-            name=profile.name,
-            layout=self.layout,
-        )
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -252,6 +253,9 @@ class ModelService:
                     lease = await self._release(lease)
                 out: list[dict] = []
                 for event in batch:
+                    if event.restored is not None and event.restored < cached:
+                        self._restore_failed(cached)  # the engine prefilled it cold
+                        cached = event.restored
                     if event.error is not None:
                         out.append(ApiError(500, event.error, type="server_error").to_event())
                         done = True
@@ -324,11 +328,13 @@ class ModelService:
         hybrid = self.layout.hybrid
         stats.lookups += 1
         tic = time.perf_counter()
-        found = await self.cache_client.fetch(self.profile.name, ids[:restorable], self.layout,
-                                              self._expect)
+        found = await self.cache_client.fetch(FetchRequest(
+            self.profile.name, ids[:restorable], self.layout, bs, self._expect,
+            exact=self.profile.cache.sidecar_codec == codecs.EXACT))
         stats.fetch_seconds += time.perf_counter() - tic
         stats.walkbacks += found.walkbacks
         stats.checkpoint_rejects += found.checkpoint_rejects
+        stats.incompatible_payloads += found.incompatible
         stats.sidecar_loads += found.sidecar_loads
         stats.ssd_read_bytes += found.ssd_bytes
         stats.ssd_read_seconds += found.ssd_seconds
@@ -337,15 +343,7 @@ class ModelService:
             stats.hit_tokens_by_tier[tier] = stats.hit_tokens_by_tier.get(tier, 0) + bs
         restore = None
         if n:
-            dtypes: dict[str, str] = {}
-            for _, d in found.payloads:
-                dtypes.update(d)
-            restore = RestorePlan(
-                tokens=n * bs,
-                blocks=[p for p, _ in found.payloads],
-                dtypes=dtypes,
-                checkpoint=found.payloads[-1][0] if hybrid else None,
-            )
+            restore = RestorePlan(tokens=n * bs, blocks=found.payloads)
             if hybrid:
                 loads = stats.checkpoint_loads_by_tier
                 loads[found.tiers[-1]] = loads.get(found.tiers[-1], 0) + 1
@@ -356,9 +354,19 @@ class ModelService:
         plan = CachePlan(bs, root, ids, restore, self._publish)
         return plan, found.lease
 
+    def _restore_failed(self, planned: int) -> None:
+        """The engine could not build a planned restore: those tokens were missed."""
+        stats = self.cache_stats
+        stats.restore_failures += 1
+        stats.hit_tokens -= planned
+        stats.missed_tokens += planned
+        stats.miss("restore_failed", f"restore of {planned} tokens failed; prefilled cold")
+
     @staticmethod
-    def _miss_reason(found, restored: int, bs: int) -> tuple[str, str]:
+    def _miss_reason(found: FetchedChain, restored: int, bs: int) -> tuple[str, str]:
         """(metric label, human text) of a lookup that restored ``restored`` blocks."""
+        if found.incompatible:
+            return "incompatible", f"cached payload does not fit: {found.incompatible_reason}"
         if found.present > restored:
             return "no_checkpoint", f"no valid recurrent checkpoint after token {restored * bs}"
         where = found.present * bs
@@ -370,7 +378,7 @@ class ModelService:
 
     def _publish(self, block) -> None:
         disk = DiskInfo(self.identity, self.layout.digest, self.cache_stats.block_size,
-                        self._storage, self.profile.cache.sidecar_codec, block.dtypes)
+                        self._storage, self.profile.cache.sidecar_codec)
         self.cache_client.publish(self.profile.name, block, disk)
 
     async def _release(self, lease: int | None) -> None:

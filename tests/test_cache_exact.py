@@ -16,6 +16,7 @@ import pytest
 
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.hashing import chain, salted_root
+from serve_app.cache.payload import Tensor
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
 from serve_app.openai_api import ChatCompletionRequest, CompletionRequest
@@ -66,7 +67,9 @@ def run(service: ModelService, request) -> dict:
                     text.append(e["text"])
                 elif e["type"] == "finish":
                     finish = e
-        return {"text": "".join(text), "cached": start["cached_tokens"],
+        # The finish event's count is what the engine really restored (usage).
+        return {"text": "".join(text), "cached": finish["cached_tokens"],
+                "planned": start["cached_tokens"],
                 "prompt": prepared.prompt, **finish}
 
     return asyncio.run(go())
@@ -141,9 +144,10 @@ def test_forced_walkback_drops_one_block_and_stays_exact(hybrid_services):
 def test_corrupt_checkpoint_is_rejected_and_walked_back(hybrid_services):
     warm, cold, client = hybrid_services
     req, ids = cached_prompt(warm, [11 + (i * 5) % 230 for i in range(3 * BS + 1)])
-    payload, _ = client.store.hot.entry(ids[2]).handle
-    key = next(k for k in payload if k.startswith("s"))
-    payload[key] = np.full_like(payload[key], np.nan)
+    payload = client.store.hot.entry(ids[2]).handle
+    layer = next(iter(payload.state))
+    first, *rest = payload.state[layer]
+    payload.state[layer] = (Tensor(np.full_like(first.data, np.nan), first.dtype), *rest)
     rejects = warm.cache_stats.checkpoint_rejects
     a = run(warm, req)
     assert warm.cache_stats.checkpoint_rejects == rejects + 1
@@ -169,3 +173,39 @@ def test_disabled_cache_says_why(services):
     assert stats["cache"]["enabled"] is False
     assert stats["cache"]["disabled_reason"] == "caching disabled in the profile"
     assert stats["engine"]["captured_blocks"] == 0
+
+
+class SlowAnswer(LocalCacheClient):
+    """The store grants the lease, then the answer takes a while to come back (as an
+    actor reply can): a client that hangs up meanwhile must not leave it pinned."""
+
+    async def _lookup(self, block_ids, need_checkpoint, layout, exact):
+        found = self.store.lookup(block_ids, need_checkpoint, layout, exact)
+        await asyncio.sleep(0.3)
+        return found
+
+
+def test_disconnect_during_lookup_leaks_no_lease(tmp_path):
+    path = materialize("tiny-dense", tmp_path)
+    model, tokenizer = mlx_lm.load(str(path))
+    store = TieredStore(1 << 30)
+    service = ModelService(ModelProfile(name="warm", source="embedded:tiny-dense",
+                                        cache={"block_size": BS}), model, tokenizer, path,
+                           SlowAnswer(store))
+    prompt = [7 + i % 200 for i in range(3 * BS + 2)]
+    req = CompletionRequest(model="m", prompt=prompt, max_tokens=2, temperature=0)
+    run(service, req)  # its blocks are cached now
+
+    async def hang_up():
+        stream = service.stream(service.prepare(req))
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.1)  # the lookup ran, its answer is on the way
+        assert store._leases  # pinned right now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)
+
+    asyncio.run(hang_up())
+    assert not store._leases and store.snapshot()["pinned_blocks"] == 0
+    service.shutdown()

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,9 +19,19 @@ from mlx_lm.models.cache import (
 )
 
 from serve_app.cache import hashing
-from serve_app.cache.blocks import slice_block, to_payload, validate_checkpoint
+from serve_app.cache.blocks import capture_block
 from serve_app.cache.hot import HotEntry
-from serve_app.cache.layout import KV, RECURRENT, Layout, canonical_kind, layout_of
+from serve_app.cache.layout import (
+    KV,
+    RECURRENT,
+    ArraySpec,
+    Layout,
+    cache_epoch,
+    canonical_kind,
+    layout_of,
+    probe_layout,
+)
+from serve_app.cache.payload import BlockPayload, PayloadError, Tensor, from_tensors, to_tensors
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
 
@@ -83,7 +98,7 @@ def test_unsupported_kinds_disable_caching_with_a_reason(cache, kind):
 # ---- slicing ----------------------------------------------------------------------------
 
 
-def test_slice_block_undoes_left_padding():
+def test_capture_block_undoes_left_padding():
     rng = np.random.default_rng(0)
     rows = []
     for length in (5, 9):
@@ -95,27 +110,83 @@ def test_slice_block_undoes_left_padding():
     batch = BatchKVCache.merge([r[0] for r in rows])  # left-pads the shorter row
     recurrent = ArraysCache(1)
     recurrent.cache = [mx.array(rng.standard_normal((2, 3)).astype(np.float32))]
-    layout = Layout((KV, RECURRENT))
+    layout = Layout((KV, RECURRENT), arrays=((ArraySpec((1, 2, None, 4), "float32"),) * 2,
+                                             (ArraySpec((1, 3), "float32"),)))
     for idx, (_, k, v) in enumerate(rows):
-        payload, dtypes = to_payload(slice_block([batch, recurrent], idx, layout, 2, 4, True))
-        np.testing.assert_array_equal(payload["k0"], k[:, :, 2:4])
-        np.testing.assert_array_equal(payload["v0"], v[:, :, 2:4])
-        np.testing.assert_array_equal(payload["s1.0"], np.array(recurrent.cache[0])[idx:idx + 1])
-        assert dtypes["k0"] == "float32"
-    assert validate_checkpoint(layout, payload)
-    payload["s1.0"] = payload["s1.0"] * np.nan
-    assert not validate_checkpoint(layout, payload)
+        payload = capture_block([batch, recurrent], idx, layout, 2, 4, True)
+        np.testing.assert_array_equal(payload.kv[0][0].data, k[:, :, 2:4])
+        np.testing.assert_array_equal(payload.kv[0][1].data, v[:, :, 2:4])
+        np.testing.assert_array_equal(payload.state[1][0].data,
+                                      np.array(recurrent.cache[0])[idx:idx + 1])
+        assert payload.kv[0][0].dtype == "float32"
+    assert layout.check(payload, 2, need_state=True) is None
+    nan = Tensor(payload.state[1][0].data * np.nan, "float32")
+    assert "non-finite" in layout.check(payload.with_state({1: (nan,)}), 2, need_state=True)
 
 
 def test_bfloat16_round_trips_through_uint16():
-    from serve_app.cache.blocks import _to_mlx
-
     a = mx.array([[1.5, -2.25]], dtype=mx.bfloat16)
     c = KVCache()
     c.update_and_fetch(a.reshape(1, 1, 1, 2), a.reshape(1, 1, 1, 2))
-    payload, dtypes = to_payload(slice_block([c], 0, Layout((KV,)), 0, 1, False))
-    assert payload["k0"].dtype == np.uint16 and dtypes["k0"] == "bfloat16"
-    assert mx.array_equal(_to_mlx(payload["k0"], "bfloat16").reshape(1, 2), a)
+    payload = capture_block([c], 0, Layout((KV,)), 0, 1, False)
+    k = payload.kv[0][0]
+    assert k.data.dtype == np.uint16 and k.dtype == "bfloat16"
+    assert mx.array_equal(k.to_mlx().reshape(1, 2), a)
+    back = from_tensors(*to_tensors(payload, with_state=False))
+    assert back.kv[0][0].dtype == "bfloat16"
+    np.testing.assert_array_equal(back.kv[0][0].data, k.data)
+
+
+def test_payloads_that_do_not_fit_the_layout_are_named():
+    spec = ArraySpec((1, 2, None, 4), "bfloat16")
+    layout = Layout((KV, RECURRENT), arrays=((spec, spec),
+                                             (ArraySpec((1, 3, 8), "bfloat16"),
+                                              ArraySpec((1, 2, 4, 4), "float32"))))
+    bits = np.zeros((1, 2, 3, 4), np.uint16)
+    kv = {0: (Tensor(bits, "bfloat16"), Tensor(bits, "bfloat16"))}
+    conv = Tensor(np.zeros((1, 3, 8), np.uint16), "bfloat16")
+    rec = Tensor(np.zeros((1, 2, 4, 4), np.float32), "float32")
+    good = BlockPayload(kv, {1: (conv, rec)})
+    assert layout.check(good, 3, need_state=True) is None
+    # The bf16 bug: bits widened to float32 numbers, then viewed back as bf16.
+    doubled = Tensor(np.zeros((1, 3, 16), np.uint16), "bfloat16")
+    cases = {
+        "state": good.with_state({1: (doubled, rec)}),
+        "dtype": BlockPayload({0: (Tensor(np.zeros((1, 2, 3, 4), np.float32), "float32"),
+                                   kv[0][1])}, good.state),
+        "layers": BlockPayload({}, good.state),
+        "arrays": good.with_state({1: (conv,)}),
+    }
+    for what, payload in cases.items():
+        assert layout.check(payload, 3, need_state=True) is not None, what
+    assert layout.check(good, 4, need_state=False) is not None  # wrong token count
+    with pytest.raises(PayloadError):
+        Tensor(np.zeros(2, np.float32), "bfloat16")  # the carrier must match the dtype
+
+
+def test_probed_layouts_differ_by_weight_format(tmp_path):
+    import mlx_lm
+
+    digests = set()
+    for name in ("tiny-hybrid", "tiny-hybrid-bf16", "tiny-hybrid-fp16"):
+        model, _ = mlx_lm.load(str(materialize(name, tmp_path)))
+        layout = probe_layout(model)
+        digests.add(layout.digest)
+        conv = layout.arrays[0][0]
+        assert conv.dtype == {"tiny-hybrid": "float32", "tiny-hybrid-bf16": "bfloat16",
+                              "tiny-hybrid-fp16": "float16"}[name]
+        assert layout.arrays[0][1].dtype == "float32"  # the GDN state stays fp32
+    assert len(digests) == 3
+
+
+def test_cache_epochs_fail_closed_on_unknown_mlx_lm_releases():
+    assert cache_epoch("0.32.2") == cache_epoch("0.32.9") == "mlx-lm-0.32"
+    assert cache_epoch("0.33.0") == "mlx-lm-0.33"
+    assert cache_epoch("garbage") == "mlx-lm-garbage"
+    base = Layout((KV,), arrays=((ArraySpec((1, 2, None, 4), "float32"),) * 2,),
+                  epoch="mlx-lm-0.32")
+    other = Layout(base.kinds, arrays=base.arrays, epoch="mlx-lm-0.33")
+    assert base.digest != other.digest
 
 
 # ---- the hot store, through the tiered store's chain lookups ------------------------------
@@ -195,3 +266,32 @@ def test_lookup_reports_evicted_blocks():
     store.hot.put(entry(1))  # evicts b0
     assert lookup(store, ["b0"])["first_missing_evicted"]
     assert not lookup(store, ["zz"])["first_missing_evicted"]
+
+
+# ---- model identity -------------------------------------------------------------------
+
+
+def test_identity_binds_weight_bytes_and_is_memoized(tmp_path, monkeypatch):
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(materialize("tiny-dense", tmp_path / "home"), model_dir)
+    memo = tmp_path / "digests.json"
+    first = hashing.model_identity(model_dir, "local", "t", memo)
+    weights = model_dir / "model.safetensors"
+    assert json.loads(memo.read_text())[str(weights.resolve())][2] == \
+        hashlib.sha256(weights.read_bytes()).hexdigest()
+
+    reads = []
+    real = hashing._file_sha256
+    monkeypatch.setattr(hashing, "_file_sha256", lambda p: reads.append(p) or real(p))
+    hashing._memo.clear()  # a new process: only the memo file remembers
+    assert hashing.model_identity(model_dir, "local", "t", memo) == first
+    assert weights not in [Path(p) for p in reads]  # not read again
+
+    # Re-fused in place: same name, same size, other bytes, a new mtime.
+    data = bytearray(weights.read_bytes())
+    data[-64:] = bytes(64)
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert hashing.model_identity(model_dir, "local", "t", memo) != first

@@ -7,12 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from serve_app.cache.codecs import CODECS, CodecError, decode, encode
+from serve_app.cache.codecs import CODECS, CodecError, decode, decode_state, encode, encode_state
+from serve_app.cache.payload import STORAGE, Tensor
 
 RNG = np.random.default_rng(0)
 # A GDN-like recurrent state (B, Hv, Dv, Dk) and a conv state with odd last dim.
-STATES = [RNG.standard_normal((1, 4, 32, 32)).astype(np.float32),
-          RNG.standard_normal((1, 3, 48)).astype(np.float32) * 5]
+STATES = [Tensor(RNG.standard_normal((1, 4, 32, 32)).astype(np.float32), "float32"),
+          Tensor(RNG.standard_normal((1, 3, 48)).astype(np.float32) * 5, "float32")]
+# The same states as real checkpoints hold them: a bf16 or fp16 conv state.
+NARROW = [Tensor.from_float32(STATES[1].data, "bfloat16"),
+          Tensor.from_float32(STATES[1].data, "float16")]
 
 # Max error relative to the row's max |x|, recorded per codec. fp32 is exact.
 BOUNDS = {"fp32": 0.0, "bf16": 2 ** -8, "int8": 0.5 / 127, "rht_int8": 0.02,
@@ -20,16 +24,37 @@ BOUNDS = {"fp32": 0.0, "bf16": 2 ** -8, "int8": 0.5 / 127, "rht_int8": 0.02,
 
 
 @pytest.mark.parametrize("codec", CODECS)
-@pytest.mark.parametrize("x", STATES, ids=["recurrent", "conv"])
+@pytest.mark.parametrize("x", STATES + NARROW, ids=["recurrent", "conv", "conv-bf16",
+                                                    "conv-fp16"])
 def test_round_trip_within_recorded_bound(codec, x):
     tensors, meta = encode("s", x, codec)
     y = decode("s", tensors, meta)
-    assert y.shape == x.shape and y.dtype == np.float32
-    rows = x.reshape(-1, x.shape[-1])
-    err = np.abs(y.reshape(rows.shape) - rows).max(axis=-1)
-    assert (err <= BOUNDS[codec] * np.abs(rows).max(axis=-1) + 1e-7).all(), err.max()
-    if codec == "fp32":
-        np.testing.assert_array_equal(y, x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert y.data.dtype == np.dtype(STORAGE[x.dtype])
+    rows = x.to_float32().reshape(-1, x.shape[-1])
+    err = np.abs(y.to_float32().reshape(rows.shape) - rows).max(axis=-1)
+    narrowing = 2 ** -8 if x.dtype == "bfloat16" else 2 ** -11 if x.dtype == "float16" else 0
+    bound = BOUNDS[codec] + narrowing
+    assert (err <= bound * np.abs(rows).max(axis=-1) + 1e-7).all(), err.max()
+    if codec == "fp32":  # exact: the very bits, whatever the dtype
+        np.testing.assert_array_equal(y.data, x.data)
+
+
+def test_bf16_state_stays_bit_exact_through_a_sidecar():
+    """The bug of a bf16 model: its conv state's bit patterns were cast as numbers."""
+    state = {"s0.0": NARROW[0], "s0.1": STATES[0]}
+    tensors, codec_meta = encode_state(state, "fp32")
+    back = decode_state(tensors, codec_meta, exact=True)
+    for name, t in state.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape
+        np.testing.assert_array_equal(back[name].data, t.data)
+
+
+def test_lossy_sidecar_refused_where_exactness_is_asked():
+    tensors, codec_meta = encode_state({"s0.0": STATES[0]}, "int8")
+    assert decode_state(tensors, codec_meta, exact=False)["s0.0"].dtype == "float32"
+    with pytest.raises(CodecError, match="lossy"):
+        decode_state(tensors, codec_meta, exact=True)
 
 
 def test_quantized_codecs_are_smaller():
@@ -40,9 +65,9 @@ def test_quantized_codecs_are_smaller():
 
 
 def test_zero_rows_keep_positive_scales():
-    x = np.zeros((2, 8), dtype=np.float32)
+    x = Tensor(np.zeros((2, 8), dtype=np.float32), "float32")
     for codec in ("int8", "rht_int8"):
-        np.testing.assert_array_equal(decode("s", *encode("s", x, codec)), x)
+        np.testing.assert_array_equal(decode("s", *encode("s", x, codec)).data, x.data)
 
 
 def broken(codec, mutate):
@@ -55,6 +80,9 @@ def broken(codec, mutate):
 @pytest.mark.parametrize("codec,mutate,words", [
     ("fp32", lambda t, m: m.update(codec="zstd"), "unknown codec"),
     ("fp32", lambda t, m: m.update(version="9"), "codec version"),
+    ("fp32", lambda t, m: m.update(dtype="int4"), "unknown dtype"),
+    ("fp32", lambda t, m: m.pop("dtype"), "unknown dtype"),
+    ("fp32", lambda t, m: m.update(dtype="bfloat16"), "dtype"),
     ("fp32", lambda t, m: m.pop("shape"), "shape"),
     ("fp32", lambda t, m: m.update(shape="[1, -3, 48]"), "negative"),
     ("fp32", lambda t, m: m.update(shape="[2, 3, 48]"), "values for shape"),

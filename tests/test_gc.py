@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -46,16 +47,39 @@ def test_dry_run_reports_and_deletes_nothing(tmp_path):
     assert files(tmp_path) == before
 
 
-def test_apply_deletes_what_was_reported(tmp_path):
+def sizes(root) -> dict[str, int]:
+    return {str(p): p.stat().st_size for p in root.rglob("*")
+            if p.is_file() and p.name != "LOCK"}
+
+
+def test_apply_deletes_exactly_the_dry_run_plan(tmp_path):
+    """The dry run's list is the set of files that disappear with --apply, bytes included:
+    temp files, orphans, and over budget a block with its sidecar, each file once (a
+    sidecar removed with its block used to be counted twice)."""
     s = populate(tmp_path)
-    report = json.loads(gc("--dir", str(tmp_path), "--json", "--budget", "10KB").stdout)
+    for i in range(4):  # distinct recency: block 0 (and its sidecar) is the oldest
+        for path in (s.block_path(bid(i)), s.sidecar_path(LAYOUT, bid(i))):
+            os.utime(path, (1_000_000 + i, 1_000_000 + i))
+    before = sizes(tmp_path)
+    dry = json.loads(gc("--dir", str(tmp_path), "--json", "--budget", "10KB").stdout)
+    assert sizes(tmp_path) == before
+    planned = {d["path"]: d["bytes"] for d in dry["plan"]}
+    assert len(planned) == len(dry["plan"])  # each file once
+    assert {d["why"] for d in dry["plan"]} == {"temp_file", "orphan", "over_budget"}
+    over = set(dry["over_budget"])
+    assert {str(s.block_path(bid(0))), str(s.sidecar_path(LAYOUT, bid(0)))} <= over
+    assert dry["over_budget_bytes"] == sum(planned[p] for p in over)
+    assert dry["plan_bytes"] == sum(planned.values())
+
     r = gc("--dir", str(tmp_path), "--json", "--budget", "10KB", "--apply")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["deleted"]["orphans"] == 1 and out["deleted"]["temp_files"] == 1
-    remaining = {p for p in tmp_path.rglob("*.safetensors*")}
-    for path in report["orphans"] + report["temp_files"] + report["over_budget"]:
-        assert not any(str(p) == path for p in remaining)
+    after = sizes(tmp_path)
+    vanished = {p: n for p, n in before.items() if p not in after}
+    assert vanished == planned
+    assert set(out["deleted"]["files"]) == set(planned)
+    assert out["deleted"]["bytes"] == sum(planned.values())
+    assert out["deleted"]["by_reason"] == {"temp_file": 1, "orphan": 1, "over_budget": len(over)}
     total = sum(p.stat().st_size for p in tmp_path.rglob("*.safetensors"))
     assert total <= 10_000 and out["deleted"]["bytes_left"] == total
     assert not s.sidecar_path(LAYOUT, bid(99)).exists()

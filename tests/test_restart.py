@@ -14,12 +14,13 @@ from serve_app.devserver import ServerProcess, free_port, write_config
 
 BS = 16
 HYBRID = "restart-hybrid"
-DENSE = "restart-dense"
+HYBRID_BF16 = "restart-hybrid-bf16"  # as real Qwen3-Next checkpoints: bf16 conv state
+DENSE_Q4 = "restart-dense-q4"
 MODELS = [
-    {"name": HYBRID, "source": "embedded:tiny-hybrid", "context_length": 1024,
-     "cache": {"block_size": BS}},
-    {"name": DENSE, "source": "embedded:tiny-dense", "context_length": 1024,
-     "cache": {"block_size": BS}},
+    {"name": name, "source": f"embedded:{source}", "context_length": 1024,
+     "cache": {"block_size": BS}}
+    for name, source in ((HYBRID, "tiny-hybrid"), (HYBRID_BF16, "tiny-hybrid-bf16"),
+                         (DENSE_Q4, "tiny-dense-q4"))
 ]
 
 
@@ -35,7 +36,7 @@ def start(tmp_path, model_home):
         server = ServerProcess.serve_run(config, port, tmp_path / f"serve{len(servers)}.log",
                                          env={"SERVE_APP_HOME": str(model_home)})
         servers.append(server)
-        server.wait_ready([HYBRID, DENSE])
+        server.wait_ready([m["name"] for m in MODELS])
         return server
 
     yield go, kv
@@ -72,7 +73,7 @@ def conversation(model: str) -> list[dict]:
             {"role": "user", "content": "First question, please answer."}]
 
 
-@pytest.mark.parametrize("model", [HYBRID, DENSE])
+@pytest.mark.parametrize("model", [HYBRID, HYBRID_BF16, DENSE_Q4])
 def test_conversation_survives_a_restart(start, model):
     go, _ = start
     first = go()
@@ -92,7 +93,8 @@ def test_conversation_survives_a_restart(start, model):
     assert again.choices[0].message.content == turn2.choices[0].message.content
     stats = store_stats(second, model)["cache"]
     assert stats["hit_tokens_by_tier"].get("ssd", 0) > 0
-    assert stats["sidecar_loads"] == (1 if model == HYBRID else 0)
+    assert stats["sidecar_loads"] == (0 if model == DENSE_Q4 else 1)
+    assert stats["incompatible_payloads"] == 0 and stats["restore_failures"] == 0
 
 
 def test_kill_9_leaves_no_partial_file_and_later_turns_hit(start):

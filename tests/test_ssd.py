@@ -1,14 +1,24 @@
-"""The SSD tier on real files: atomic writes, index rebuild, budget, safety."""
+"""The SSD tier on real files: atomic writes, index rebuild, budget, safety, races."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
+import threading
 
 import numpy as np
 import pytest
 
-from serve_app.cache.ssd import FORMAT_VERSION, TMP_MARK, SSDError, SSDStore, read_header
+import serve_app.cache.ssd as ssd_module
+from serve_app.cache.ssd import (
+    FORMAT_VERSION,
+    TMP_MARK,
+    SSDError,
+    SSDStore,
+    read_header,
+    token_of,
+)
 
 LAYOUT = hashlib.sha256(b"layout").hexdigest()
 MODEL = hashlib.sha256(b"model").hexdigest()
@@ -211,3 +221,97 @@ def test_running_totals_match_a_recount(tmp_path):
     assert snap["evictions"] > 0
     assert sum(m["evictions"] for m in snap["by_model"].values()) == snap["evictions"]
     recount(store(tmp_path, budget=s.budget_bytes))  # a restart rebuilds the same totals
+
+
+def test_remove_leaves_a_file_rewritten_since(tmp_path):
+    """A stale entry (the file was rewritten under the same name) removes nothing."""
+    s = store(tmp_path)
+    s.write("block", bid(0), tensors(), meta())
+    stale = s.block_entry(bid(0))
+    s.write("block", bid(0), tensors(), meta())  # same content: a new write id, a new token
+    fresh = s.block_entry(bid(0))
+    assert token_of(fresh) != token_of(stale)
+    assert not s.remove(stale) and not s.remove_file("block", LAYOUT, bid(0), token_of(stale))
+    assert s.block_entry(bid(0)) is fresh and fresh.path.exists()
+    assert s.remove_file("block", LAYOUT, bid(0), token_of(fresh))
+    assert not s.has_block(bid(0)) and not fresh.path.exists()
+
+
+def test_a_remover_cannot_slip_between_rename_and_index(tmp_path, monkeypatch):
+    """A remover holding the old entry runs right after the new file is renamed into place:
+    it must wait for the index update and then leave the new file alone (it used to see
+    the old entry still indexed and delete the new file)."""
+    s = store(tmp_path)
+    s.write("block", bid(0), tensors(), meta())
+    stale = s.block_entry(bid(0))
+    real_replace = os.replace
+    removers: list[threading.Thread] = []
+
+    def replace_then_race(src, dst):
+        real_replace(src, dst)
+        t = threading.Thread(target=s.remove, args=(stale,))
+        t.start()
+        t.join(0.3)  # under the store lock it cannot finish yet
+        removers.append(t)
+
+    monkeypatch.setattr(ssd_module.os, "replace", replace_then_race)
+    assert s.write("block", bid(0), tensors(), meta())
+    removers[0].join(10)
+    fresh = s.block_entry(bid(0))
+    assert fresh is not None and token_of(fresh) != token_of(stale)
+    assert fresh.path.exists()
+
+
+def test_files_are_0600_and_directories_0700(tmp_path, monkeypatch):
+    root = tmp_path / "new" / "kv"  # created by us, parents included
+    s = SSDStore(root, 1 << 30)
+    assert s.lock_directory()
+    s.open()
+    temp_modes = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        temp_modes.append(stat.S_IMODE(os.stat(src).st_mode))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ssd_module.os, "replace", replace)
+    s.write("block", bid(0), tensors(), meta())
+    s.write("sidecar", bid(0), {"s1.0": np.zeros(4, np.float32)}, meta())
+    assert temp_modes == [0o600, 0o600]
+    files = [s.base / "LOCK", s.block_path(bid(0)), s.sidecar_path(LAYOUT, bid(0))]
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    dirs = {tmp_path / "new", root, s.base}
+    for path in files[1:]:
+        dirs |= {p for p in path.parents if s.base in p.parents}
+    assert len(dirs) == 8  # new, kv, v1, blocks, blocks/xx, sidecars, sidecars/layout, /xx
+    for d in dirs:
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+
+
+def test_eviction_deletes_exactly_its_plan(tmp_path):
+    """The plan (a block followed by its sidecars, each file once) is what eviction does."""
+    s = store(tmp_path)
+    for i in range(6):
+        s.write("block", bid(i), tensors(), meta())
+        if i % 2 == 0:
+            s.write("sidecar", bid(i), {"s1.0": np.zeros(64, np.float32)}, meta())
+    s.budget_bytes = s.bytes_used() // 2
+    plan = s.eviction_plan()
+    assert len({id(e) for e in plan}) == len(plan)
+    assert [e.kind for e in plan[:2]] == ["block", "sidecar"]  # the oldest, with its sidecar
+    assert plan[0].block_id == plan[1].block_id
+    on_disk = {p for p in (tmp_path / "kv").rglob("*.safetensors")}
+    s.enforce_budget()
+    gone = on_disk - {p for p in (tmp_path / "kv").rglob("*.safetensors")}
+    assert gone == {e.path for e in plan}
+    assert s.bytes_used() <= s.budget_bytes
+
+
+def test_two_stores_in_one_process_conflict(tmp_path):
+    """flock belongs to an open file description: a second open in the same process is
+    refused like another process would be, and the LOCK file names the holder."""
+    a = SSDStore(tmp_path / "kv", 1 << 20)
+    b = SSDStore(tmp_path / "kv", 1 << 20)
+    assert a.lock_directory() and not b.lock_directory()
+    assert b.directory_in_use() and b.lock_holder() == str(os.getpid())

@@ -1,4 +1,4 @@
-"""The tiered store without Ray: pending reads, tier order, leases across tiers."""
+"""The tiered store without Ray: pending reads, tier order, leases across tiers, races."""
 
 from __future__ import annotations
 
@@ -6,19 +6,21 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from serve_app.cache.hot import HotEntry
-from serve_app.cache.ssd import SSDStore
-from serve_app.cache.tiers import DiskInfo, TieredStore
-from tests.test_ssd import LAYOUT, MODEL, bid
+from serve_app.cache.payload import BlockPayload, Tensor
+from serve_app.cache.ssd import SSDError, SSDStore, read_file, token_of
+from serve_app.cache.tiers import GONE, DiskInfo, TieredStore
+from tests.test_ssd import LAYOUT, MODEL, bid, meta, tensors
 
-DISK = DiskInfo(MODEL, LAYOUT, 16, "ssd_sidecar", "fp32", {"k0": "float32"})
+DISK = DiskInfo(MODEL, LAYOUT, 16, "ssd_sidecar", "fp32")
 
 
 def entry(i: int, nbytes: int = 4096) -> HotEntry:
-    payload = {"k0": np.full(nbytes // 4, i, dtype=np.float32)}
-    return HotEntry(bid(i), bid(i - 1), nbytes, False, handle=(payload, {"k0": "float32"}),
-                    model="m")
+    half = Tensor(np.full(nbytes // 8, i, dtype=np.float32), "float32")
+    payload = BlockPayload({0: (half, half)})
+    return HotEntry(bid(i), bid(i - 1), nbytes, False, handle=payload, model="m")
 
 
 def wait(predicate, timeout: float = 10.0) -> None:
@@ -61,3 +63,82 @@ def test_chain_spans_tiers_in_order(tmp_path):
     assert store.hot.pinned_ids() == {bid(0), bid(2)} and set(ssd._pins) == {bid(1)}
     store.release(found["lease"])
     assert store.hot.pinned_ids() == set() and not ssd._pins
+
+
+def embedded_on_disk(tmp_path) -> SSDStore:
+    """A block file carrying its recurrent checkpoint (``embedded``), and nothing else."""
+    ssd = SSDStore(tmp_path, 1 << 30)
+    state = {"s1.0": np.zeros(4, np.float32)}
+    assert ssd.write("block", bid(0), {**tensors(), **state},
+                     {**meta(), "checkpoint": "embedded"})
+    return ssd
+
+
+class EvictingStore(TieredStore):
+    """Injects the race: the SSD writer thread evicts the block right after every index
+    check of its checkpoint (each check still sees it). For real this needs a thread
+    switch at exactly that point, which a test cannot force."""
+
+    victim = None
+
+    def _disk_checkpoint(self, bid: str, layout: str, exact: bool = True):
+        if self.ssd.block_entry(bid) is None:
+            with self.ssd._lock:
+                self.ssd._index(self.victim)
+        where = super()._disk_checkpoint(bid, layout, exact)
+        self.ssd.remove(self.ssd.block_entry(bid))  # file and index entry gone
+        return where
+
+
+@pytest.mark.parametrize("tier", ["ssd", "hot"])
+def test_lookup_racing_an_eviction_is_a_clean_miss(tmp_path, tier):
+    """The block file holding the checkpoint vanishes mid-lookup: the lookup hands out the
+    file it saw (or, when it never saw one, a path and a token matching nothing); reading
+    it misses cleanly. It used to raise AttributeError on the vanished entry's path."""
+    ssd = embedded_on_disk(tmp_path)
+    store = EvictingStore(hot_budget=1 << 20, ssd=ssd)
+    wait(ssd.ready.is_set)
+    store.victim = ssd.block_entry(bid(0))
+    if tier == "hot":  # the block is hot too, without its checkpoint
+        store.put(entry(0), None)
+    found = store.lookup([bid(0)], need_checkpoint=True, layout=LAYOUT)
+    (source,) = found["sources"]
+    assert (source.tier, source.checkpoint) == ("ssd", "embedded")
+    assert source.token == (token_of(store.victim) if tier == "ssd" else GONE)
+    with pytest.raises(SSDError):
+        read_file(source.handle, {})
+    store.drop("block", LAYOUT, bid(0), source.token)  # what the replica does next
+    store.release(found["lease"])
+    assert not ssd._pins
+
+
+def test_drop_removes_only_the_file_the_reader_saw(tmp_path):
+    """A replica drops a bad file by the token its lookup saw; a file rewritten since under
+    the same name stays (a stale drop used to delete the fresh file)."""
+    ssd = SSDStore(tmp_path, 1 << 30)
+    store = TieredStore(hot_budget=1 << 20, ssd=ssd)
+    wait(ssd.ready.is_set)
+    ssd.write("block", bid(0), tensors(), meta())
+    found = store.lookup([bid(0)], need_checkpoint=False, layout=LAYOUT)
+    old = found["sources"][0].token
+    store.release(found["lease"])
+    ssd.write("block", bid(0), tensors(), meta())  # rewritten: a new file, a new token
+    new = token_of(ssd.block_entry(bid(0)))
+    assert new != old
+    store.drop("block", LAYOUT, bid(0), old)
+    assert ssd.has_block(bid(0)) and ssd.block_path(bid(0)).exists()
+    assert token_of(ssd.block_entry(bid(0))) == new
+    store.drop("block", LAYOUT, bid(0), new)
+    assert not ssd.has_block(bid(0)) and not ssd.block_path(bid(0)).exists()
+
+
+def test_a_block_no_tier_keeps_is_counted_as_dropped(tmp_path):
+    store = TieredStore(hot_budget=1000)  # no SSD tier, and too small for the block
+    assert not store.put(entry(0), DISK)
+    assert store.snapshot()["dropped"]["hot_full"] == 1
+    assert store.put(entry(1, 512), DISK)
+    low = TieredStore(hot_budget=1 << 20, ssd=SSDStore(tmp_path, 1 << 30, 1 << 62))
+    assert low.put(entry(0), DISK)  # hot keeps it; the SSD write is skipped (no free space)
+    wait(lambda: low.snapshot()["staging"]["pending_bytes"] == 0)
+    snap = low.snapshot()
+    assert snap["dropped"]["ssd_low_space"] == 1 == snap["staging"]["writes_dropped"]

@@ -5,6 +5,11 @@ payload bytes sit in Ray's shared-memory object store. A replica ``ray.put``s
 a captured block once and hands the actor the reference; a restoring replica
 gets the references back and reads the arrays zero-copy (or reads SSD files
 itself), so the only copy on restore is the one into MLX arrays.
+
+The actor is threaded: a put waiting for staging room (or writing inline) or
+a lookup waiting for the SSD index never holds up another call. Puts run in
+their own concurrency group, so a burst of them cannot take every thread.
+The ``TieredStore`` is lock-protected and holds its locks only briefly.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from serve_app.cache.blocks import CapturedBlock, Payload
+from serve_app.cache.blocks import CapturedBlock
 from serve_app.cache.client import CacheClient
 from serve_app.cache.hot import HotEntry
+from serve_app.cache.payload import BlockPayload
 from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir
 from serve_app.cache.tiers import DiskInfo, TieredStore
 from serve_app.metrics import MetricsPump, RayRecorder, store_samples
@@ -30,62 +36,107 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "serve_app"
 PUBLISH_QUEUE_BLOCKS = 256
+MAX_UNACKED_PUTS = 8  # puts one replica has in flight to the store; then its publisher waits
+ACK_WAIT_S = 30.0  # a lookup waits at most this long for the replica's earlier puts
+REPORT_DROPS_S = 1.0
+# Options of the actor (and of test subclasses): threaded, puts in a group of their own.
+ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 16,
+                                 "concurrency_groups": {"puts": 8}}
 
 
-def make_ssd(config: dict) -> SSDStore | None:
-    """The SSD tier a ``CacheStoreProfile`` asks for, with its directory locked."""
+def make_ssd(config: dict) -> tuple[SSDStore | None, str | None]:
+    """The SSD tier a ``CacheStoreProfile`` asks for, its directory locked; or None and why.
+
+    Two servers on one directory would each evict the other's files under its
+    own index and budget: the second one serves without the SSD tier and says so.
+    """
     if not config.get("ssd"):
-        return None
+        return None, None
     root = Path(config.get("ssd_dir") or default_cache_dir()).expanduser()
-    budget = config.get("ssd_cache_max_size", "auto")
-    if budget == "auto":
-        budget = auto_budget(root)
-    store = SSDStore(root, int(budget), int(config.get("ssd_min_free", 0)))
-    if not store.lock_directory():
-        logger.warning("cache directory %s is locked by another process; sharing it", root)
-    return store
+    try:
+        budget = config.get("ssd_cache_max_size", "auto")
+        if budget == "auto":
+            budget = auto_budget(root)
+        store = SSDStore(root, int(budget), int(config.get("ssd_min_free", 0)))
+        locked = store.lock_directory()
+    except OSError as exc:
+        reason = f"cannot use cache directory {root}: {exc}; serving without the SSD tier"
+        logger.error("%s", reason)
+        return None, reason
+    if not locked:
+        reason = (f"cache directory {root} is locked by process {store.lock_holder()} "
+                  "(another server uses it); serving without the SSD tier")
+        logger.error("%s", reason)
+        return None, reason
+    return store, None
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class CacheStoreActor:
-    """The per-node cache store. Sequential: every call sees the previous one."""
+class CacheStore:
+    """The per-node cache store: the actor's body (``CacheStoreActor``), plain so tests
+    can subclass it. Calls run concurrently; replicas make their own puts visible to
+    their own lookups (``RayCacheClient``)."""
 
     def __init__(self, hot_budget: int, config: dict) -> None:
+        ssd, self.ssd_disabled = make_ssd(config)
         self.tiers = TieredStore(
             hot_budget,
-            make_ssd(config),
+            ssd,
             int(config.get("gdn_ssd_pending_max_size", 512 * 1000 * 1000)),
             resolve=ray.get,
         )
         self.names: dict[str, str] = {}  # model identity[:16] -> a name it is served under
+        self._lock = threading.Lock()
+        self.publish_dropped = 0  # blocks replicas could not hand over (they report them)
         recorder = RayRecorder("store", serve=False)
         self.pump = MetricsPump(recorder, self._metric_samples, name="cache-metrics").start()
 
     def _metric_samples(self) -> list:
-        return store_samples(self.tiers.snapshot(), dict(self.names))
+        with self._lock:
+            names = dict(self.names)
+        return store_samples(self._snapshot(), names)
 
+    @ray.method(concurrency_group="puts")
     def put(self, model: str, block_id: str, parent_id: str, nbytes: int,
-            has_checkpoint: bool, refs: list, disk: DiskInfo | None) -> None:
+            has_checkpoint: bool, refs: list, disk: DiskInfo | None) -> bool:
+        """Store a block; the reply is the replica's acknowledgement (False: dropped)."""
         entry = HotEntry(block_id, parent_id, nbytes, has_checkpoint, handle=refs[0], model=model)
-        self.tiers.put(entry, disk)
+        return self.tiers.put(entry, disk)
+
+    def count_dropped(self, reason: str, n: int) -> None:
+        """Blocks a replica could not hand over (``reason`` is "publish")."""
+        with self._lock:
+            self.publish_dropped += n
 
     def activate(self, name: str, model: str, layout: str) -> None:
         """A replica serves model identity ``model`` as ``name``: its files are evicted last."""
-        self.names.setdefault(model[:16], name)
+        with self._lock:
+            self.names.setdefault(model[:16], name)
         if self.tiers.ssd is not None:
-            self.tiers.ssd.active.add((model, layout))
+            self.tiers.ssd.activate(model, layout)
 
-    def lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str) -> dict:
-        return self.tiers.lookup(block_ids, need_checkpoint, layout)
+    def lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
+               exact: bool = True) -> dict:
+        return self.tiers.lookup(block_ids, need_checkpoint, layout, exact)
 
     def release(self, lease: int | None) -> None:
         self.tiers.release(lease)
 
-    def drop(self, kind: str, layout: str, block_id: str) -> None:
-        self.tiers.drop(kind, layout, block_id)
+    def drop(self, kind: str, layout: str, block_id: str, token: str | None = None) -> None:
+        self.tiers.drop(kind, layout, block_id, token)
 
     def stats(self) -> dict:
-        return self.tiers.snapshot()
+        return self._snapshot()
+
+    def _snapshot(self) -> dict:
+        out = self.tiers.snapshot()
+        with self._lock:
+            out["dropped"]["publish"] = self.publish_dropped
+        if self.ssd_disabled is not None:
+            out["ssd"] = {"disabled": self.ssd_disabled}
+        return out
+
+
+CacheStoreActor = ray.remote(**ACTOR_OPTIONS)(CacheStore)
 
 
 def get_or_create_actor(hot_budget: int, config: dict):
@@ -101,15 +152,24 @@ def get_or_create_actor(hot_budget: int, config: dict):
 
 
 class RayCacheClient(CacheClient):
-    """Publishes from a background thread so the engine thread never waits on Ray."""
+    """Publishes from a background thread so the engine thread never waits on Ray.
+
+    The actor runs calls concurrently, so the order of calls is no promise of
+    visibility: each put is tracked until its reply arrives (its ack), and a
+    lookup waits for the acks of the puts published before it, not after. At
+    most ``MAX_UNACKED_PUTS`` are in flight; beyond that the publisher waits,
+    then the bounded queue fills and the engine waits: backpressure, not memory.
+    """
 
     def __init__(self, actor) -> None:
         self.actor = actor
-        # Bounded: if Ray falls behind, the engine waits instead of memory growing.
         self._queue: queue.Queue = queue.Queue(maxsize=PUBLISH_QUEUE_BLOCKS)
         self._cv = threading.Condition()
         self._seq = 0
-        self._unsubmitted: set[int] = set()
+        self._unacked: set[int] = set()  # published, not acknowledged by the store yet
+        self._in_flight = 0  # submitted to the store, not acknowledged yet
+        self.dropped = 0  # blocks that never reached the store
+        self._unreported = 0  # of those, not yet counted by the store
         self._thread = threading.Thread(target=self._publisher, name="cache-publish",
                                         daemon=True)
         self._thread.start()
@@ -118,49 +178,88 @@ class RayCacheClient(CacheClient):
         with self._cv:
             self._seq += 1
             seq = self._seq
-            self._unsubmitted.add(seq)
+            self._unacked.add(seq)
         self._queue.put((seq, model, block, disk))
 
     def _publisher(self) -> None:
         while True:
-            seq, model, block, disk = self._queue.get()
             try:
-                ref = ray.put((block.payload, block.dtypes))
-                self.actor.put.remote(model, block.block_id, block.parent_id, block.nbytes,
-                                      block.has_checkpoint, [ref], disk)
+                seq, model, block, disk = self._queue.get(timeout=REPORT_DROPS_S)
+            except queue.Empty:
+                self._report_drops()
+                continue
+            with self._cv:
+                self._cv.wait_for(lambda: self._in_flight < MAX_UNACKED_PUTS)
+                self._in_flight += 1
+            try:
+                ref = ray.put(block.payload)
+                ack = self.actor.put.remote(model, block.block_id, block.parent_id,
+                                            block.nbytes, block.has_checkpoint, [ref], disk)
+                ack.future().add_done_callback(
+                    lambda f, seq=seq, bid=block.block_id: self._acked(seq, bid, f))
             except Exception:
                 logger.exception("publishing block %s failed", block.block_id)
-            finally:
+                self._acked(seq, block.block_id, None)
+            self._report_drops()
+
+    def _acked(self, seq: int, block_id: str, future: Any) -> None:
+        """A put answered or failed: it holds back no lookup now. On Ray's callback thread
+        (no Ray calls here); a failure is counted and reported by the publisher."""
+        try:
+            error = future.exception() if future is not None else True
+        except BaseException as exc:  # cancelled
+            error = exc
+        if error is not None and future is not None:
+            logger.warning("publishing block %s failed: %s", block_id, error)
+        with self._cv:
+            self._unacked.discard(seq)
+            self._in_flight -= 1
+            if error is not None:
+                self.dropped += 1
+                self._unreported += 1
+            self._cv.notify_all()
+
+    def _report_drops(self) -> None:
+        with self._cv:
+            n, self._unreported = self._unreported, 0
+        if n:
+            try:
+                self.actor.count_dropped.remote("publish", n)
+            except Exception:  # no store to tell now: try again later
                 with self._cv:
-                    self._unsubmitted.discard(seq)
-                    self._cv.notify_all()
+                    self._unreported += n
 
-    def _wait_submitted(self, seqs: set[int]) -> None:
+    def _wait_acked(self, seqs: set[int]) -> None:
         with self._cv:
-            self._cv.wait_for(lambda: not (seqs & self._unsubmitted))
+            self._cv.wait_for(lambda: not (seqs & self._unacked), timeout=ACK_WAIT_S)
 
-    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str) -> dict:
-        # Blocks published before this lookup must be visible to it: wait until the
-        # publisher has submitted those (actor calls from one process run in order),
-        # not the ones published after.
+    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
+                      exact: bool) -> dict:
+        # Blocks published before this lookup must be visible to it: wait for the
+        # store's acks of those puts (not of the ones published after).
         with self._cv:
-            before = set(self._unsubmitted)
+            before = set(self._unacked)
         if before:
-            await asyncio.get_running_loop().run_in_executor(None, self._wait_submitted, before)
-        return await self.actor.lookup.remote(block_ids, need_checkpoint, layout)
+            await asyncio.get_running_loop().run_in_executor(None, self._wait_acked, before)
+        return await self.actor.lookup.remote(block_ids, need_checkpoint, layout, exact)
 
-    async def _resolve(self, handle: Any) -> tuple[Payload, dict[str, str]]:
+    async def _resolve(self, handle: Any) -> BlockPayload:
         try:
             return await handle
         except ray.exceptions.RayError:  # its owner died: those bytes are gone
             raise LookupError("hot block lost with its owner") from None
 
-    async def _drop(self, kind: str, layout: str, block_id: str) -> None:
-        await self.actor.drop.remote(kind, layout, block_id)
+    async def _drop(self, kind: str, layout: str, block_id: str,
+                    token: str | None = None) -> None:
+        await self.actor.drop.remote(kind, layout, block_id, token)
 
     async def release(self, lease: int | None) -> None:
         if lease is not None:
             await self.actor.release.remote(lease)
 
     async def stats(self) -> dict:
-        return await self.actor.stats.remote()
+        """The store's stats, and this replica's publisher (drops, puts not acked yet)."""
+        out = await self.actor.stats.remote()
+        with self._cv:
+            out["publisher"] = {"dropped": self.dropped, "unacknowledged": len(self._unacked)}
+        return out

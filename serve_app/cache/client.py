@@ -15,16 +15,16 @@ promoted into the hot tier.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.cache import codecs
-from serve_app.cache.blocks import CapturedBlock, Payload, validate_checkpoint
+from serve_app.cache.blocks import CapturedBlock
 from serve_app.cache.hot import HotEntry
 from serve_app.cache.layout import Layout
+from serve_app.cache.payload import BlockPayload, PayloadError, from_tensors, state_from_names
 from serve_app.cache.ssd import SSDError, read_file
 from serve_app.cache.tiers import DiskInfo, Source, TieredStore
 
@@ -37,21 +37,40 @@ class FetchedChain:
 
     present: int
     walkbacks: int
-    payloads: list[tuple[Payload, dict[str, str]]]
+    payloads: list[BlockPayload]
     lease: int | None
     first_missing_evicted: bool
     tiers: list[str] = field(default_factory=list)
     checkpoint_rejects: int = 0
+    incompatible: int = 0  # payloads whose shapes or dtypes did not fit the layout
+    incompatible_reason: str | None = None
     sidecar_loads: int = 0
     ssd_bytes: int = 0
     ssd_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class FetchRequest:
+    """What a replica asks for: a chain of its model's blocks, checked against its layout."""
+
+    model: str  # the name it serves the model under (for the store's stats)
+    block_ids: list[str]
+    layout: Layout
+    block_size: int
+    expect: dict[str, str]  # metadata every SSD file of this model must carry
+    exact: bool = True  # only exact checkpoints (no lossy sidecar codec)
+
+
 class BadFile(Exception):
-    def __init__(self, kind: str, block_id: str) -> None:
+    """A block or checkpoint that cannot be used: dropped, then the lookup is redone."""
+
+    def __init__(self, kind: str, block_id: str, token: str | None = None,
+                 incompatible: str | None = None) -> None:
         super().__init__(f"{kind} {block_id}")
         self.kind = kind
         self.block_id = block_id
+        self.token = token
+        self.incompatible = incompatible
 
 
 class CacheClient:
@@ -60,13 +79,15 @@ class CacheClient:
     def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None) -> None:
         raise NotImplementedError
 
-    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str) -> dict:
+    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
+                      exact: bool) -> dict:
         raise NotImplementedError
 
-    async def _resolve(self, handle: Any) -> tuple[Payload, dict[str, str]]:
+    async def _resolve(self, handle: Any) -> BlockPayload:
         raise NotImplementedError
 
-    async def _drop(self, kind: str, layout: str, block_id: str) -> None:
+    async def _drop(self, kind: str, layout: str, block_id: str,
+                    token: str | None = None) -> None:
         raise NotImplementedError
 
     async def release(self, lease: int | None) -> None:
@@ -75,95 +96,120 @@ class CacheClient:
     async def stats(self) -> dict:
         raise NotImplementedError
 
-    async def fetch(self, model: str, block_ids: list[str], layout: Layout,
-                    expect: dict[str, str]) -> FetchedChain:
-        """The longest restorable chain, payloads loaded; retried past bad files."""
-        rejects = 0
+    async def fetch(self, req: FetchRequest) -> FetchedChain:
+        """The longest restorable chain, payloads loaded and checked; retried past bad files."""
+        rejects = incompatible = 0
+        reason = None
         for _ in range(MAX_ATTEMPTS):
-            found = await self._lookup(block_ids, layout.hybrid, layout.digest)
+            found = await self._pinned_lookup(req)
             try:
                 tic = time.perf_counter()
-                payloads, loads = await self._load(model, block_ids, found["sources"], layout,
-                                                   expect)
+                payloads, loads = await self._load(req, found["sources"])
                 toc = time.perf_counter()
             except BadFile as bad:
                 await self.release(found["lease"])
-                await self._drop(bad.kind, layout.digest, bad.block_id)
-                rejects += bad.kind != "block"
+                await self._drop(bad.kind, req.layout.digest, bad.block_id, bad.token)
+                rejects += bad.kind not in ("block", "lost")
+                if bad.incompatible is not None:
+                    incompatible += 1
+                    reason = bad.incompatible
                 continue
             except BaseException:  # cancelled or unexpected: never leave pins behind
                 asyncio.ensure_future(self.release(found["lease"]))
                 raise
             # A rejected checkpoint shows up as a walkback of the next lookup.
             tiers = [s.tier for s in found["sources"]]
-            ssd_bytes = sum(a.nbytes for (p, _), t in zip(payloads, tiers, strict=True)
-                            if t == "ssd" for a in p.values())
+            ssd_bytes = sum(p.nbytes for p, t in zip(payloads, tiers, strict=True) if t == "ssd")
             return FetchedChain(found["present"], found["walkbacks"], payloads,
                                 found["lease"], found["first_missing_evicted"], tiers, rejects,
-                                loads, ssd_bytes, (toc - tic) if ssd_bytes else 0.0)
-        return FetchedChain(0, 0, [], None, False, [], rejects, 0)
+                                incompatible, reason, loads, ssd_bytes,
+                                (toc - tic) if ssd_bytes else 0.0)
+        return FetchedChain(0, 0, [], None, False, [], rejects, incompatible, reason)
 
-    async def _load(self, model: str, block_ids: list[str], sources: list[Source],
-                    layout: Layout, expect: dict[str, str]):
-        payloads: list[tuple[Payload, dict[str, str]]] = []
+    async def _pinned_lookup(self, req: FetchRequest) -> dict:
+        """A lookup whose lease is released even if the caller is cancelled meanwhile.
+
+        The store grants the lease when the lookup runs; a client that hangs up
+        while waiting for the answer would otherwise leave its blocks pinned.
+        """
+        task = asyncio.ensure_future(
+            self._lookup(req.block_ids, req.layout.hybrid, req.layout.digest, req.exact))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._release_abandoned)
+            raise
+
+    def _release_abandoned(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is None:
+            asyncio.ensure_future(self.release(task.result()["lease"]))
+
+    async def _load(self, req: FetchRequest, sources: list[Source]):
+        payloads: list[BlockPayload] = []
         sidecar_loads = 0
         loop = asyncio.get_running_loop()
+        block_ids, layout = req.block_ids, req.layout
         # Read every SSD block file at once; the disk does better with queue depth.
         reads = await asyncio.gather(*(
-            loop.run_in_executor(None, _read_or_none, s.handle, {**expect, "block_id": b})
+            loop.run_in_executor(None, _read_or_none, s.handle, {**req.expect, "block_id": b})
             for b, s in zip(block_ids, sources, strict=False) if s.tier == "ssd"))
         files = iter(reads)
         for i, source in enumerate(sources):
             last = i == len(sources) - 1
             bid = block_ids[i]
-            meta: dict[str, str] = {}
-            tensors: dict = {}
+            parent = ""
             if source.tier != "ssd":
                 try:
-                    payload, dtypes = await self._resolve(source.handle)
+                    payload = await self._resolve(source.handle)
                 except LookupError:
                     raise BadFile("lost", bid) from None
+                bad_kind = "lost"  # a hot payload that does not fit: drop it from RAM
             else:
                 read = next(files)
                 if read is None:
-                    raise BadFile("block", bid)
+                    raise BadFile("block", bid, source.token)
                 tensors, meta = read
-                dtypes = json.loads(meta.get("dtypes", "{}"))
-                payload = {k: v for k, v in tensors.items() if not k.startswith("s")}
-            has_checkpoint = False
+                parent = meta.get("parent_id", "")
+                try:
+                    payload = from_tensors(tensors, meta.get("dtypes", ""))
+                except PayloadError as exc:
+                    raise BadFile("block", bid, source.token, str(exc)) from None
+                bad_kind = "block"
+            lossy = False
+            if last and layout.hybrid and source.checkpoint is not None:
+                state, lossy = await self._load_checkpoint(loop, req, source, payload, bid)
+                payload = payload.with_state(state)
+                sidecar_loads += source.checkpoint != "embedded"
+            reason = layout.check(payload.without_state(), req.block_size, need_state=False)
+            if reason is not None:
+                raise BadFile(bad_kind, bid, source.token, reason)
             if last and layout.hybrid:
-                if source.checkpoint is None:  # carried by the hot/pending payload itself
-                    if not validate_checkpoint(layout, payload):
-                        raise BadFile("checkpoint", bid)
-                else:
-                    state = await self._load_checkpoint(loop, source, tensors, bid, expect)
-                    if not validate_checkpoint(layout, state):
-                        raise BadFile("sidecar" if source.checkpoint != "embedded" else "block",
-                                      bid)
-                    payload = {**payload, **state}
-                    sidecar_loads += source.checkpoint != "embedded"
-                has_checkpoint = True
-            payloads.append((payload, dtypes))
-            if source.tier == "ssd":  # promote to the hot tier
-                self.publish(model, CapturedBlock(bid, meta.get("parent_id", ""), i, payload,
-                                                  dtypes, has_checkpoint), None)
+                reason = layout.check(payload, req.block_size, need_state=True)
+                if reason is not None:  # a walkback: this checkpoint is unusable
+                    kind = "checkpoint" if source.checkpoint is None else (
+                        "sidecar" if source.checkpoint != "embedded" else "block")
+                    token = source.checkpoint_token if kind == "sidecar" else source.token
+                    raise BadFile(kind, bid, token, reason)
+            else:
+                payload = payload.without_state()
+            payloads.append(payload)
+            if source.tier == "ssd":  # validated: promote to the hot tier (never lossy state)
+                promoted = payload.without_state() if lossy else payload
+                self.publish(req.model, CapturedBlock(bid, parent, promoted), None)
         return payloads, sidecar_loads
 
-    async def _load_checkpoint(self, loop, source: Source, tensors: dict, bid: str,
-                               expect: dict[str, str]) -> dict:
+    async def _load_checkpoint(self, loop, req: FetchRequest, source: Source,
+                               payload: BlockPayload, bid: str) -> tuple[dict, bool]:
+        """The block's recurrent state and whether it came through a lossy codec."""
         if source.checkpoint == "embedded":
-            return {k: v for k, v in tensors.items() if k.startswith("s")}
-        if source.checkpoint is None:
-            raise BadFile("sidecar", bid)
+            return payload.state, False
         try:
             encoded, meta = await loop.run_in_executor(
-                None, read_file, source.checkpoint, {**expect, "block_id": bid})
-            codec_meta = json.loads(meta.get("codec_meta", "{}"))
-            if not codec_meta:
-                raise SSDError("no codec metadata")
-            return {name: codecs.decode(name, encoded, m) for name, m in codec_meta.items()}
+                None, read_file, source.checkpoint, {**req.expect, "block_id": bid})
+            named = codecs.decode_state(encoded, meta.get("codec_meta", ""), req.exact)
+            return state_from_names(named), meta.get("codec") != codecs.EXACT
         except Exception:  # unreadable, wrong metadata, or a codec that does not decode
-            raise BadFile("sidecar", bid) from None
+            raise BadFile("sidecar", bid, source.checkpoint_token) from None
 
 
 def _read_or_none(path: str, expect: dict[str, str]) -> tuple[dict, dict] | None:
@@ -173,7 +219,7 @@ def _read_or_none(path: str, expect: dict[str, str]) -> tuple[dict, dict] | None
         return None
 
 
-def entry_for(model: str, block: CapturedBlock, handle) -> HotEntry:
+def entry_for(model: str, block: CapturedBlock, handle: Any) -> HotEntry:
     return HotEntry(
         block_id=block.block_id,
         parent_id=block.parent_id,
@@ -192,16 +238,18 @@ class LocalCacheClient(CacheClient):
         self._lock = threading.Lock()
 
     def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None) -> None:
-        self.store.put(entry_for(model, block, (block.payload, block.dtypes)), disk)
+        self.store.put(entry_for(model, block, block.payload), disk)
 
-    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str) -> dict:
-        return self.store.lookup(block_ids, need_checkpoint, layout)
+    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
+                      exact: bool) -> dict:
+        return self.store.lookup(block_ids, need_checkpoint, layout, exact)
 
-    async def _resolve(self, handle: Any) -> tuple[Payload, dict[str, str]]:
+    async def _resolve(self, handle: Any) -> BlockPayload:
         return handle
 
-    async def _drop(self, kind: str, layout: str, block_id: str) -> None:
-        self.store.drop(kind, layout, block_id)
+    async def _drop(self, kind: str, layout: str, block_id: str,
+                    token: str | None = None) -> None:
+        self.store.drop(kind, layout, block_id, token)
 
     async def release(self, lease: int | None) -> None:
         self.store.release(lease)

@@ -1,11 +1,15 @@
 """Codecs for recurrent-state sidecars, fail-closed.
 
-``fp32`` is lossless and the default. ``bf16`` and ``int8`` trade precision
-for size; ``rht_int8`` / ``rht_int16`` first spread each row's energy with a
-random Hadamard transform (a fixed, seeded sign vector, then a normalized
+``fp32`` is the exact codec and the default: each array is stored in its own
+dtype, bit for bit (float32 as float32, a bf16 conv state as its uint16 bit
+pattern, float16 as float16), so it is lossless for every state dtype. The
+lossy codecs work on the values widened to float32 and decode back to the
+array's own dtype and shape: ``bf16`` and ``int8`` trade precision for size;
+``rht_int8`` / ``rht_int16`` first spread each row's energy with a random
+Hadamard transform (a fixed, seeded sign vector, then a normalized
 Walsh-Hadamard transform over the last axis, zero-padded to a power of two),
-then quantize symmetrically per row with fp32 scales. Every non-fp32 codec is
-inexact and is never used where exactness is promised.
+then quantize symmetrically per row with fp32 scales. A lossy sidecar is never
+restored where exactness is asked for (``EXACT``).
 
 Decoding validates everything it is given (codec name and version, dtypes,
 scale shape and positivity, finite values, rotation seed and dimension) and
@@ -18,7 +22,10 @@ import json
 
 import numpy as np
 
-CODEC_VERSION = "1"
+from serve_app.cache.payload import STORAGE, Tensor
+
+CODEC_VERSION = "2"  # 2: arrays keep their own dtype ("dtype" in the metadata)
+EXACT = "fp32"
 CODECS = ("fp32", "bf16", "int8", "rht_int8", "rht_int16")
 DEFAULT_RHT_SEED = 0x5EED
 _QMAX = {"int8": 127, "rht_int8": 127, "rht_int16": 32767}
@@ -51,27 +58,18 @@ def _fwht(x: np.ndarray) -> np.ndarray:
     return y / np.float32(np.sqrt(n))
 
 
-def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return (rounded >> np.uint32(16)).astype(np.uint16)
-
-
-def _from_bf16_bits(b: np.ndarray) -> np.ndarray:
-    return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def encode(name: str, x: np.ndarray, codec: str, seed: int = DEFAULT_RHT_SEED
+def encode(name: str, t: Tensor, codec: str, seed: int = DEFAULT_RHT_SEED
            ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Tensors and string metadata that represent ``x`` under ``codec``."""
+    """Tensors and string metadata that represent ``t`` under ``codec``."""
     if codec not in CODECS:
         raise CodecError(f"unknown codec {codec!r}")
-    x32 = np.array(x, dtype=np.float32)  # a copy: encoded tensors never alias the input
-    meta = {"codec": codec, "version": CODEC_VERSION, "shape": json.dumps(list(x.shape))}
-    if codec == "fp32":
-        return {f"{name}.data": np.ascontiguousarray(x32)}, meta
+    meta = {"codec": codec, "version": CODEC_VERSION, "shape": json.dumps(list(t.shape)),
+            "dtype": t.dtype}
+    if codec == EXACT:  # a copy: encoded tensors never alias the input
+        return {f"{name}.data": np.array(t.data, order="C")}, meta
+    x32 = t.to_float32()
     if codec == "bf16":
-        return {f"{name}.data": _to_bf16_bits(x32)}, meta
+        return {f"{name}.data": Tensor.from_float32(x32, "bfloat16").data}, meta
     rows = x32.reshape(-1, x32.shape[-1]) if x32.ndim else x32.reshape(1, 1)
     if codec.startswith("rht_"):
         dim = _next_pow2(rows.shape[-1])
@@ -87,13 +85,16 @@ def encode(name: str, x: np.ndarray, codec: str, seed: int = DEFAULT_RHT_SEED
 
 
 def decode(name: str, tensors: dict[str, np.ndarray], meta: dict[str, str],
-           seed: int = DEFAULT_RHT_SEED) -> np.ndarray:
-    """The float32 array encoded under ``name``; ``CodecError`` on any inconsistency."""
+           seed: int = DEFAULT_RHT_SEED) -> Tensor:
+    """The array encoded under ``name``, in its own dtype; ``CodecError`` on any doubt."""
     codec = meta.get("codec")
     if codec not in CODECS:
         raise CodecError(f"{name}: unknown codec {codec!r}")
     if meta.get("version") != CODEC_VERSION:
         raise CodecError(f"{name}: codec version {meta.get('version')!r} != {CODEC_VERSION}")
+    dtype = meta.get("dtype")
+    if dtype not in STORAGE:
+        raise CodecError(f"{name}: unknown dtype {dtype!r}")
     try:
         shape = tuple(int(d) for d in json.loads(meta["shape"]))
     except (KeyError, ValueError, TypeError):
@@ -101,12 +102,17 @@ def decode(name: str, tensors: dict[str, np.ndarray], meta: dict[str, str],
     if any(d < 0 for d in shape):
         raise CodecError(f"{name}: negative dimension in {shape}")
     size = int(np.prod(shape)) if shape else 1
-    if codec in ("fp32", "bf16"):
-        data = _tensor(tensors, f"{name}.data", np.float32 if codec == "fp32" else np.uint16)
+    if codec == EXACT:
+        data = _tensor(tensors, f"{name}.data", STORAGE[dtype])
         if data.size != size:
             raise CodecError(f"{name}: {data.size} values for shape {shape}")
-        out = data if codec == "fp32" else _from_bf16_bits(data)
-        return _finite(name, out.reshape(shape))
+        return _finite(name, Tensor(data.reshape(shape), dtype))
+    if codec == "bf16":
+        data = _tensor(tensors, f"{name}.data", np.uint16)
+        if data.size != size:
+            raise CodecError(f"{name}: {data.size} values for shape {shape}")
+        values = Tensor(data.reshape(shape), "bfloat16").to_float32()
+        return _finite(name, Tensor.from_float32(values, dtype))
     q = _tensor(tensors, f"{name}.q", _QDTYPE[codec])
     scale = _tensor(tensors, f"{name}.scale", np.float32)
     if q.ndim != 2 or scale.shape != (q.shape[0], 1):
@@ -124,7 +130,38 @@ def decode(name: str, tensors: dict[str, np.ndarray], meta: dict[str, str],
         rows = (_fwht(rows) * _signs(seed, dim))[:, :last]
     if rows.size != size:
         raise CodecError(f"{name}: {rows.size} values for shape {shape}")
-    return _finite(name, rows.reshape(shape))
+    return _finite(name, Tensor.from_float32(rows.reshape(shape), dtype))
+
+
+def encode_state(state: dict[str, Tensor], codec: str) -> tuple[dict[str, np.ndarray], str]:
+    """A sidecar's tensors and the JSON of each array's codec metadata."""
+    tensors: dict[str, np.ndarray] = {}
+    codec_meta: dict[str, dict[str, str]] = {}
+    for name, t in state.items():
+        encoded, meta = encode(name, t, codec)
+        tensors.update(encoded)
+        codec_meta[name] = meta
+    return tensors, json.dumps(codec_meta, sort_keys=True)
+
+
+def decode_state(tensors: dict[str, np.ndarray], codec_meta_json: str,
+                 exact: bool) -> dict[str, Tensor]:
+    """Every array of a sidecar; ``CodecError`` if any fails, or is lossy when ``exact``."""
+    try:
+        codec_meta = json.loads(codec_meta_json)
+    except (json.JSONDecodeError, TypeError):
+        raise CodecError("codec metadata is not JSON") from None
+    if not isinstance(codec_meta, dict) or not codec_meta:
+        raise CodecError("no codec metadata")
+    out = {}
+    for name, meta in codec_meta.items():
+        if not isinstance(meta, dict):
+            raise CodecError(f"{name}: malformed codec metadata")
+        if exact and meta.get("codec") != EXACT:
+            raise CodecError(f"{name}: lossy codec {meta.get('codec')!r} where exact "
+                             "state is required")
+        out[name] = decode(name, tensors, meta)
+    return out
 
 
 def _tensor(tensors: dict[str, np.ndarray], key: str, dtype) -> np.ndarray:
@@ -136,7 +173,7 @@ def _tensor(tensors: dict[str, np.ndarray], key: str, dtype) -> np.ndarray:
     return t
 
 
-def _finite(name: str, x: np.ndarray) -> np.ndarray:
-    if not np.isfinite(x).all():
+def _finite(name: str, t: Tensor) -> Tensor:
+    if not t.is_finite():
         raise CodecError(f"{name}: non-finite values")
-    return x
+    return t

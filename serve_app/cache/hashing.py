@@ -1,8 +1,9 @@
 """Block identity: chained sha256 ids over a canonical encoding.
 
-A block id is ``H(parent_id, token ids, extra keys)``. The root binds the
-model identity (weights, tokenizer, chat template), the cache-layout signature
-and the block size, so no other model or layout can ever produce the same id.
+A block id is ``H(parent_id, token ids)``. The root binds the model identity
+(weight bytes, config, tokenizer, chat template), the cache-layout signature
+(array shapes and dtypes, mlx-lm cache epoch) and the block size, so no other
+model, format or layout can ever produce the same id.
 A per-tenant salt (``cache_salt`` or a digest of the API key) forks the root,
 so one tenant cannot probe another's prefixes.
 """
@@ -11,10 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
+import threading
 from pathlib import Path
 
-_WEIGHTS_HASH_LIMIT = 256 * 1024 * 1024
+_memo_lock = threading.Lock()
+_memo: dict[str, tuple[int, int, str]] = {}  # real path -> (size, mtime_ns, sha256)
 
 
 def _h(*parts: bytes) -> str:
@@ -26,30 +30,73 @@ def _h(*parts: bytes) -> str:
 
 
 def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def model_identity(model_dir: Path, source: str, chat_template: str | None) -> str:
+def _load_memo(memo: Path | None) -> dict:
+    if memo is None:
+        return {}
+    try:
+        data = json.loads(memo.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_memo(memo: Path, entries: dict) -> None:
+    """Atomic replace; a lost update between two processes only costs a re-hash."""
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+
+
+def weights_digest(path: Path, memo: Path | None = None) -> str:
+    """sha256 of a weights file, computed once per (path, size, mtime_ns).
+
+    Real checkpoints are gigabytes: the digest is remembered in this process
+    and in ``memo`` (a JSON file), so a restart does not read them again, and a
+    file re-fused in place (new size or mtime) is hashed again.
+    """
+    real = str(Path(path).resolve())
+    st = os.stat(real)
+    key = (st.st_size, st.st_mtime_ns)
+    with _memo_lock:
+        known = _memo.get(real)
+        if known is not None and known[:2] == key:
+            return known[2]
+        stored = _load_memo(memo).get(real)
+    if isinstance(stored, list) and len(stored) == 3 and tuple(stored[:2]) == key:
+        digest = str(stored[2])
+    else:
+        digest = _file_sha256(Path(real))
+        if memo is not None:
+            with _memo_lock:
+                entries = _load_memo(memo)
+                entries[real] = [*key, digest]
+                _save_memo(memo, entries)
+    with _memo_lock:
+        _memo[real] = (*key, digest)
+    return digest
+
+
+def model_identity(model_dir: Path, source: str, chat_template: str | None,
+                   memo: Path | None = None) -> str:
     """A digest of what determines a model's KV: config, weights, tokenizer, template.
 
-    Weights are hashed in full when small (embedded models); large real models
-    are identified by their safetensors file names and sizes plus the source
-    and (for hub models) the snapshot directory, which names the commit.
+    The weights are identified by their content (``weights_digest``), never by
+    names and sizes alone: a model re-fused in place never restores stale KV.
     """
     files = sorted(p for p in model_dir.iterdir() if p.is_file())
-    weights = [p for p in files if p.suffix == ".safetensors"]
-    total = sum(p.stat().st_size for p in weights)
     desc: dict = {
         "source": source,
-        "snapshot": model_dir.name,
-        "weights": {p.name: p.stat().st_size for p in weights},
+        "weights_sha256": {p.name: weights_digest(p, memo) for p in files
+                           if p.suffix == ".safetensors"},
     }
-    if total <= _WEIGHTS_HASH_LIMIT:
-        desc["weights_sha256"] = {p.name: _file_sha256(p) for p in weights}
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         if (model_dir / name).is_file():
             desc[name] = _file_sha256(model_dir / name)

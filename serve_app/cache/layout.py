@@ -2,13 +2,17 @@
 
 Signatures are built from canonical kinds, never raw class names, so a
 wrapper or subclass (``SizedArraysCache`` vs ``ArraysCache``) cannot split one
-layout into two digests.
+layout into two digests. A layout also records the shape and dtype of every
+cached array (probed by running the model on two tokens), and the mlx-lm
+cache epoch: a bf16 model, a quantized one and an mlx-lm release that changed
+what its caches hold all get different digests, and a payload that does not
+fit is rejected before it reaches the model.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -20,8 +24,47 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from serve_app.cache.payload import BlockPayload, Tensor
+
 KV = "kv"
 RECURRENT = "recurrent"
+
+# mlx-lm releases whose cache layouts we checked, by (major, minor), mapped to
+# an epoch name; releases that keep the layout share an epoch. A release not
+# listed gets an epoch of its own: it may have changed the layout, so caches
+# written by another release are never restored under it (fail closed).
+MLX_LM_CACHE_EPOCHS = {(0, 32): "mlx-lm-0.32"}
+
+
+def cache_epoch(version: str) -> str:
+    """The cache-layout epoch of an mlx-lm version string such as ``0.32.2``."""
+    parts = version.split(".")
+    try:
+        key = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return f"mlx-lm-{version}"
+    return MLX_LM_CACHE_EPOCHS.get(key, f"mlx-lm-{key[0]}.{key[1]}")
+
+
+def installed_cache_epoch() -> str:
+    import mlx_lm
+
+    return cache_epoch(mlx_lm.__version__)
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """Shape and dtype of one cached array; ``None`` marks the token axis."""
+
+    shape: tuple[int | None, ...]
+    dtype: str
+
+    def fits(self, t: Tensor, tokens: int | None = None) -> bool:
+        want = tuple(tokens if d is None else d for d in self.shape)
+        return t.dtype == self.dtype and t.shape == want
+
+    def describe(self) -> str:
+        return f"{self.dtype}{['T' if d is None else d for d in self.shape]}"
 
 # Kinds we recognise but cannot slice per block yet, checked before the
 # generic ones because some subclass them.
@@ -40,6 +83,9 @@ class Layout:
 
     kinds: tuple[str, ...]
     unsupported: str | None = None
+    # Per layer: (keys, values) for kv layers, the state arrays for recurrent ones.
+    arrays: tuple[tuple[ArraySpec, ...], ...] = field(default=())
+    epoch: str = ""
 
     @property
     def supported(self) -> bool:
@@ -51,7 +97,42 @@ class Layout:
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(("layout-v1|" + "|".join(self.kinds)).encode()).hexdigest()
+        arrays = ";".join(",".join(a.describe() for a in layer) for layer in self.arrays)
+        text = "|".join(["layout-v2", *self.kinds, arrays, self.epoch])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def check(self, payload: BlockPayload, tokens: int, need_state: bool) -> str | None:
+        """Why ``payload`` cannot be a block of ``tokens`` tokens here (None if it can).
+
+        Fail closed: every KV layer present with the expected shapes and dtypes,
+        no unknown layer, and, when a checkpoint is needed, every recurrent
+        array present, of its shape and dtype, and finite.
+        """
+        kv_layers = {i for i, k in enumerate(self.kinds) if k == KV}
+        if set(payload.kv) != kv_layers:
+            return f"KV layers {sorted(payload.kv)} where {sorted(kv_layers)} were expected"
+        for i in kv_layers:
+            for spec, t in zip(self.arrays[i], payload.kv[i], strict=True):
+                if not spec.fits(t, tokens):
+                    return (f"layer {i}: {t.dtype}{list(t.shape)} where {spec.describe()} "
+                            f"with T={tokens} was expected")
+        if not need_state:
+            return None
+        recurrent = {i for i, k in enumerate(self.kinds) if k == RECURRENT}
+        if set(payload.state) != recurrent:
+            return (f"recurrent layers {sorted(payload.state)} where {sorted(recurrent)} "
+                    "were expected")
+        for i in recurrent:
+            specs, arrays = self.arrays[i], payload.state[i]
+            if len(specs) != len(arrays):
+                return f"layer {i}: {len(arrays)} state arrays where {len(specs)} were expected"
+            for spec, t in zip(specs, arrays, strict=True):
+                if not spec.fits(t):
+                    return f"layer {i}: state {t.dtype}{list(t.shape)} where " \
+                           f"{spec.describe()} was expected"
+                if not t.is_finite():
+                    return f"layer {i}: non-finite recurrent state"
+        return None
 
 
 def canonical_kind(cache: object) -> str:
@@ -66,8 +147,36 @@ def canonical_kind(cache: object) -> str:
 
 
 def layout_of(prompt_cache: list) -> Layout:
+    """Kinds only (no arrays probed): enough to say whether caching is supported."""
     kinds = tuple(canonical_kind(c) for c in prompt_cache)
     bad = sorted({k for k in kinds if k not in (KV, RECURRENT)})
     if bad:
         return Layout(kinds, unsupported=f"cache kind(s) {', '.join(bad)} not supported yet")
     return Layout(kinds)
+
+
+def probe_layout(model) -> Layout:
+    """The model's layout with every cached array's shape and dtype.
+
+    Runs the model on two tokens with a fresh cache, on the calling thread
+    (the engine thread: MLX work stays there).
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    layout = layout_of(cache)
+    if not layout.supported:
+        return layout
+    mx.eval(model(mx.array([[0, 1]]), cache=cache))
+    arrays = []
+    for c, kind in zip(cache, layout.kinds, strict=True):
+        if kind == KV:
+            k, v = c.keys, c.values
+            arrays.append(tuple(ArraySpec((1, a.shape[1], None, a.shape[3]),
+                                          Tensor.from_mlx(a[:1, :1, :1, :1]).dtype)
+                                for a in (k, v)))
+        else:
+            arrays.append(tuple(ArraySpec(tuple(a.shape), Tensor.from_mlx(a[:1]).dtype)
+                                for a in c.cache))
+    return Layout(layout.kinds, arrays=tuple(arrays), epoch=installed_cache_epoch())

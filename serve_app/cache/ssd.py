@@ -13,7 +13,12 @@ a tensor. Writes go to a temporary file, are fsynced, renamed into place and
 the directory fsynced: a reader never sees half a file, and a crash leaves at
 most a temporary file, removed at the next start. Paths are built only from
 hex ids; nothing is followed through a symlink and nothing outside the
-directory is touched.
+directory is touched. Files are created 0600 and directories 0700: prompts
+can be recovered from cached KV, so the cache is private to its user.
+
+A file's ``sha256`` (its checksum, which covers a random write id) names that
+one written file: removals compare it with the indexed entry, so a caller
+holding a stale view never deletes a file written after it looked.
 
 Plain Python: the cache-store actor wraps it, ``python -m serve_app gc``
 uses it without MLX or a model, and tests drive it directly.
@@ -21,17 +26,19 @@ uses it without MLX or a model, and tests drive it directly.
 
 from __future__ import annotations
 
+import enum
 import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +49,17 @@ FORMAT_VERSION = "1"
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 _MAX_HEADER = 16 * 1024 * 1024
 TMP_MARK = ".tmp-"
+
+
+class WriteResult(enum.Enum):
+    """How a write ended; only ``DONE`` is truthy."""
+
+    DONE = "done"
+    SKIPPED = "skipped"  # free-space floor, or the budget full of pinned files (counted)
+    FAILED = "failed"  # an I/O error (counted)
+
+    def __bool__(self) -> bool:
+        return self is WriteResult.DONE
 
 
 class SSDError(Exception):
@@ -74,6 +92,24 @@ class SSDStats:
     evicted_bytes: int = 0
     temp_files_removed: int = 0
     foreign_files: int = 0
+
+
+def token_of(entry: DiskEntry) -> str | None:
+    """What names one written file: its checksum (unique per write, see ``write``)."""
+    return entry.meta.get("sha256")
+
+
+def make_dirs(path: Path) -> None:
+    """Create ``path`` and missing parents 0700 (existing directories are left as they are)."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
 
 
 def default_cache_dir() -> Path:
@@ -181,9 +217,13 @@ class SSDStore:
     # ---- opening ---------------------------------------------------------------------
 
     def lock_directory(self) -> bool:
-        """Take the directory's lock (a serving process holds it; ``gc`` checks it)."""
-        self.base.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.base / "LOCK", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        """Take the directory's lock (a serving process holds it; ``gc`` checks it).
+
+        ``flock`` belongs to an open file description, so a second store in the
+        same process is refused too.
+        """
+        make_dirs(self.base)
+        fd = os.open(self.base / "LOCK", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -193,6 +233,14 @@ class SSDStore:
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
         return True
+
+    def lock_holder(self) -> str:
+        """The pid written in the LOCK file by the process holding it ("?" if unreadable)."""
+        try:
+            with open(self.base / "LOCK", "rb", opener=_nofollow_opener) as f:
+                return f.read(32).decode("ascii", "replace").strip() or "?"
+        except OSError:
+            return "?"
 
     def directory_in_use(self) -> bool:
         """True if another process holds the lock."""
@@ -214,7 +262,7 @@ class SSDStore:
 
         ``clean=False`` only counts them (``temp_files``), for a dry run.
         """
-        self.base.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.base)
         blocks: dict[str, DiskEntry] = {}
         sidecars: dict[tuple[str, str], DiskEntry] = {}
         self.temp_files: list[Path] = []
@@ -285,41 +333,73 @@ class SSDStore:
     # ---- writing -----------------------------------------------------------------------
 
     def write(self, kind: str, block_id: str, tensors: dict[str, np.ndarray],
-              meta: dict[str, str]) -> bool:
-        """Write one file atomically and index it. False (counted) if it was not written."""
+              meta: dict[str, str]) -> WriteResult:
+        """Write one file atomically and index it; a falsy result (counted) if it was not.
+
+        The temporary file is written and fsynced outside the lock; the rename
+        into place and the index update happen together under it, so a remover
+        never sees a renamed file that is not indexed yet (or the other way).
+        """
         layout = meta["layout"]
         # safetensors writes raw memory, ignoring strides: make every array C-contiguous.
         tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
         path = self.block_path(block_id) if kind == "block" else self.sidecar_path(layout,
                                                                                     block_id)
         meta = {**meta, "format_version": FORMAT_VERSION, "kind": kind, "block_id": block_id,
-                "created": meta.get("created") or f"{time.time():.3f}"}
+                "created": meta.get("created") or f"{time.time():.3f}",
+                "write_id": secrets.token_hex(8)}  # makes the checksum name this write
         meta["sha256"] = tensor_digest(tensors, meta)
         data = save(tensors, metadata=meta)
-        with self._lock:
-            self._evict_for(len(data))
-            if self.bytes_used() + len(data) > self.budget_bytes:  # pinned files fill it
-                self.stats.writes_skipped_budget += 1
-                return False
+        if not self._room_for(len(data)):
+            return WriteResult.SKIPPED
         if shutil.disk_usage(self.root).free - len(data) < self.min_free_bytes:
-            self.stats.writes_skipped_low_space += 1
-            return False
+            self._count("writes_skipped_low_space")
+            return WriteResult.SKIPPED
         try:
-            self._atomic_write(path, data)
+            tmp = self._write_temp(path, data)
         except OSError:
-            self.stats.writes_failed += 1
-            return False
+            self._count("writes_failed")
+            return WriteResult.FAILED
         entry = DiskEntry(kind, block_id, path, len(data), meta.get("model", ""), layout,
                           time.time(), meta)
-        with self._lock:
-            self._index(entry)
-            self.stats.writes_done += 1
-        return True
+        try:
+            with self._lock:
+                # Other writes may have filled the budget meanwhile: check again.
+                if not self._room_for(len(data)):
+                    self._unlink(tmp)
+                    return WriteResult.SKIPPED
+                os.replace(tmp, path)
+                self._index(entry)
+                self.stats.writes_done += 1
+        except OSError:
+            self._count("writes_failed")
+            self._unlink(tmp)
+            return WriteResult.FAILED
+        try:
+            _fsync_dir(path.parent)
+        except OSError:  # the file is in place; only its durability across a crash is at stake
+            pass
+        return WriteResult.DONE
 
-    def _atomic_write(self, path: Path, data: bytes) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def _count(self, name: str) -> None:
+        """Writes run on several threads (the writer, inline writes): count under the lock."""
+        with self._lock:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Evict until ``nbytes`` more fit; False (counted) if pinned files fill the budget."""
+        with self._lock:
+            self._evict_for(nbytes)
+            if self._bytes + nbytes > self.budget_bytes:
+                self.stats.writes_skipped_budget += 1
+                return False
+            return True
+
+    def _write_temp(self, path: Path, data: bytes) -> Path:
+        """A fsynced temporary file beside ``path`` (0600), to be renamed into place."""
+        make_dirs(path.parent)
         tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             view = memoryview(data)
             while view:
@@ -330,8 +410,7 @@ class SSDStore:
             self._unlink(tmp)
             raise
         os.close(fd)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        return tmp
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -389,22 +468,46 @@ class SSDStore:
                 else:
                     self._pins.pop(b, None)
 
-    def remove(self, entry: DiskEntry) -> None:
-        """Delete a file; removing a block also removes its sidecars (worthless alone)."""
+    def remove(self, entry: DiskEntry) -> bool:
+        """Delete the file ``entry`` describes, and only that one; False if it was rewritten.
+
+        The caller's entry may be stale: if the index holds another file under
+        the same key (a different checksum), that newer file stays. Removing a
+        block also removes its sidecars (worthless alone). Unindex and unlink
+        happen under the lock, so no write can slip in between.
+        """
         with self._lock:
-            if entry.kind == "block":
-                indexed = self._blocks.get(entry.block_id)
-                if indexed is not None:
-                    self._unindex(indexed)
-                for layout in list(self._layouts_of.get(entry.block_id, ())):
-                    sidecar = self._sidecars[(layout, entry.block_id)]
-                    self._unindex(sidecar)
-                    self._unlink(sidecar.path)
-            else:
-                indexed = self._sidecars.get((entry.layout, entry.block_id))
-                if indexed is not None:
-                    self._unindex(indexed)
-        self._unlink(entry.path)
+            indexed = self._indexed_as(entry.kind, entry.layout, entry.block_id)
+            if indexed is not None and token_of(indexed) != token_of(entry):
+                return False
+            if indexed is not None:
+                self._unindex(indexed)
+                if entry.kind == "block":
+                    for layout in list(self._layouts_of.get(entry.block_id, ())):
+                        sidecar = self._sidecars[(layout, entry.block_id)]
+                        self._unindex(sidecar)
+                        self._unlink(sidecar.path)
+            # Not indexed: renames are indexed under this lock, so no newer file is there.
+            self._unlink(entry.path)
+            return True
+
+    def remove_file(self, kind: str, layout: str, block_id: str, token: str | None) -> bool:
+        """Remove the indexed file of a key if it is the one ``token`` names (None: any)."""
+        with self._lock:
+            entry = self._indexed_as(kind, layout, block_id)
+            if entry is None or (token is not None and token_of(entry) != token):
+                return False
+            return self.remove(entry)
+
+    def _indexed_as(self, kind: str, layout: str, block_id: str) -> DiskEntry | None:
+        if kind == "block":
+            return self._blocks.get(block_id)
+        return self._sidecars.get((layout, block_id))
+
+    def activate(self, model: str, layout: str) -> None:
+        """Files of a (model, layout) being served are evicted after everyone else's."""
+        with self._lock:
+            self.active.add((model, layout))
 
     def _index(self, entry: DiskEntry) -> None:
         """Add a file to the index (replacing one of the same key). Under the lock."""
@@ -460,16 +563,45 @@ class SSDStore:
         """Evict until ``incoming`` more bytes fit: other models first, then LRU."""
         if self._bytes + incoming <= self.budget_bytes:
             return
-        for entry in self._eviction_order():
-            if self._bytes + incoming <= self.budget_bytes:
-                break
-            if self._pins.get(entry.block_id) or not self._indexed(entry):
-                continue  # pinned, or already gone with its block
-            before = self._bytes
-            self.remove(entry)  # a block takes its sidecars with it
-            self.stats.evictions += 1
-            self.stats.evicted_bytes += before - self._bytes
-            self._usage_of(entry.model)["evictions"] += 1
+        for entry in self.eviction_plan(incoming):
+            if self._indexed(entry):  # else already gone with its block
+                self._evict(entry)
+
+    def _evict(self, entry: DiskEntry) -> None:
+        """Remove an indexed file (a block takes its sidecars with it), counted. Under the lock."""
+        before = self._bytes
+        self.remove(entry)
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += before - self._bytes
+        self._usage_of(entry.model)["evictions"] += 1
+
+    def eviction_plan(self, incoming: int = 0,
+                      gone: Sequence[DiskEntry] = ()) -> list[DiskEntry]:
+        """Every file eviction deletes to fit ``incoming`` more bytes, in order.
+
+        A block is followed by its sidecars (they go with it), each file listed
+        once. ``gone`` are files treated as already deleted (``gc`` removes
+        orphans first). The one plan behind eviction and ``gc``'s dry run.
+        """
+        with self._lock:
+            skip = {id(e) for e in gone}
+            used = self._bytes + incoming - sum(e.nbytes for e in gone)
+            out: list[DiskEntry] = []
+            for entry in self._eviction_order():
+                if used <= self.budget_bytes:
+                    break
+                if self._pins.get(entry.block_id) or id(entry) in skip:
+                    continue
+                group = [entry]
+                if entry.kind == "block":
+                    group += [self._sidecars[(layout, entry.block_id)]
+                              for layout in sorted(self._layouts_of.get(entry.block_id, ()))]
+                for e in group:
+                    if id(e) not in skip:
+                        skip.add(id(e))
+                        out.append(e)
+                        used -= e.nbytes
+            return out
 
     def _indexed(self, entry: DiskEntry) -> bool:
         if entry.kind == "block":
@@ -485,21 +617,14 @@ class SSDStore:
             entries, key=lambda e: ((e.model, e.layout) in self.active, e.last_used))
 
     def enforce_budget(self) -> None:
-        with self._lock:
-            self._evict_for(0)
-
-    def over_budget(self) -> list[DiskEntry]:
-        """What ``enforce_budget`` would delete, in order (a dry run)."""
-        with self._lock:
-            used = self.bytes_used()
-            out = []
-            for entry in self._eviction_order():
-                if used <= self.budget_bytes:
-                    break
-                if not self._pins.get(entry.block_id):
-                    out.append(entry)
-                    used -= entry.nbytes
-            return out
+        """Evict down to the budget (a restart with a smaller one may delete thousands of
+        files): the lock is taken file by file, so lookups and writes go on meanwhile."""
+        for entry in self.eviction_plan():
+            with self._lock:
+                if self._bytes <= self.budget_bytes:
+                    return
+                if self._indexed(entry) and not self._pins.get(entry.block_id):
+                    self._evict(entry)
 
     def snapshot(self) -> dict:
         """Counts and bytes from the running totals: cheap at any index size."""
@@ -520,22 +645,24 @@ class SSDStore:
 
     # ---- safety --------------------------------------------------------------------------
 
-    def _unlink(self, path: Path) -> None:
-        """Delete a file inside our directory, never through a symlink."""
+    def _unlink(self, path: Path) -> bool:
+        """Delete a file inside our directory, never through a symlink. True if deleted."""
         try:
             parent = path.parent.resolve(strict=False)
             if self.base.resolve() not in (parent, *parent.parents):
-                return
+                return False
             if path.is_symlink() or path.is_file():
                 os.unlink(path)
+                return True
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 raise
+        return False
 
 
 def auto_budget(root: Path, cap_bytes: int = 64 << 30, fraction: float = 0.5) -> int:
     """``auto``: the smaller of a cap and a fraction of the disk space we could use."""
-    root.mkdir(parents=True, exist_ok=True)
+    make_dirs(root)
     free = shutil.disk_usage(root).free
     used = sum(p.stat().st_size for p in root.rglob("*.safetensors") if not p.is_symlink())
     return int(min(cap_bytes, fraction * (free + used)))

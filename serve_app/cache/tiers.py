@@ -11,22 +11,23 @@ wrapper, and tests drive it in-process.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from serve_app.cache import codecs
 from serve_app.cache.hot import HotEntry, HotStore
-from serve_app.cache.ssd import SSDStore
+from serve_app.cache.payload import BlockPayload, state_tensors, to_tensors
+from serve_app.cache.ssd import DiskEntry, SSDStore, WriteResult, token_of
 
 logger = logging.getLogger(__name__)
 
 BACKPRESSURE_WAIT_S = 0.5
+GONE = "gone"  # the token of a file evicted before a lookup could capture it: matches no file
 LEASE_TTL_S = 120.0  # a restore copies its blocks in well under this
 
 
@@ -39,7 +40,6 @@ class DiskInfo:
     block_size: int
     storage: str  # "ssd_sidecar" or "embedded"
     codec: str
-    dtypes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,13 +50,16 @@ class PendingWrite:
 
 @dataclass
 class StagingStats:
+    """The write path's counters. ``writes_dropped`` (SSD writes skipped for the
+    free-space floor or a budget full of pinned files) is read off the SSD store."""
+
     pending_bytes: int = 0
     peak_pending_bytes: int = 0
     backpressure_seconds: float = 0.0
     inline_writes: int = 0
     writes_done: int = 0
     writes_failed: int = 0
-    writes_dropped: int = 0  # must stay 0
+    dropped_hot_full: int = 0  # rejected by a full hot tier with no SSD tier to keep them
 
 
 @dataclass
@@ -66,6 +69,8 @@ class Source:
     tier: str  # "hot", "pending" or "ssd"
     handle: Any = None  # hot/pending: the store's handle; ssd: the block file path
     checkpoint: str | None = None  # ssd: sidecar path, "embedded", or None
+    token: str | None = None  # ssd: the block file's sha256 when looked up (see drop)
+    checkpoint_token: str | None = None  # ssd: the sidecar file's sha256 when looked up
 
 
 class TieredStore:
@@ -107,13 +112,18 @@ class TieredStore:
 
     # ---- puts and write-behind -----------------------------------------------------------
 
-    def put(self, entry: HotEntry, disk: DiskInfo | None) -> None:
+    def put(self, entry: HotEntry, disk: DiskInfo | None) -> bool:
+        """Store a block; False if it was dropped (counted): no tier could keep it."""
         with self._lock:
-            self.hot.put(entry)
+            in_hot = self.hot.put(entry)
             if self.ssd is None or disk is None or entry.block_id in self._pending:
-                return
+                # disk None: promoted from SSD, where it stays.
+                if not in_hot and disk is not None and self.ssd is None:
+                    self.staging.dropped_hot_full += 1
+                    return False
+                return True
             if self.ssd.has_block(entry.block_id) and not self._needs_sidecar(entry, disk):
-                return
+                return True
             if self.staging.pending_bytes + entry.nbytes > self.pending_max_bytes:
                 tic = time.perf_counter()
                 self._cv.wait_for(
@@ -128,13 +138,18 @@ class TieredStore:
                 self.staging.peak_pending_bytes = max(self.staging.peak_pending_bytes,
                                                       self.staging.pending_bytes)
                 self._cv.notify_all()
-                return
+                return True
             self.staging.inline_writes += 1
         self._write(PendingWrite(entry, disk))  # staging full: write now, never drop
+        return True  # a skipped SSD write is counted by the SSD store (writes_dropped)
 
     def _needs_sidecar(self, entry: HotEntry, disk: DiskInfo) -> bool:
-        return (entry.has_checkpoint and disk.storage == "ssd_sidecar"
-                and not self.ssd.has_sidecar(disk.layout, entry.block_id))
+        """A checkpoint to store beside a block already on disk (or an exact one to
+        replace a lossy sidecar, when this model asks for exactness)."""
+        if not (entry.has_checkpoint and disk.storage == "ssd_sidecar"):
+            return False
+        sidecar = self.ssd.sidecar_entry(disk.layout, entry.block_id)
+        return sidecar is None or (disk.codec == codecs.EXACT and not _exact(sidecar))
 
     def _writer(self) -> None:
         self.ssd.ready.wait()  # indexing removes temporary files; ours must come after
@@ -151,50 +166,50 @@ class TieredStore:
     def _write(self, item: PendingWrite) -> None:
         entry, disk = item.entry, item.disk
         try:
-            payload, dtypes = self._resolve(entry.handle)
-            kv = {k: v for k, v in payload.items() if not k.startswith("s")}
-            state = {k: v for k, v in payload.items() if k.startswith("s")}
+            payload: BlockPayload = self._resolve(entry.handle)
+            embedded = payload.has_state and disk.storage == "embedded"
+            tensors, dtypes = to_tensors(payload, with_state=embedded)
             meta = {"model": disk.model, "layout": disk.layout,
                     "block_size": str(disk.block_size), "tokens": str(disk.block_size),
-                    "parent_id": entry.parent_id, "dtypes": json.dumps(dtypes)}
-            ok = True
-            if state and entry.has_checkpoint and disk.storage == "embedded":
-                kv = {**kv, **state}
+                    "parent_id": entry.parent_id, "dtypes": dtypes}
+            if embedded:
                 meta["checkpoint"] = "embedded"
+            result = WriteResult.DONE
             if not self.ssd.has_block(entry.block_id):
-                ok = self.ssd.write("block", entry.block_id, kv, meta)
-            if ok and state and entry.has_checkpoint and disk.storage == "ssd_sidecar":
-                ok = self.ssd.write("sidecar", entry.block_id, *self._encode(state, disk, meta))
+                result = self.ssd.write("block", entry.block_id, tensors, meta)
+            if result and payload.has_state and disk.storage == "ssd_sidecar":
+                state, codec_meta = codecs.encode_state(state_tensors(payload.state), disk.codec)
+                result = self.ssd.write("sidecar", entry.block_id, state,
+                                        {**meta, "dtypes": "{}", "codec": disk.codec,
+                                         "codec_meta": codec_meta})
         except Exception:
             logger.exception("writing block %s to SSD failed", entry.block_id)
-            ok = False
-        with self._lock:
-            if ok:
+            result = WriteResult.FAILED
+        with self._lock:  # a skipped write is counted as dropped by the SSD store
+            if result is WriteResult.DONE:
                 self.staging.writes_done += 1
-            else:
+            elif result is WriteResult.FAILED:
                 self.staging.writes_failed += 1
-
-    @staticmethod
-    def _encode(state: dict, disk: DiskInfo, meta: dict) -> tuple[dict, dict]:
-        tensors: dict = {}
-        codec_meta: dict = {}
-        for name, array in state.items():
-            t, m = codecs.encode(name, array, disk.codec)
-            tensors.update(t)
-            codec_meta[name] = m
-        return tensors, {**meta, "codec": disk.codec, "codec_meta": json.dumps(codec_meta)}
 
     # ---- lookups ------------------------------------------------------------------------
 
-    def lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str = "") -> dict:
-        """The restorable chain across tiers, pinned under one lease."""
+    def lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str = "",
+               exact: bool = True) -> dict:
+        """The restorable chain across tiers, pinned under one lease.
+
+        ``exact``: a checkpoint in a lossy-codec sidecar does not count.
+        """
         if self.ssd is not None:
             self.ssd.ready.wait(timeout=2.0)  # a restart's index rebuild, briefly
+        # SSD files as this lookup saw them, captured once: the writer thread may
+        # evict any of them meanwhile, and a file gone by the time the replica
+        # reads it is a clean miss there (its token then matches nothing).
+        seen: dict[str, DiskEntry] = {}
         with self._lock:
             self._expire_leases()
             sources: list[Source] = []
             for bid in block_ids:
-                source = self._source(bid, layout)
+                source = self._source(bid, layout, seen)
                 if source is None:
                     break
                 sources.append(source)
@@ -202,14 +217,18 @@ class TieredStore:
             restore = present
             if need_checkpoint:
                 while restore and not self._has_checkpoint(block_ids[restore - 1],
-                                                           sources[restore - 1], layout):
+                                                           sources[restore - 1], layout, exact):
                     restore -= 1
             sources = sources[:restore]
             ids = block_ids[:restore]
+            sidecar = None
             if need_checkpoint and sources and not self._inline_checkpoint(ids[-1], sources[-1]):
-                disk = self._disk_checkpoint(ids[-1], layout)
+                disk = self._disk_checkpoint(ids[-1], layout, exact)
                 if disk == "embedded":  # the state is in the block file: read that file
-                    sources[-1] = Source("ssd", str(self.ssd.block_entry(ids[-1]).path))
+                    sources[-1] = self._block_file(ids[-1], seen)
+                elif disk is not None:
+                    sidecar = self.ssd.sidecar_entry(layout, ids[-1])
+                    sources[-1].checkpoint_token = token_of(sidecar) if sidecar else GONE
                 sources[-1].checkpoint = disk
             hot_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == "hot"]
             ssd_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == "ssd"]
@@ -221,14 +240,13 @@ class TieredStore:
                     self.ssd.pin(ssd_ids)
             for bid in block_ids[:present]:
                 self.hot.touch(bid)
-            for bid in ssd_ids:
-                self.ssd.touch(self.ssd.block_entry(bid))
-            if sources and sources[-1].checkpoint not in (None, "embedded"):
-                self.ssd.touch(self.ssd.sidecar_entry(layout, ids[-1]))
+            touched = [seen.get(bid) for bid in ssd_ids] + [sidecar]
             evicted = present < len(block_ids) and self.hot.was_evicted(block_ids[present])
             self.hot.stats.lookups += 1
             self.hot.stats.hit_blocks += restore
             self.hot.stats.walkbacks += present - restore
+        for disk_entry in touched if self.ssd is not None else ():
+            self.ssd.touch(disk_entry)  # file mtimes: outside the lock
         return {"present": present, "walkbacks": present - restore, "lease": lease,
                 "sources": sources, "first_missing_evicted": evicted}
 
@@ -239,7 +257,8 @@ class TieredStore:
             if now - taken > LEASE_TTL_S:
                 self._release_locked(lease)
 
-    def _source(self, bid: str, layout: str) -> Source | None:
+    def _source(self, bid: str, layout: str, seen: dict[str, DiskEntry]) -> Source | None:
+        """Where block ``bid`` is now; an SSD entry is recorded in ``seen``."""
         entry = self.hot.entry(bid)
         if entry is not None:
             return Source("hot", entry.handle)
@@ -249,24 +268,40 @@ class TieredStore:
         if self.ssd is not None:
             disk = self.ssd.block_entry(bid)
             if disk is not None:
-                return Source("ssd", str(disk.path))
+                seen[bid] = disk
+                return Source("ssd", str(disk.path), token=token_of(disk))
         return None
 
-    def _has_checkpoint(self, bid: str, source: Source, layout: str) -> bool:
+    def _block_file(self, bid: str, seen: dict[str, DiskEntry]) -> Source:
+        """The block's file as a source: the entry this lookup saw, else the one indexed
+        now; if it is gone already, its path (reading it is a clean miss)."""
+        disk = seen.get(bid) or self.ssd.block_entry(bid)
+        if disk is None:
+            return Source("ssd", str(self.ssd.block_path(bid)), token=GONE)
+        seen[bid] = disk
+        return Source("ssd", str(disk.path), token=token_of(disk))
+
+    def _has_checkpoint(self, bid: str, source: Source, layout: str,
+                        exact: bool = True) -> bool:
         return self._inline_checkpoint(bid, source) or (
-            self.ssd is not None and self._disk_checkpoint(bid, layout) is not None)
+            self.ssd is not None and self._disk_checkpoint(bid, layout, exact) is not None)
 
     def _inline_checkpoint(self, bid: str, source: Source) -> bool:
-        """Whether the block's own payload (hot or pending) carries its checkpoint."""
+        """Whether the block's own payload (hot or pending) carries its checkpoint.
+
+        Hot and pending payloads are always exact: a block promoted from a lossy
+        sidecar is promoted without its state.
+        """
         if source.tier == "hot":
             return self.hot.entry(bid).has_checkpoint
         if source.tier == "pending":
             return self._pending[bid].entry.has_checkpoint
         return False
 
-    def _disk_checkpoint(self, bid: str, layout: str) -> str | None:
+    def _disk_checkpoint(self, bid: str, layout: str, exact: bool = True) -> str | None:
+        """The sidecar's path, "embedded", or None; a lossy sidecar is None when ``exact``."""
         sidecar = self.ssd.sidecar_entry(layout, bid)
-        if sidecar is not None:
+        if sidecar is not None and (_exact(sidecar) or not exact):
             return str(sidecar.path)
         block = self.ssd.block_entry(bid)
         if block is not None and block.meta.get("checkpoint") == "embedded":
@@ -283,8 +318,13 @@ class TieredStore:
         if ssd_ids:
             self.ssd.unpin(ssd_ids)
 
-    def drop(self, kind: str, layout: str, block_id: str) -> None:
-        """A file a reader could not use: remove it (and count a sidecar decode failure)."""
+    def drop(self, kind: str, layout: str, block_id: str, token: str | None = None) -> None:
+        """A file a reader could not use: remove it (and count a sidecar decode failure).
+
+        ``token`` is the file's checksum as the reader's lookup saw it
+        (``Source.token`` / ``checkpoint_token``): only that file goes, never one
+        written since under the same name. None removes whatever is indexed.
+        """
         if kind in ("checkpoint", "lost"):
             with self._lock:
                 if kind == "checkpoint":
@@ -294,20 +334,27 @@ class TieredStore:
             return
         if self.ssd is None:
             return
-        entry = (self.ssd.block_entry(block_id) if kind == "block"
-                 else self.ssd.sidecar_entry(layout, block_id))
-        if entry is not None:
-            self.ssd.remove(entry)
+        self.ssd.remove_file("block" if kind == "block" else "sidecar", layout, block_id, token)
         if kind == "sidecar":
             with self._lock:
                 self.decode_failures += 1
 
     def snapshot(self) -> dict:
+        """Tier stats; ``dropped`` counts blocks and sidecars dropped instead of stored."""
         with self._lock:
             out = self.hot.snapshot()
             out["staging"] = {**self.staging.__dict__, "pending_blocks": len(self._pending),
                               "pending_max_bytes": self.pending_max_bytes}
             out["sidecar_decode_failures"] = self.decode_failures
+        ssd = self.ssd.snapshot() if self.ssd is not None else {}
+        skipped = {"ssd_low_space": ssd.get("writes_skipped_low_space", 0),
+                   "ssd_budget": ssd.get("writes_skipped_budget", 0)}
+        out["staging"]["writes_dropped"] = sum(skipped.values())
+        out["dropped"] = {"hot_full": out["staging"]["dropped_hot_full"], **skipped}
         if self.ssd is not None:
-            out["ssd"] = self.ssd.snapshot()
+            out["ssd"] = ssd
         return out
+
+
+def _exact(sidecar: DiskEntry) -> bool:
+    return sidecar.meta.get("codec") == codecs.EXACT
