@@ -11,11 +11,14 @@ import asyncio
 import logging
 import os
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.http import OpenAIIngress, api
@@ -32,6 +35,7 @@ from serve_app.profile import (
 logger = logging.getLogger("ray.serve")
 
 METRICS_FETCH_TIMEOUT_S = 5.0
+READY_PROBE_TIMEOUT_S = 0.5  # how long /health or a request waits on a model's probe
 
 
 class ModelReplica:
@@ -55,13 +59,27 @@ class ModelReplica:
         if self.service.cache_client is not None:
             ray.get(actor.activate.remote(self.profile.name, self.service.identity,
                                           self.service.layout.digest))
+        # Serve routes nothing here before __init__ returns: warming up now keeps
+        # MLX's first-use cost out of the first user request.
+        seconds = self.service.warm_up()
+        # Templating and tokenizing a long prompt must not stall other streams.
+        self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
         self.pump = MetricsPump(recorder, self.service.metric_samples).start()
-        logger.info("model %s ready (source %s)", self.profile.name, self.profile.source)
+        logger.info("model %s ready (source %s; warm-up %.2f s)", self.profile.name,
+                    self.profile.source, seconds)
+
+    async def ready(self) -> bool:
+        """Answered only once __init__ (load and warm-up) is done: the ingress's probe."""
+        return True
+
+    def _prepare(self, kind: str, body: dict):
+        request_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        return self.service.prepare(request_cls.model_validate(body))
 
     async def generate(self, kind: str, body: dict):
-        request_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        loop = asyncio.get_running_loop()
         try:
-            prepared = self.service.prepare(request_cls.model_validate(body))
+            prepared = await loop.run_in_executor(self.prepare_pool, self._prepare, kind, body)
         except ApiError as exc:
             yield [exc.to_event()]
             return
@@ -75,6 +93,9 @@ class ModelReplica:
         pump = getattr(self, "pump", None)
         if pump is not None:
             pump.stop()
+        pool = getattr(self, "prepare_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         service = getattr(self, "service", None)
         if service is not None:
             service.shutdown()
@@ -136,9 +157,44 @@ class Ingress(OpenAIIngress):
         self.recorder = RayRecorder("ingress", serve=True)
         for m in self.profile.models:  # known series exist before the first request
             self.recorder.zero("serve_app_requests", {"model": m.name, "status": "200"})
+        self.ready_models: set[str] = set()
+        self.probes: dict[str, asyncio.Future] = {}
 
     def stream_events(self, name: str, kind: str, body: dict):
         return self.handles[name].options(stream=True).generate.remote(kind, body)
+
+    async def model_ready(self, name: str) -> bool:
+        """Ready once a probe of the model's replica answered; a probe is shared by
+        every caller until it answers, so waiting callers never pile up calls."""
+        if name in self.ready_models:
+            return True
+        probe = self.probes.get(name)
+        if probe is None:
+            probe = self.probes[name] = asyncio.ensure_future(self._probe(name))
+        try:
+            ok = await asyncio.wait_for(asyncio.shield(probe), READY_PROBE_TIMEOUT_S)
+        except TimeoutError:
+            return False
+        finally:
+            if probe.done() and self.probes.get(name) is probe:
+                del self.probes[name]
+        if ok:
+            self.ready_models.add(name)
+        return ok
+
+    async def _probe(self, name: str) -> bool:
+        try:
+            return bool(await self.handles[name].ready.remote())
+        except Exception as exc:  # e.g. the deployment failed: probe again next time
+            logger.warning("readiness probe of model %s failed: %r", name, exc)
+            return False
+
+    def replica_lost(self, name: str, exc: Exception) -> bool:
+        lost = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+        if isinstance(exc, lost):
+            self.ready_models.discard(name)
+            return True
+        return False
 
     async def model_stats(self) -> dict:
         out = {}

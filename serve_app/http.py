@@ -7,6 +7,7 @@ error leaves as OpenAI's ``{"error": {...}}`` body with the right status.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from serve_app.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     Usage,
+    check_prompt_size,
     full_response,
     new_id,
     now,
@@ -34,6 +36,11 @@ from serve_app.openai_api import (
 from serve_app.validation import clean_loc
 
 api = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
+
+# JSON deeper than this is refused before validation: no request needs it, and
+# nesting costs recursion in every layer that walks the body.
+MAX_JSON_DEPTH = 64
+NOT_READY_RETRY_AFTER_S = 2
 
 
 @api.exception_handler(ApiError)
@@ -58,12 +65,62 @@ def sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-async def _parse(request: Request, cls):
-    raw = await request.body()
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 as soon as it is known to exceed ``limit`` bytes.
+
+    Content-Length is checked before reading; a chunked body is counted while
+    it streams in, so an oversized upload is never held in memory.
+    """
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body is larger than {limit} bytes "
+                         "(ingress.max_request_bytes)", code="request_too_large")
+
+
+def json_depth_over(value: Any, limit: int) -> bool:
+    """Whether parsed JSON nests containers deeper than ``limit``; no recursion."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON; 400 for invalid or too deeply nested JSON."""
+    too_deep = ApiError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels",
+                        code="json_too_deep")
     try:
         body = json.loads(raw)
+    except RecursionError:  # the C parser gives up near the interpreter's recursion limit
+        raise too_deep from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    # Nesting needs an opening bracket per level: few brackets, no walk.
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets > MAX_JSON_DEPTH and isinstance(body, (dict, list)):
+        if json_depth_over(body, MAX_JSON_DEPTH):
+            raise too_deep
+    return body
+
+
+async def _parse(request: Request, cls, max_bytes: int):
+    body = parse_json(await read_body(request, max_bytes))
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     try:
@@ -72,6 +129,28 @@ async def _parse(request: Request, cls):
         raise _validation_error(exc) from None
     parsed.check_supported()
     return body, parsed
+
+
+def not_ready_error(names: list[str]) -> ApiError:
+    """503 for models whose replica is not up and warmed yet."""
+    return ApiError(
+        503,
+        f"not ready yet (loading or warming up): {', '.join(names)}; retry shortly",
+        type="service_unavailable",
+        code="model_not_ready",
+        headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)},
+    )
+
+
+def replica_lost_error(name: str) -> ApiError:
+    """503 for a request whose model replica went away while serving it."""
+    return ApiError(
+        503,
+        f"the replica serving model {name!r} went away; retry shortly",
+        type="service_unavailable",
+        code="replica_lost",
+        headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)},
+    )
 
 
 class OpenAIIngress:
@@ -89,11 +168,21 @@ class OpenAIIngress:
     async def metrics_text(self) -> str:
         raise NotImplementedError
 
-    def has_model(self, name: str) -> bool:
-        return self.profile.model(name) is not None
+    async def model_ready(self, name: str) -> bool:
+        """Whether ``name`` has a replica that is loaded and warmed; must answer fast."""
+        return True
+
+    def replica_lost(self, name: str, exc: Exception) -> bool:
+        """Whether ``exc`` means the model's replica went away (then: 503, re-check)."""
+        return False
 
     @api.get("/health")
     async def health(self) -> dict:
+        names = [m.name for m in self.profile.models]
+        ready = await asyncio.gather(*(self.model_ready(n) for n in names))
+        waiting = [n for n, ok in zip(names, ready, strict=True) if not ok]
+        if waiting:
+            raise not_ready_error(waiting)
         return {"status": "ok"}
 
     @api.get("/v1/models")
@@ -151,13 +240,16 @@ class OpenAIIngress:
             self.recorder.inc("serve_app_requests", 1, labels)
 
     async def _answer(self, request: Request, kind: str, cls, labels: dict[str, str]):
-        body, parsed = await _parse(request, cls)
-        if self.has_model(parsed.model):
-            labels["model"] = parsed.model
-        else:
-            known = ", ".join(m.name for m in self.profile.models)
+        body, parsed = await _parse(request, cls, int(self.profile.ingress.max_request_bytes))
+        m = self.profile.model(parsed.model)
+        if m is None:
+            known = ", ".join(p.name for p in self.profile.models)
             raise ApiError(404, f"model {parsed.model!r} does not exist; served: {known}",
                            type="not_found_error", param="model", code="model_not_found")
+        labels["model"] = m.name
+        check_prompt_size(parsed, m.prompt_char_limit(), m.context_length)
+        if not await self.model_ready(m.name):
+            raise not_ready_error([m.name])
         body.pop(API_KEY_DIGEST_FIELD, None)  # only the ingress may set it
         auth = request.headers.get("authorization", "")
         if auth.lower().startswith("bearer ") and auth[7:].strip():
@@ -168,6 +260,10 @@ class OpenAIIngress:
         except StopAsyncIteration:
             raise ApiError(500, "the model replica ended the request early",
                            type="server_error") from None
+        except Exception as exc:
+            if not self.replica_lost(m.name, exc):
+                raise
+            raise replica_lost_error(m.name) from None
         start = first[0]
         if start["type"] == "error":
             raise ApiError.from_event(start)
@@ -181,19 +277,27 @@ class OpenAIIngress:
             )
         return await self._collect(events, kind, rid, parsed.model, first[1:])
 
-    async def _iter(self, events, pending: list[dict]) -> AsyncIterator[dict]:
-        """Events one by one; consecutive deltas of one batch merge into one."""
+    async def _iter(self, events, model: str, pending: list[dict]) -> AsyncIterator[dict]:
+        """Events one by one; consecutive deltas of one batch merge into one.
+
+        A replica lost mid-request ends the events with a 503 error event.
+        """
         if pending:
             for e in _merge_deltas(pending):
                 yield e
-        async for batch in events:
-            for e in _merge_deltas(batch):
-                yield e
+        try:
+            async for batch in events:
+                for e in _merge_deltas(batch):
+                    yield e
+        except Exception as exc:
+            if not self.replica_lost(model, exc):
+                raise
+            yield replica_lost_error(model).to_event()
 
     async def _collect(self, events, kind: str, rid: str, model: str, pending: list[dict]):
         parts: list[str] = []
         try:
-            async for e in self._iter(events, pending):
+            async for e in self._iter(events, model, pending):
                 if e["type"] == "delta":
                     parts.append(e["text"])
                 elif e["type"] == "error":
@@ -211,7 +315,7 @@ class OpenAIIngress:
         try:
             if kind == "chat":
                 yield sse(stream_chunk(kind, rid, model, created, text="", role=True))
-            async for e in self._iter(events, pending):
+            async for e in self._iter(events, model, pending):
                 if e["type"] == "delta":
                     yield sse(stream_chunk(kind, rid, model, created, text=e["text"]))
                 elif e["type"] == "error":

@@ -156,6 +156,10 @@ class ChatCompletionRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def prompt_size(self) -> tuple[int, str]:
+        """(size, unit) of the prompt before tokenizing: characters of message contents."""
+        return sum(len(m.text()) for m in self.messages), "characters"
+
 
 class CompletionRequest(_Request):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
@@ -179,6 +183,36 @@ class CompletionRequest(_Request):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def prompt_size(self) -> tuple[int, str]:
+        """(size, unit) of the prompt before tokenizing: characters, or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return len(prompt), "characters"
+        return len(prompt), "token ids"
+
+
+def check_prompt_size(
+    request: ChatCompletionRequest | CompletionRequest, max_chars: int, context_length: int
+) -> None:
+    """Refuse an oversized prompt before any tokenizer time is spent on it.
+
+    Characters are bounded by ``max_chars``; token ids, which need no
+    tokenizing, by the context length itself.
+    """
+    size, unit = request.prompt_size()
+    param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    if unit == "token ids" and size >= context_length:
+        message = (f"this model's maximum context length is {context_length} tokens, but the "
+                   f"prompt has {size} tokens (at least one token must remain to generate)")
+    elif unit == "characters" and size > max_chars:
+        message = (f"the prompt has {size} characters, over this model's limit of {max_chars} "
+                   f"characters (max_prompt_chars; context length {context_length} tokens)")
+    else:
+        return
+    raise ApiError(400, message, param=param, code="context_length_exceeded")
 
 
 _Request.model_rebuild()

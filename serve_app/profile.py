@@ -82,6 +82,9 @@ class ModelProfile(_Strict):
     num_replicas: PositiveInt = 1
     num_cpus: Annotated[float, Field(ge=0.0)] = 0.0
     cpu_threads: Annotated[int, Field(ge=1)] | None = None
+    # Bound on a prompt's characters, checked before tokenizing so a huge
+    # prompt costs no tokenizer time. Default: 32 x context_length.
+    max_prompt_chars: PositiveInt | None = None
     cache: CacheProfile = CacheProfile()
 
     @field_validator("name")
@@ -100,10 +103,17 @@ class ModelProfile(_Strict):
         source_kind(value)
         return value
 
+    def prompt_char_limit(self) -> int:
+        """``max_prompt_chars``, or 32 characters per token of context when unset."""
+        return self.max_prompt_chars or 32 * self.context_length
+
 
 class IngressProfile(_Strict):
     num_cpus: Annotated[float, Field(ge=0.0)] = 0.0
     num_replicas: PositiveInt = 1
+    # Larger request bodies get 413 before they are read (Content-Length) or
+    # as soon as the bytes read pass it (chunked uploads).
+    max_request_bytes: Annotated[ByteSize, Field(ge=1024)] = ByteSize(16 << 20)
 
 
 class Profile(_Strict):

@@ -30,6 +30,7 @@ from serve_app.openai_api import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    check_prompt_size,
 )
 from serve_app.profile import ModelProfile, source_kind
 from serve_app.stops import StopStringMatcher
@@ -181,6 +182,7 @@ class ModelService:
 
     def prepare(self, request: ChatCompletionRequest | CompletionRequest) -> PreparedRequest:
         request.check_supported()
+        check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length)
         prompt = self.prompt_tokens(request)
         if not prompt:
             raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
@@ -400,6 +402,43 @@ class ModelService:
         if self.cache_client is not None:
             out["cache_store"] = await self.cache_client.stats()
         return out
+
+    def warm_up(self, timeout: float = 300.0) -> float:
+        """One prefill and one decode through the engine; returns the seconds taken.
+
+        MLX sets up its kernels and buffers on first use, so without this the
+        first user request pays for it. No cache plan: nothing is cached, and
+        the engine's counters are reset afterwards so users never see it.
+        """
+        done = threading.Event()
+        tokens: list[int] = []
+        errors: list[str] = []
+
+        def sink(event: EngineEvent) -> None:
+            if event.token is not None:
+                tokens.append(event.token)
+            if event.error is not None:
+                errors.append(event.error)
+            if event.error is not None or event.finish_reason is not None:
+                done.set()
+
+        text = "Warm up the engine with a short prompt, please."
+        prompt = (list(self.tokenizer.encode(text, add_special_tokens=False)) * 8)[:8]
+        tic = time.perf_counter()
+        self.engine.submit(prompt, SamplingParams(max_tokens=2, temperature=0.0), sink)
+        if not done.wait(timeout):
+            raise RuntimeError(f"model {self.profile.name}: warm-up took over {timeout:.0f} s")
+        if errors:
+            raise RuntimeError(f"model {self.profile.name}: warm-up failed: {errors[0]}")
+        # The engine counts a step's tokens just after delivering them: wait for
+        # that, then start every counter from zero (EngineStats has no arguments).
+        settle = time.monotonic() + 5.0
+        while self.engine.snapshot()["generated_tokens"] < len(tokens):
+            if time.monotonic() > settle:
+                break
+            time.sleep(0.001)
+        self.engine.stats = type(self.engine.stats)()
+        return time.perf_counter() - tic
 
 
 def _queue_full(message: str) -> ApiError:

@@ -13,3 +13,14 @@ def test_ci_runs_exactly_the_readme_test_command():
     section = readme[readme.index("## Test it"):readme.index("## Talk to it")]
     (command,) = re.findall(r"```bash\n(.*?)\n```", section, re.S)
     assert (REPO / ".ci" / "run").read_text().rstrip().splitlines()[-1] == command
+
+
+def test_fault_table_names_tests_that_exist():
+    """Every test the README's fault table cites exists (a renamed test breaks this)."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Faults"):readme.index("## Metrics and dashboards")]
+    cited = re.findall(r"`(test_\w+)::(test_\w+)(?:\[[^\]]*\])?`", section)
+    assert len(cited) > 20
+    for module, name in cited:
+        source = (REPO / "tests" / f"{module}.py").read_text()
+        assert f"def {name}(" in source, f"{module}::{name}"

@@ -1,0 +1,399 @@
+"""Hardening of the HTTP front: startup readiness and bad input.
+
+A server of its own (started here, so its startup can be watched from the
+moment the port listens) with a small request-size limit and prompt bound.
+In-process tests cover JSON nesting, the prompt bound before tokenizing and
+the engine warm-up. The last live test kills the model replica mid-request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+
+import httpx
+import mlx_lm
+import pytest
+
+from serve_app.devserver import ServerProcess, descendants, free_port, write_config
+from serve_app.embedded import materialize
+from serve_app.http import MAX_JSON_DEPTH, parse_json
+from serve_app.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
+from serve_app.profile import ModelProfile, parse_profile
+from serve_app.service import ModelService
+
+MODEL = "tiny-hybrid"
+CONTEXT = 4096
+MAX_PROMPT_CHARS = 3000
+MAX_REQUEST_BYTES = 256 * 1024
+MODELS = [{"name": MODEL, "source": "embedded:tiny-hybrid", "context_length": CONTEXT,
+           "max_prompt_chars": MAX_PROMPT_CHARS, "max_tokens": 16,
+           "cache": {"block_size": 16}}]
+STARTUP_TIMEOUT_S = 240.0
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def chat_body(content: str = "hello", **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 2, "temperature": 0, **extra}
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _observe(client: httpx.Client, what: str) -> dict:
+    """One request during startup: what the client saw, or the transport error."""
+    tic = time.monotonic()
+    try:
+        if what == "health":
+            r = client.get("/health")
+        else:
+            r = client.post("/v1/completions",
+                            json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    except httpx.HTTPError as exc:
+        return {"what": what, "error": repr(exc), "seconds": time.monotonic() - tic}
+    try:
+        body = r.json()
+    except ValueError:
+        body = r.text
+    return {"what": what, "status": r.status_code, "retry_after": r.headers.get("retry-after"),
+            "body": body, "seconds": time.monotonic() - tic}
+
+
+@pytest.fixture(scope="module")
+def young(tmp_path_factory, model_home):
+    """A server watched from the moment its port listens until /health says 200.
+
+    Yields (server, observations): every /health and completion answer seen
+    during startup, alternating, in order.
+    """
+    tmp = tmp_path_factory.mktemp("hardening")
+    port = free_port()
+    config = write_config(tmp / "serve.yaml", port, MODELS,
+                          ingress={"num_cpus": 0, "max_request_bytes": MAX_REQUEST_BYTES},
+                          cache_store={"ssd_dir": str(tmp / "kv")})
+    server = ServerProcess.serve_run(config, port, tmp / "serve.log",
+                                     env={"SERVE_APP_HOME": str(model_home)})
+    seen: list[dict] = []
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _listening(port):
+            if server.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server never listened; log:\n{server.log_tail()}")
+            time.sleep(0.05)
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            while not (seen and seen[-1]["what"] == "health" and seen[-1].get("status") == 200):
+                if server.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"never ready; seen {seen[-4:]}; log:\n"
+                                       f"{server.log_tail()}")
+                seen.append(_observe(client, "complete"))
+                seen.append(_observe(client, "health"))
+                time.sleep(0.05)
+            seen.append(_observe(client, "complete"))
+        server.wait_ready([MODEL], timeout=30)  # records the pids to stop
+        yield server, seen
+    finally:
+        server.stop()
+
+
+def post(server, path: str, **kw) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", timeout=60, **kw)
+
+
+# ---- startup readiness ------------------------------------------------------------------
+
+
+def _proxy_not_found(o: dict) -> bool:
+    """Serve's proxy itself, before our application's route exists: 404, plain text."""
+    return o.get("status") == 404 and isinstance(o["body"], str) and "not found" in o["body"]
+
+
+def _not_ready(o: dict) -> bool:
+    body = o.get("body")
+    return (o.get("status") == 503 and o["retry_after"] is not None
+            and int(o["retry_after"]) >= 1 and isinstance(body, dict)
+            and body["error"]["code"] == "model_not_ready"
+            and body["error"]["type"] == "service_unavailable"
+            and MODEL in body["error"]["message"])
+
+
+def test_startup_never_resets_or_fails(young):
+    _, seen = young
+    assert not [o for o in seen if "error" in o], "a request was reset or timed out"
+    odd = [o for o in seen if not (_proxy_not_found(o) or _not_ready(o) or o["status"] == 200)]
+    assert not odd, odd
+    # Serve's own 404 only comes before our ingress has answered anything.
+    ours = [i for i, o in enumerate(seen) if not _proxy_not_found(o)]
+    assert all(not _proxy_not_found(o) for o in seen[ours[0]:])
+
+
+def test_health_is_503_with_retry_after_until_ready_then_200(young):
+    _, seen = young
+    health = [o for o in seen if o["what"] == "health" and not _proxy_not_found(o)]
+    assert _not_ready(health[0]), health[0]  # the ingress answers before the model is warm
+    assert health[-1]["status"] == 200 and health[-1]["body"] == {"status": "ok"}
+    first_ok = next(i for i, o in enumerate(health) if o["status"] == 200)
+    assert all(o["status"] == 200 for o in health[first_ok:])
+
+
+def test_completion_before_ready_is_503_with_retry_after(young):
+    server, seen = young
+    complete = [o for o in seen if o["what"] == "complete" and not _proxy_not_found(o)]
+    assert any(_not_ready(o) for o in complete)
+    assert complete[-1]["status"] == 200  # the one sent after /health turned 200
+    r = httpx.get(f"{server.base_url}/health", timeout=10)
+    assert r.status_code == 200 and "retry-after" not in r.headers
+
+
+# ---- request size ---------------------------------------------------------------------
+
+
+def test_body_over_limit_with_content_length_is_413(young):
+    server, _ = young
+    body = json.dumps(chat_body("x" * (MAX_REQUEST_BYTES + 10))).encode()
+    r = post(server, "/v1/chat/completions", content=body,
+             headers={"Content-Type": "application/json"})
+    err = error_of(r, 413)
+    assert err["type"] == "invalid_request_error" and err["code"] == "request_too_large"
+    assert str(MAX_REQUEST_BYTES) in err["message"]
+
+
+def _chunks(data: bytes, size: int = 16 * 1024):
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+def test_chunked_body_over_limit_is_413(young):
+    server, _ = young
+    data = json.dumps(chat_body("x" * (MAX_REQUEST_BYTES + 10))).encode()
+    r = post(server, "/v1/chat/completions", content=_chunks(data),
+             headers={"Content-Type": "application/json"})
+    assert "content-length" not in r.request.headers  # really sent chunked
+    assert error_of(r, 413)["code"] == "request_too_large"
+
+
+def test_chunked_body_under_limit_is_served(young):
+    server, _ = young
+    data = json.dumps(chat_body("hello " * 40)).encode()
+    r = post(server, "/v1/chat/completions", content=_chunks(data, 100),
+             headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+# ---- JSON nesting ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH, 100_000])
+def test_deeply_nested_json_is_400(young, depth):
+    server, _ = young
+    body = f'{{"model": "{MODEL}", "messages": {nested(depth)}}}'
+    err = error_of(post(server, "/v1/chat/completions", content=body.encode()), 400)
+    assert err["code"] == "json_too_deep" and str(MAX_JSON_DEPTH) in err["message"]
+
+
+def test_nesting_within_the_limit_in_an_ignored_field_is_served(young):
+    server, _ = young
+    inner = nested(MAX_JSON_DEPTH - 3)  # with the body and "metadata": 64 levels
+    body = json.dumps(chat_body())[:-1] + f', "metadata": {{"x": {inner}}}}}'
+    r = post(server, "/v1/chat/completions", content=body.encode())
+    assert r.status_code == 200, r.text[:300]
+
+
+@pytest.mark.parametrize(
+    "raw,ok",
+    [
+        (nested(MAX_JSON_DEPTH), True),
+        (nested(MAX_JSON_DEPTH + 1), False),
+        ('{"a":' * (MAX_JSON_DEPTH + 1) + "1" + "}" * (MAX_JSON_DEPTH + 1), False),
+        (nested(100_000), False),  # the C parser's RecursionError
+        (json.dumps({"s": "[" * 1000, "l": list(range(1000))}), True),  # brackets in a string
+        (json.dumps([[i] for i in range(1000)]), True),  # many brackets, shallow
+    ],
+)
+def test_parse_json_bounds_nesting(raw, ok):
+    if ok:
+        parse_json(raw.encode())
+        return
+    with pytest.raises(ApiError) as info:
+        parse_json(raw.encode())
+    assert info.value.status == 400 and info.value.code == "json_too_deep"
+
+
+# ---- prompt bound before tokenizing ----------------------------------------------------
+
+
+def test_chat_prompt_over_char_limit_is_400(young):
+    server, _ = young
+    # Two messages: the bound is on the sum of their contents.
+    body = {"model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "system", "content": "s" * 2000},
+                         {"role": "user", "content": "u" * (MAX_PROMPT_CHARS - 1999)}]}
+    err = error_of(post(server, "/v1/chat/completions", json=body), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert str(MAX_PROMPT_CHARS) in err["message"] and str(MAX_PROMPT_CHARS + 1) in err["message"]
+
+
+@pytest.mark.parametrize("prompt", ["p" * (MAX_PROMPT_CHARS + 1), ["p" * (MAX_PROMPT_CHARS + 1)]])
+def test_completion_prompt_over_char_limit_is_400(young, prompt):
+    server, _ = young
+    err = error_of(post(server, "/v1/completions",
+                        json={"model": MODEL, "prompt": prompt, "max_tokens": 2}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert str(MAX_PROMPT_CHARS) in err["message"]
+
+
+def test_completion_token_ids_over_context_are_400(young):
+    server, _ = young
+    err = error_of(post(server, "/v1/completions",
+                        json={"model": MODEL, "prompt": [5] * CONTEXT, "max_tokens": 2}), 400)
+    assert err["code"] == "context_length_exceeded" and str(CONTEXT) in err["message"]
+
+
+def _replica_pids(server) -> list[int]:
+    out = []
+    for pid in descendants(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ServeReplica:llm:model-" in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def _in_flight(server) -> int:
+    r = httpx.get(f"{server.base_url}/v1/stats", timeout=30)
+    return r.json()["models"][MODEL]["engine"]["in_flight"]
+
+
+def test_replica_killed_mid_request_is_503_then_recovers(young):
+    """Runs last among the live tests: it takes the model down and waits for it."""
+    server, _ = young
+    (pid,) = _replica_pids(server)
+    prompt = uuid.uuid4().hex * (MAX_PROMPT_CHARS // 32 - 2)  # a long, uncached prefill
+    results: dict[bool, object] = {}
+
+    def call(stream: bool) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "stream": stream}
+        try:
+            with httpx.Client(base_url=server.base_url, timeout=120) as client:
+                r = client.post("/v1/completions", json=body)
+                results[stream] = (r.status_code, r.headers.get("retry-after"), r.text)
+        except httpx.HTTPError as exc:
+            results[stream] = exc
+
+    threads = [threading.Thread(target=call, args=(stream,)) for stream in (False, True)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while _in_flight(server) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=120)
+    status, retry_after, text = results[False]
+    assert (status, json.loads(text)["error"]["code"]) == (503, "replica_lost"), text
+    assert retry_after is not None
+    status, retry_after, text = results[True]
+    if status == 200:  # the stream had started: its last event is the error
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "replica_lost"
+    else:
+        assert status == 503 and json.loads(text)["error"]["code"] == "replica_lost", text
+    # Until Serve has replaced and warmed the replica: 503 with Retry-After, never a hang.
+    seen: list[dict] = []
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        while not (seen and seen[-1]["what"] == "health" and seen[-1].get("status") == 200):
+            assert time.monotonic() < deadline, seen[-4:]
+            seen.append(_observe(client, "complete"))
+            seen.append(_observe(client, "health"))
+        seen.append(_observe(client, "complete"))
+    assert all(_not_ready(o) or o.get("status") == 200 for o in seen), seen
+    assert seen[-1]["status"] == 200
+
+
+class _NoTokenizer:
+    """Fails any tokenizer use: the prompt bound must not need one."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def apply_chat_template(self, *a, **kw):
+        raise AssertionError("tokenizer called")
+
+    def encode(self, *a, **kw):
+        raise AssertionError("tokenizer called")
+
+
+@pytest.fixture(scope="module")
+def service(model_home):
+    path = materialize("tiny-dense", model_home)
+    model, tokenizer = mlx_lm.load(str(path))
+    profile = ModelProfile(name="m", source="embedded:tiny-dense", context_length=64,
+                           cache={"enabled": False})
+    svc = ModelService(profile, model, tokenizer)
+    yield svc
+    svc.shutdown()
+
+
+def test_prompt_bound_is_checked_before_tokenizing(service):
+    real = service.tokenizer
+    service.tokenizer = _NoTokenizer(real)
+    limit = 32 * 64  # derived from context_length
+    try:
+        for request in (
+            ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "a" * 2049}]),
+            CompletionRequest(model="m", prompt="a" * (limit + 1)),
+            CompletionRequest(model="m", prompt=[1] * 64),
+        ):
+            with pytest.raises(ApiError) as info:
+                service.prepare(request)
+            assert info.value.code == "context_length_exceeded"
+        with pytest.raises(AssertionError, match="tokenizer called"):  # under it: tokenized
+            service.prepare(CompletionRequest(model="m", prompt="a" * limit))
+    finally:
+        service.tokenizer = real
+
+
+def test_warm_up_leaves_no_trace_in_engine_counters(service):
+    seconds = service.warm_up()
+    assert seconds > 0
+    stats = service.engine.snapshot()
+    assert stats["submitted"] == stats["finished"] == stats["in_flight"] == 0
+    assert stats["prompt_tokens"] == stats["generated_tokens"] == 0
+
+
+def test_new_profile_keys_have_defaults():
+    profile = parse_profile({"models": [{"name": "m", "source": "embedded:tiny-dense",
+                                         "context_length": 100}]})
+    assert profile.ingress.max_request_bytes == 16 * 1024 * 1024
+    assert profile.models[0].max_prompt_chars is None
+    assert profile.models[0].prompt_char_limit() == 3200
+    profile = parse_profile({"models": [{"name": "m", "source": "embedded:tiny-dense",
+                                         "max_prompt_chars": 10}],
+                             "ingress": {"max_request_bytes": "2MiB"}})
+    assert profile.ingress.max_request_bytes == 2 * 1024 * 1024
+    assert profile.models[0].prompt_char_limit() == 10
