@@ -63,6 +63,8 @@ def ratio(numerator: str, denominator: str) -> str:
 
 HIT = rate("ray_serve_app_prefix_cache_hit_tokens_total", "model")
 MISSED = rate("ray_serve_app_prefix_cache_missed_tokens_total", "model")
+CHECKPOINT_BYTES = rate("ray_serve_app_prefix_cache_checkpoint_bytes_total", "model")
+CAPTURED_TOKENS = rate("ray_serve_app_prefix_cache_captured_tokens_total", "model")
 
 SERVING = (
     PanelSpec("Requests by status", "reqps", (
@@ -102,6 +104,10 @@ PREFIX_CACHE = (
               "walkbacks {{model}}"),
         Query(rate("ray_serve_app_prefix_cache_checkpoint_decode_failures_total", "model"),
               "decode failures {{model}}"))),
+    PanelSpec("Checkpoint bytes per 1K cached tokens", "bytes", (
+        Query("1000 * " + ratio(CHECKPOINT_BYTES, CAPTURED_TOKENS), "{{model}}"),),
+        "Recurrent-state checkpoint bytes captured per 1,000 tokens captured: what caching a "
+        "hybrid model costs (0 for attention-only models). cache.checkpoint_interval lowers it."),
     PanelSpec("Rejected payloads and failed restores", "short", (
         Query(rate("ray_serve_app_prefix_cache_incompatible_payloads_total", "model"),
               "incompatible {{model}}"),

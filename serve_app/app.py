@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import urllib.request
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.http import OpenAIIngress, api
 from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition
-from serve_app.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
+from serve_app.openai_api import ApiError, Caller, OpenAIRequest
 from serve_app.profile import (
     CacheStoreProfile,
     ModelProfile,
@@ -72,14 +73,12 @@ class ModelReplica:
         """Answered only once __init__ (load and warm-up) is done: the ingress's probe."""
         return True
 
-    def _prepare(self, kind: str, body: dict):
-        request_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        return self.service.prepare(request_cls.model_validate(body))
-
-    async def generate(self, kind: str, body: dict):
+    async def generate(self, request: OpenAIRequest, caller: Caller) -> AsyncIterator[list[dict]]:
+        """Event batches for one request, which the ingress has already validated."""
         loop = asyncio.get_running_loop()
         try:
-            prepared = await loop.run_in_executor(self.prepare_pool, self._prepare, kind, body)
+            prepared = await loop.run_in_executor(self.prepare_pool, self.service.prepare,
+                                                  request, caller)
         except ApiError as exc:
             yield [exc.to_event()]
             return
@@ -160,8 +159,8 @@ class Ingress(OpenAIIngress):
         self.ready_models: set[str] = set()
         self.probes: dict[str, asyncio.Future] = {}
 
-    def stream_events(self, name: str, kind: str, body: dict):
-        return self.handles[name].options(stream=True).generate.remote(kind, body)
+    def stream_events(self, name: str, request: OpenAIRequest, caller: Caller):
+        return self.handles[name].options(stream=True).generate.remote(request, caller)
 
     async def model_ready(self, name: str) -> bool:
         """Ready once a probe of the model's replica answered; a probe is shared by

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from serve_app.compat import model_classes
+
 EMBEDDED_PREFIX = "embedded:"
 FORMAT_VERSION = 2
 
@@ -192,9 +194,9 @@ def _zero_rows(weight, rows):
 def _build(spec: EmbeddedSpec, path: Path) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+    from mlx_lm.utils import quantize_model, save_config, save_model
 
-    model_cls, args_cls = _get_classes(spec.config)
+    model_cls, args_cls = model_classes(spec.config)
     model = model_cls(args_cls.from_dict(spec.config))
     params = tree_flatten(model.parameters())
     new = [(k, mx.array(_random_value(spec.seed, k, tuple(v.shape)))) for k, v in params]

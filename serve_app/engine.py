@@ -72,6 +72,27 @@ class CachePlan:
     block_ids: list[str]
     restore: RestorePlan | None
     publish: BlockSink | None
+    # Hybrid models: a recurrent checkpoint every this many tokens (a multiple of
+    # block_size), plus one at the prompt's last block boundary and the newest one
+    # reached while decoding. 0: no checkpoints (attention-only models).
+    checkpoint_every: int = 0
+    # Where conversations branch inside the prompt (the end of the system prompt,
+    # the start of the last message): a tail is captured there, so a request that
+    # shares the prompt up to that point restores exactly to it.
+    branch_points: tuple[int, ...] = ()
+
+    def checkpoints(self, prompt_len: int, start: int) -> list[int]:
+        """Prompt positions in ``(start, prompt_len)`` where prefill pauses for a checkpoint."""
+        if not self.checkpoint_every:
+            return []
+        last = (prompt_len - 1) // self.block_size * self.block_size
+        every = range(self.checkpoint_every, last, self.checkpoint_every)
+        points = (*every, last, *self.branch_points)
+        return sorted({p for p in points if start < p < prompt_len})
+
+    def tail_points(self, prompt_len: int) -> list[int]:
+        """Prompt positions where a tail is captured: branch points and the prompt's end."""
+        return sorted({p for p in (*self.branch_points, prompt_len - 1) if 0 < p < prompt_len})
 
 
 @dataclass
@@ -96,6 +117,10 @@ class EngineStats:
     restore_failures: int = 0  # restores that did not build: the request prefilled cold
     captured_blocks: int = 0
     captured_bytes: int = 0
+    captured_tokens: int = 0
+    captured_checkpoints: int = 0
+    captured_checkpoint_bytes: int = 0  # recurrent state, the cost of a hybrid cache
+    captured_tails: int = 0  # partial blocks captured where conversations branch
     capture_seconds: float = 0.0
 
 
@@ -110,6 +135,8 @@ class _Request:
     generated: int = 0
     output: list[int] = field(default_factory=list)
     restored: int = 0
+    captured: int = 0  # tokens covered by the blocks captured so far
+    held: CapturedBlock | None = None  # the newest decode-time checkpoint, not yet published
 
 
 def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
@@ -323,16 +350,16 @@ class Engine:
                 return
 
     def _segments(self, req: _Request) -> list[list[int]]:
-        """Prefill chunks of what is left of the prompt, cut at block boundaries.
+        """What is left of the prompt, cut only where a checkpoint needs the batch to pause.
 
-        Each chunk ends where a block ends, so the batch pauses exactly there
-        and the block (with its recurrent checkpoint) can be captured.
+        KV blocks need no pause (they are sliced out of the cache once it covers
+        them); a recurrent checkpoint exists only at the end of a segment.
+        BatchGenerator cuts the segments further by ``prefill_step_size``.
         """
         rest = req.prompt[req.restored :]
         if req.cache is None:
             return [rest]
-        bs = req.cache.block_size
-        cuts = list(range(bs - req.restored % bs, len(rest), bs))
+        cuts = [p - req.restored for p in req.cache.checkpoints(len(req.prompt), req.restored)]
         return [rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)], strict=True)]
 
     def _restore(self, req: _Request) -> list | None:
@@ -375,6 +402,8 @@ class Engine:
             samplers=[make_request_sampler(req.params)],
         )
         req.uid = uid
+        if req.cache is not None:  # a restore may end inside a block (a tail)
+            req.captured = req.restored // req.cache.block_size * req.cache.block_size
         self._requests[req.rid] = req
         self._by_uid[uid] = req
         with self._lock:
@@ -385,7 +414,10 @@ class Engine:
         if req is None:
             return
         self._by_uid.pop(req.uid, None)
+        if req.cache is not None and req.uid is not None and req.generated:
+            self._capture_tail(req, len(req.prompt) + req.generated, None)  # still in the batch
         self._generator.remove([req.uid])
+        self._publish_held(req)
         with self._lock:
             self.stats.cancelled += 1
             self.stats.in_flight -= 1
@@ -398,8 +430,19 @@ class Engine:
         batch = len(responses)
         for p in prompt_responses:
             req = self._by_uid.get(p.uid)
-            if req is not None and req.cache and p.end_of_segment and not p.end_of_prompt:
-                self._capture(req, req.restored + p.progress[0], None)
+            if req is None or req.cache is None:
+                continue
+            if p.end_of_prompt:  # the last prompt token is fed with the first decode step
+                self._capture(req, len(req.prompt) - 1, None, state=False)
+                if not self.layout.hybrid:  # KV tails need no pause: take them all now
+                    for point in req.cache.tail_points(len(req.prompt)):
+                        self._capture_tail(req, point, None)
+            else:  # the recurrent state is at ``covered`` only where a segment ended
+                covered = req.restored + p.progress[0]
+                self._capture(req, covered, None, state=p.end_of_segment)
+                if (self.layout.hybrid and p.end_of_segment
+                        and covered in req.cache.tail_points(len(req.prompt))):
+                    self._capture_tail(req, covered, None)
         for r in responses:
             req = self._by_uid.get(r.uid)
             if req is None:
@@ -408,7 +451,10 @@ class Engine:
             req.output.append(r.token)
             if req.cache is not None:
                 # The cache now holds the prompt and every token returned so far.
-                self._capture(req, len(req.prompt) + req.generated, r.prompt_cache)
+                covered = len(req.prompt) + req.generated
+                self._capture(req, covered, r.prompt_cache, state=True, decoding=True)
+                if r.finish_reason is not None:  # the end of generation: a tail
+                    self._capture_tail(req, covered, r.prompt_cache)
             _deliver(req, EngineEvent(token=r.token))
             if r.finish_reason is not None:
                 self._finish(req, r.finish_reason)
@@ -423,48 +469,121 @@ class Engine:
     def _batch_caches(self, uid: int) -> tuple[list, int]:
         """The running batch's per-layer caches and this request's row in them.
 
-        Reads mlx-lm 0.32 internals (``_find_uids`` and the two batches): its
-        public ``extract_cache`` copies the whole history, which per block
-        would make capture quadratic in prompt length.
+        Reads mlx-lm internals, kept in ``serve_app.compat``: the public
+        ``extract_cache`` copies the whole history (quadratic capture).
         """
-        gen = self._generator
-        stage, row = gen._find_uids([uid])[uid]
-        batch = gen._prompt_batch if stage == 1 else gen._generation_batch
-        return batch.prompt_cache, row
+        from serve_app.compat import batch_row_caches  # a dict lookup once imported
 
-    def _capture(self, req: _Request, covered: int, finished_cache: list | None) -> None:
-        """Capture the block ending at ``covered`` tokens, if that is a block boundary."""
+        return batch_row_caches(self._generator, uid)
+
+    def _capture(self, req: _Request, covered: int, finished_cache: list | None, *,
+                 state: bool, decoding: bool = False) -> None:
+        """Capture every block the cache now covers that is not captured yet.
+
+        ``state``: the recurrent state is exactly at ``covered``, so the block
+        ending there can carry a checkpoint. Prompt-time checkpoints (at the
+        plan's checkpoint positions) are published at once; while decoding, only
+        the newest is kept (``held``), and published when the request ends.
+        """
         plan = req.cache
         bs = plan.block_size
-        if covered % bs or covered <= req.restored or plan.publish is None:
+        if plan.publish is None or covered - req.captured < bs:
             return
         tic = time.perf_counter()
-        index = covered // bs - 1
         tokens = req.prompt + req.output
-        while len(plan.block_ids) <= index:  # extend the chain into generated tokens
+        layer_caches = row = None
+        while req.captured + bs <= covered:
+            end = req.captured + bs
+            index = end // bs - 1
+            while len(plan.block_ids) <= index:  # extend the chain into generated tokens
+                b = len(plan.block_ids)
+                parent = plan.block_ids[-1] if plan.block_ids else plan.root
+                plan.block_ids.append(block_id(parent, tokens[b * bs : (b + 1) * bs]))
+            if layer_caches is None:
+                if finished_cache is not None:  # the request already left the batch
+                    layer_caches, row = finished_cache, 0
+                else:
+                    layer_caches, row = self._batch_caches(req.uid)
+            checkpoint = self.layout.hybrid and state and end == covered and (
+                decoding or end in plan.checkpoints(len(req.prompt), end - 1))
+            payload = capture_block(layer_caches, row, self.layout, end - bs, end, checkpoint)
+            block = CapturedBlock(
+                block_id=plan.block_ids[index],
+                parent_id=plan.block_ids[index - 1] if index else plan.root,
+                payload=payload,
+            )
+            req.captured = end
+            if checkpoint and decoding:  # keep only the newest decode-time checkpoint
+                if req.held is not None:
+                    self._publish(req, CapturedBlock(req.held.block_id, req.held.parent_id,
+                                                     req.held.payload.without_state()))
+                req.held = block
+            else:
+                self._publish(req, block)
+        with self._lock:
+            self.stats.capture_seconds += time.perf_counter() - tic
+
+    def _capture_tail(self, req: _Request, position: int, finished_cache: list | None) -> None:
+        """Capture the partial block that ends at ``position`` (with the recurrent state
+        there, for hybrid models: the caller knows the state is at ``position``).
+
+        Keyed like a block, by its parent block and its own tokens, so a later
+        request whose prompt continues the same tokens restores exactly to it.
+        """
+        plan = req.cache
+        bs = plan.block_size
+        start = position // bs * bs
+        if plan.publish is None or position % bs == 0 or position <= req.restored:
+            return
+        try:
+            self._capture_tail_at(req, position, start, finished_cache)
+        except Exception:  # a cache that misses a tail is slower, never wrong
+            logger.exception("engine %s: capturing a tail of request %d failed", self.name,
+                             req.rid)
+
+    def _capture_tail_at(self, req: _Request, position: int, start: int,
+                         finished_cache: list | None) -> None:
+        plan = req.cache
+        bs = plan.block_size
+        tic = time.perf_counter()
+        tokens = req.prompt + req.output
+        while len(plan.block_ids) < start // bs:  # the chain up to the tail's parent
             b = len(plan.block_ids)
             parent = plan.block_ids[-1] if plan.block_ids else plan.root
             plan.block_ids.append(block_id(parent, tokens[b * bs : (b + 1) * bs]))
-        if finished_cache is not None:  # the request already left the batch
+        parent = plan.block_ids[start // bs - 1] if start else plan.root
+        if finished_cache is not None:
             layer_caches, row = finished_cache, 0
         else:
             layer_caches, row = self._batch_caches(req.uid)
-        payload = capture_block(layer_caches, row, self.layout, covered - bs, covered,
+        payload = capture_block(layer_caches, row, self.layout, start, position,
                                 checkpoint=self.layout.hybrid)
-        block = CapturedBlock(
-            block_id=plan.block_ids[index],
-            parent_id=plan.block_ids[index - 1] if index else plan.root,
-            payload=payload,
-        )
-        plan.publish(block)
+        tail = CapturedBlock(block_id(parent, tokens[start:position]), parent, payload)
+        self._publish(req, tail, tokens=position - start)
+        with self._lock:
+            self.stats.captured_tails += 1
+            self.stats.capture_seconds += time.perf_counter() - tic
+
+    def _publish(self, req: _Request, block: CapturedBlock, tokens: int | None = None) -> None:
+        req.cache.publish(block)
+        state = sum(t.nbytes for arrays in block.payload.state.values() for t in arrays)
         with self._lock:
             self.stats.captured_blocks += 1
             self.stats.captured_bytes += block.nbytes
-            self.stats.capture_seconds += time.perf_counter() - tic
+            self.stats.captured_tokens += tokens or req.cache.block_size
+            self.stats.captured_checkpoints += bool(state)
+            self.stats.captured_checkpoint_bytes += state
+
+    def _publish_held(self, req: _Request) -> None:
+        """A request that ends publishes its newest decode-time checkpoint."""
+        if req.held is not None:
+            held, req.held = req.held, None
+            self._publish(req, held)
 
     def _finish(self, req: _Request, reason: str) -> None:
         self._requests.pop(req.rid, None)
         self._by_uid.pop(req.uid, None)
+        self._publish_held(req)
         with self._lock:
             self.stats.finished += 1
             self.stats.in_flight -= 1

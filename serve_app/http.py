@@ -21,10 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.metrics import Recorder
 from serve_app.openai_api import (
-    API_KEY_DIGEST_FIELD,
     ApiError,
+    Caller,
     ChatCompletionRequest,
     CompletionRequest,
+    OpenAIRequest,
     Usage,
     check_prompt_size,
     full_response,
@@ -119,7 +120,8 @@ def parse_json(raw: bytes) -> Any:
     return body
 
 
-async def _parse(request: Request, cls, max_bytes: int):
+async def _parse(request: Request, cls: type[OpenAIRequest], max_bytes: int) -> OpenAIRequest:
+    """The body validated once, here: the replica gets this object, not the raw JSON."""
     body = parse_json(await read_body(request, max_bytes))
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -128,7 +130,14 @@ async def _parse(request: Request, cls, max_bytes: int):
     except ValidationError as exc:
         raise _validation_error(exc) from None
     parsed.check_supported()
-    return body, parsed
+    return parsed
+
+
+def caller_of(request: Request) -> Caller:
+    """Who is asking, from the headers only (a body can never choose its cache salt)."""
+    auth = request.headers.get("authorization", "")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    return Caller(api_key_digest=hashlib.sha256(key.encode()).hexdigest() if key else None)
 
 
 def not_ready_error(names: list[str]) -> ApiError:
@@ -159,7 +168,7 @@ class OpenAIIngress:
     profile: Any
     recorder: Recorder = Recorder()
 
-    def stream_events(self, name: str, kind: str, body: dict) -> Any:
+    def stream_events(self, name: str, request: OpenAIRequest, caller: Caller) -> Any:
         raise NotImplementedError
 
     async def model_stats(self) -> dict:
@@ -240,7 +249,7 @@ class OpenAIIngress:
             self.recorder.inc("serve_app_requests", 1, labels)
 
     async def _answer(self, request: Request, kind: str, cls, labels: dict[str, str]):
-        body, parsed = await _parse(request, cls, int(self.profile.ingress.max_request_bytes))
+        parsed = await _parse(request, cls, int(self.profile.ingress.max_request_bytes))
         m = self.profile.model(parsed.model)
         if m is None:
             known = ", ".join(p.name for p in self.profile.models)
@@ -250,11 +259,7 @@ class OpenAIIngress:
         check_prompt_size(parsed, m.prompt_char_limit(), m.context_length)
         if not await self.model_ready(m.name):
             raise not_ready_error([m.name])
-        body.pop(API_KEY_DIGEST_FIELD, None)  # only the ingress may set it
-        auth = request.headers.get("authorization", "")
-        if auth.lower().startswith("bearer ") and auth[7:].strip():
-            body[API_KEY_DIGEST_FIELD] = hashlib.sha256(auth[7:].strip().encode()).hexdigest()
-        events = self.stream_events(parsed.model, kind, body)
+        events = self.stream_events(parsed.model, parsed, caller_of(request))
         try:
             first = await events.__anext__()
         except StopAsyncIteration:

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from serve_app.compat import record_metric_zero
+
 logger = logging.getLogger(__name__)
 
 EXPORT_PREFIX = "ray_"  # what Ray's exporter puts in front of every name
@@ -105,6 +107,11 @@ METRICS: tuple[MetricDef, ...] = (
        ("model", "tier")),
     _c("serve_app_prefix_cache_checkpoint_decode_failures", "replica",
        "Checkpoints rejected on restore (unreadable, undecodable or not finite)."),
+    _c("serve_app_prefix_cache_captured_tokens", "replica",
+       "Tokens of the blocks captured into the cache."),
+    _c("serve_app_prefix_cache_checkpoint_bytes", "replica",
+       "Bytes of recurrent-state (GDN) checkpoints captured; per captured token, the cost of "
+       "caching a hybrid model."),
     _c("serve_app_prefix_cache_incompatible_payloads", "replica",
        "Cached blocks or checkpoints rejected because their shapes or dtypes did not fit the "
        "model's layout (dropped, never restored)."),
@@ -203,9 +210,9 @@ class RayRecorder(Recorder):
 
     def zero(self, name: str, labels: dict[str, str]) -> None:
         # Ray's public ``inc`` refuses 0; recording 0 is how Prometheus clients
-        # initialize a known series (ray 2.60's Metric._record).
+        # initialize a known series (a Ray internal: see serve_app.compat).
         try:
-            self._metrics[name]._record(0.0, tags=labels)
+            record_metric_zero(self._metrics[name], labels)
         except Exception:  # a Ray without it: the series appears at its first event
             logger.debug("cannot initialize %s at 0", name, exc_info=True)
 
@@ -281,6 +288,9 @@ def replica_samples(model: str, engine: dict, cache: dict) -> list[Sample]:
         Sample("serve_app_prefix_cache_walkbacks", m, cache["walkbacks"]),
         Sample("serve_app_prefix_cache_checkpoint_decode_failures", m,
                cache["checkpoint_rejects"]),
+        Sample("serve_app_prefix_cache_captured_tokens", m, engine["captured_tokens"]),
+        Sample("serve_app_prefix_cache_checkpoint_bytes", m,
+               engine["captured_checkpoint_bytes"]),
         Sample("serve_app_prefix_cache_incompatible_payloads", m,
                cache["incompatible_payloads"]),
         Sample("serve_app_prefix_cache_restore_failures", m, cache["restore_failures"]),

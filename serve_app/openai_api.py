@@ -15,9 +15,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-# Set by the ingress from the Authorization header (a digest, never the key);
-# the replica uses it as a cache salt when the profile isolates by API key.
-API_KEY_DIGEST_FIELD = "x_api_key_digest"
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as the ingress saw it: never read from the request body.
+
+    It travels beside the request so no client can set it. ``api_key_digest``
+    is a sha256 of the bearer token (never the key); the replica salts cache
+    blocks with it when the profile isolates by API key.
+    """
+
+    api_key_digest: str | None = None
 
 
 class ApiError(Exception):
@@ -218,6 +226,9 @@ def check_prompt_size(
 _Request.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
+
+# What the ingress hands a model replica, validated (and ``check_supported``) once.
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
 
 
 @dataclass

@@ -21,13 +21,14 @@ from serve_app.cache import codecs
 from serve_app.cache.blocks import RestorePlan
 from serve_app.cache.client import CacheClient, FetchedChain, FetchRequest
 from serve_app.cache.hashing import chain, model_identity, root_id, salted_root
-from serve_app.cache.tiers import DiskInfo
+from serve_app.cache.tiers import DiskInfo, TailQuery
+from serve_app.compat import download_model
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.engine import CachePlan, Engine, EngineEvent, QueueFullError, SamplingParams
 from serve_app.metrics import Recorder, replica_samples
 from serve_app.openai_api import (
-    API_KEY_DIGEST_FIELD,
     ApiError,
+    Caller,
     ChatCompletionRequest,
     CompletionRequest,
     check_prompt_size,
@@ -48,6 +49,10 @@ class PreparedRequest:
     params: SamplingParams
     stops: list[str]
     salt: str | None = None
+    api_key_digest: str | None = None  # set only when the profile isolates by API key
+    # Where the conversation may branch: the end of the system prompt, the start of
+    # the last message (prompt positions; a tail of the cache is captured there).
+    branch_points: tuple[int, ...] = ()
 
 
 @dataclass
@@ -97,10 +102,9 @@ def resolve_source(profile: ModelProfile, home: Path | None = None) -> str:
 def load_model(profile: ModelProfile, home: Path | None = None):
     """Load through ``mlx_lm.load``; returns (model, tokenizer, model directory)."""
     import mlx_lm
-    from mlx_lm.utils import _download
 
     path = resolve_source(profile, home)
-    model_dir = Path(_download(path, revision=profile.revision))
+    model_dir = download_model(path, profile.revision)
     model, tokenizer = mlx_lm.load(str(model_dir))
     return model, tokenizer, model_dir
 
@@ -133,6 +137,11 @@ class ModelService:
         # The engine thread probes the layout: every cached array's shape and dtype.
         self.layout = self.engine.wait_ready()
         block_size = profile.cache.block_size or (256 if self.layout.hybrid else 64)
+        interval = profile.cache.checkpoint_interval or block_size
+        if interval % block_size:
+            raise ValueError(f"model {profile.name}: cache.checkpoint_interval ({interval}) "
+                             f"must be a multiple of the block size ({block_size})")
+        self._checkpoint_every = interval if self.layout.hybrid else 0
         reason = None
         if not profile.cache.enabled:
             reason = "caching disabled in the profile"
@@ -180,8 +189,14 @@ class ModelService:
                            param="prompt")
         return list(prompt)
 
-    def prepare(self, request: ChatCompletionRequest | CompletionRequest) -> PreparedRequest:
-        request.check_supported()
+    def prepare(self, request: ChatCompletionRequest | CompletionRequest,
+                caller: Caller | None = None) -> PreparedRequest:
+        """Prompt tokens and sampling for a request the ingress validated.
+
+        Runs on a replica worker thread: templating and tokenizing a long prompt
+        must not stall the event loop. ``caller`` comes from the ingress's view
+        of the headers, never from the body.
+        """
         check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length)
         prompt = self.prompt_tokens(request)
         if not prompt:
@@ -205,12 +220,42 @@ class ModelService:
             top_p=defaults.top_p if request.top_p is None else request.top_p,
             seed=request.seed,
         )
-        salt = request.cache_salt
-        key_digest = (request.model_extra or {}).get(API_KEY_DIGEST_FIELD)
-        if self.profile.cache.isolate_by_api_key and key_digest:
-            salt = f"{salt or ''}|key:{key_digest}"
+        isolate = self.profile.cache.isolate_by_api_key and caller is not None
         return PreparedRequest(prompt=prompt, params=params, stops=request.stop_list(),
-                               salt=salt)
+                               salt=request.cache_salt,
+                               api_key_digest=caller.api_key_digest if isolate else None,
+                               branch_points=self.branch_points(request, prompt))
+
+    def branch_points(self, request: ChatCompletionRequest | CompletionRequest,
+                      prompt: list[int]) -> tuple[int, ...]:
+        """Prompt positions where another conversation is likely to branch off this one.
+
+        The end of the system prompt (the next session of an agent shares it) and
+        the start of the last message (the next turn, or a retry, shares all before
+        it), found as mlx_lm.server does: render the shorter conversation and take
+        the common prefix with the prompt. Only chat requests have them.
+        """
+        if self.cache_client is None or not isinstance(request, ChatCompletionRequest):
+            return ()
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        n_system = next((i for i, m in enumerate(messages)
+                         if m["role"] not in ("system", "developer")), len(messages))
+        shorter = [messages[:-1]]
+        if 0 < n_system < len(messages):
+            shorter.append(messages[:n_system] + [{"role": "user", "content": ""}])
+        points = set()
+        for conversation in shorter:
+            if not conversation:
+                continue
+            try:
+                tokens = self.tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt=False, tokenize=True)
+            except Exception:  # a template that refuses the shorter form: no point
+                continue
+            common = _common_prefix(tokens, prompt)
+            if 0 < common < len(prompt) - 1:
+                points.add(common)
+        return tuple(sorted(points))
 
     # ---- streaming ----------------------------------------------------------------
 
@@ -324,7 +369,7 @@ class ModelService:
             return None, None
         stats = self.cache_stats
         bs = stats.block_size
-        root = salted_root(self.root, prepared.salt)
+        root = salted_root(self.root, prepared.salt, prepared.api_key_digest)
         ids = chain(root, prepared.prompt, bs)
         restorable = min(len(ids), (len(prepared.prompt) - 1) // bs)
         hybrid = self.layout.hybrid
@@ -332,7 +377,8 @@ class ModelService:
         tic = time.perf_counter()
         found = await self.cache_client.fetch(FetchRequest(
             self.profile.name, ids[:restorable], self.layout, bs, self._expect,
-            exact=self.profile.cache.sidecar_codec == codecs.EXACT))
+            exact=self.profile.cache.sidecar_codec == codecs.EXACT,
+            tails=TailQuery(root, prepared.prompt[:-1], bs)))
         stats.fetch_seconds += time.perf_counter() - tic
         stats.walkbacks += found.walkbacks
         stats.checkpoint_rejects += found.checkpoint_rejects
@@ -341,19 +387,23 @@ class ModelService:
         stats.ssd_read_bytes += found.ssd_bytes
         stats.ssd_read_seconds += found.ssd_seconds
         n = len(found.payloads)
-        for tier in found.tiers:
-            stats.hit_tokens_by_tier[tier] = stats.hit_tokens_by_tier.get(tier, 0) + bs
         restore = None
+        tail = found.tail_tokens
+        counts = [bs] * (n - bool(tail)) + ([tail] if tail else [])
+        for tier, count in zip(found.tiers, counts, strict=True):
+            stats.hit_tokens_by_tier[tier] = stats.hit_tokens_by_tier.get(tier, 0) + count
+        hit = sum(counts)
         if n:
-            restore = RestorePlan(tokens=n * bs, blocks=found.payloads)
+            restore = RestorePlan(counts, found.payloads)
             if hybrid:
                 loads = stats.checkpoint_loads_by_tier
                 loads[found.tiers[-1]] = loads.get(found.tiers[-1], 0) + 1
-        stats.hit_tokens += n * bs
-        stats.missed_tokens += len(prepared.prompt) - n * bs
-        if n < restorable:
-            stats.miss(*self._miss_reason(found, n, bs))
-        plan = CachePlan(bs, root, ids, restore, self._publish)
+        stats.hit_tokens += hit
+        stats.missed_tokens += len(prepared.prompt) - hit
+        if hit < restorable * bs:
+            stats.miss(*self._miss_reason(found, n - bool(tail), bs))
+        plan = CachePlan(bs, root, ids, restore, self._publish, self._checkpoint_every,
+                         prepared.branch_points)
         return plan, found.lease
 
     def _restore_failed(self, planned: int) -> None:
@@ -394,11 +444,13 @@ class ModelService:
                                self.cache_stats.summary())
 
     async def stats(self) -> dict:
-        out = {
-            "model": self.profile.name,
-            "engine": self.engine.snapshot(),
-            "cache": self.cache_stats.summary(),
-        }
+        engine = self.engine.snapshot()
+        cache = self.cache_stats.summary()
+        tokens = engine["captured_tokens"]
+        cache["checkpoint_interval"] = self._checkpoint_every or None
+        cache["checkpoint_bytes_per_1k_tokens"] = (
+            round(engine["captured_checkpoint_bytes"] * 1000 / tokens) if tokens else None)
+        out = {"model": self.profile.name, "engine": engine, "cache": cache}
         if self.cache_client is not None:
             out["cache_store"] = await self.cache_client.stats()
         return out
@@ -508,3 +560,12 @@ class _TextDecoder:
         self._detok.finalize()
         text, stopped = self._stops.feed(self._detok.last_segment)
         return text if stopped else text + self._stops.flush()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

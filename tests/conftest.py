@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.devserver import ServerProcess, free_port, write_config
+from bench.devserver import ServerProcess, free_port, write_config
 
 DENSE = "tiny-dense"
 HYBRID = "tiny-hybrid"

@@ -106,7 +106,8 @@ def test_retry_restores_all_but_the_last_token(services):
     req = CompletionRequest(model="m", prompt=prompt, max_tokens=12, temperature=0)
     first = run(warm, req)
     again = run(warm, req)
-    assert again["cached"] == 2 * BS  # the third block would leave nothing to compute
+    # Two full blocks and the tail captured at the prompt's end: one token is computed.
+    assert again["cached"] == 3 * BS - 1
     assert first["text"] == again["text"] == run(cold, req)["text"]
 
 
@@ -132,8 +133,12 @@ def cached_prompt(warm: ModelService, prompt: list[int]):
 
 def test_forced_walkback_drops_one_block_and_stays_exact(hybrid_services):
     warm, cold, client = hybrid_services
-    req, ids = cached_prompt(warm, [3 + (i * 7) % 240 for i in range(4 * BS + 3)])
+    prompt = [3 + (i * 7) % 240 for i in range(4 * BS + 3)]
+    _, ids = cached_prompt(warm, prompt)
     client.store.drop("checkpoint", "", ids[3])  # the newest boundary
+    # Other last tokens: the tail captured at the first prompt's end does not apply.
+    other = prompt[:-3] + [9, 8, 7]
+    req = CompletionRequest(model="m", prompt=other, max_tokens=16, temperature=0)
     before = warm.cache_stats.walkbacks
     a = run(warm, req)
     assert warm.cache_stats.walkbacks == before + 1
@@ -179,8 +184,8 @@ class SlowAnswer(LocalCacheClient):
     """The store grants the lease, then the answer takes a while to come back (as an
     actor reply can): a client that hangs up meanwhile must not leave it pinned."""
 
-    async def _lookup(self, block_ids, need_checkpoint, layout, exact):
-        found = self.store.lookup(block_ids, need_checkpoint, layout, exact)
+    async def _lookup(self, block_ids, need_checkpoint, layout, exact, tails):
+        found = self.store.lookup(block_ids, need_checkpoint, layout, exact, tails)
         await asyncio.sleep(0.3)
         return found
 

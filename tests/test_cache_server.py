@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -77,6 +78,24 @@ def test_api_keys_isolate_when_the_profile_says_so(client, server):
     stranger = OpenAI(base_url=f"{server.base_url}/v1", api_key="key-two", max_retries=0)
     assert ask(stranger, DENSE, messages).usage.prompt_tokens_details.cached_tokens == 0
     assert ask(client, DENSE, messages).usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_a_body_cannot_choose_the_api_key_salt(client, server):
+    # The key digest comes from the Authorization header only; no body field reaches it.
+    messages = [{"role": "user", "content": "Body salt check, key one's prefix. " * 3}]
+    ask(client, DENSE, messages)  # cached under key-one's salt
+    digest = hashlib.sha256(b"key-one").hexdigest()
+
+    def anonymous(**fields) -> int:  # no Authorization header
+        body = {"model": DENSE, "messages": messages, "max_tokens": 4, "temperature": 0,
+                **fields}
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert anonymous(x_api_key_digest=digest) == 0  # not key-one's blocks
+    assert anonymous(cache_salt=f"|key:{digest}") == 0  # nor through a crafted cache_salt
+    assert anonymous(x_api_key_digest="another") > 0  # ignored: the unsalted blocks again
 
 
 def test_models_never_share_blocks(client):

@@ -58,7 +58,17 @@ def test_roots_bind_model_layout_block_size_and_salt():
     assert base not in others
     assert hashing.salted_root(base, None) == base
     assert hashing.salted_root(base, "a") != hashing.salted_root(base, "b") != base
-    assert hashing.block_id(base, [1, 2]) != hashing.block_id(base, [1, 2], {"lora": "x"})
+    keyed = hashing.salted_root(base, None, "digest")
+    # No cache_salt a client sends reaches an API key's root, nor the other way round.
+    assert keyed not in (base, hashing.salted_root(base, "digest"),
+                         hashing.salted_root(base, "|key:digest"))
+    assert hashing.salted_root(base, "a", "digest") not in (keyed, hashing.salted_root(base, "a"))
+
+
+def test_block_ids_are_stable_across_releases():
+    # Ids name files on SSD: a change here silently turns every stored block into a miss.
+    assert hashing.block_id("0" * 64, [1, 2, 3]) == \
+        "9a5858ea77ee753d2aadb8af5489a6d9900d27580e88586611aee6f9e84eb1a0"
 
 
 def test_model_identity_distinguishes_models(tmp_path):

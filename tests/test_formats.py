@@ -96,6 +96,12 @@ def prompt_of(seed: int, blocks: int) -> list[int]:
     return [5 + (i * seed) % 240 for i in range(blocks * BS + 3)]
 
 
+def branch(prompt: list[int]) -> list[int]:
+    """The same full blocks, other last tokens: no tail of ``prompt`` matches it, so
+    a restore of it exercises the full blocks and their checkpoints alone."""
+    return prompt[:-3] + [5 + (t + 7) % 240 for t in prompt[-3:]]
+
+
 @pytest.mark.parametrize("name", HYBRIDS + DENSES)
 def test_warm_multi_turn_matches_cold(name, home):
     server = Server(name, home)
@@ -128,14 +134,16 @@ def test_restart_from_ssd_matches_cold(name, storage, home, tmp_path):
     first.close()
 
     again = Server(name, home, tmp_path, cache)
-    b = again.ask(prompt)
-    assert b["cached"] == 3 * BS
+    b = again.ask(prompt)  # three blocks and the tail at the prompt's end
+    assert b["cached"] == len(prompt) - 1
     assert b["text"] == a["text"] == again.cold_text(prompt)
     stats = again.service.cache_stats
-    assert stats.hit_tokens_by_tier == {"ssd": 3 * BS}
+    assert stats.hit_tokens_by_tier == {"ssd": len(prompt) - 1}
     assert stats.incompatible_payloads == 0 and stats.checkpoint_rejects == 0
     c = again.ask(prompt)  # promoted to the hot tier, still exact
-    assert c["text"] == a["text"] and stats.hit_tokens_by_tier["hot"] == 3 * BS
+    assert c["text"] == a["text"] and stats.hit_tokens_by_tier["hot"] == len(prompt) - 1
+    d = again.ask(branch(prompt))  # the full blocks alone, from the hot tier now
+    assert d["cached"] == 3 * BS and d["text"] == again.cold_text(branch(prompt))
     again.close()
 
 
@@ -149,9 +157,9 @@ def test_walkback_after_a_lost_sidecar_matches_cold(name, home, tmp_path):
     first.ssd.sidecar_path(first.service.layout.digest, first.ids(prompt)[3]).unlink()
 
     again = Server(name, home, tmp_path)
-    b = again.ask(prompt)
+    b = again.ask(branch(prompt))
     assert again.service.cache_stats.walkbacks == 1
-    assert b["cached"] == 3 * BS and b["text"] == again.cold_text(prompt)
+    assert b["cached"] == 3 * BS and b["text"] == again.cold_text(branch(prompt))
     again.close()
 
 
@@ -168,7 +176,7 @@ def test_lossy_codecs_restore_the_right_shapes_and_dtypes(name, codec, home, tmp
     again = Server(name, home, tmp_path, cache)
     b = again.ask(prompt)
     stats = again.service.cache_stats
-    assert b["cached"] == 3 * BS and stats.sidecar_loads == 1
+    assert b["cached"] == len(prompt) - 1 and stats.sidecar_loads == 1
     assert stats.checkpoint_rejects == 0 and stats.restore_failures == 0
     assert again.service.engine.snapshot()["restore_failures"] == 0
     again.close()
@@ -193,7 +201,7 @@ def test_lossy_sidecar_never_used_where_exactness_is_asked(home, tmp_path):
 
     again = Server(name, home, tmp_path)
     c = again.ask(prompt)
-    assert c["cached"] == 3 * BS and c["text"] == b["text"]
+    assert c["cached"] == len(prompt) - 1 and c["text"] == b["text"]
     again.close()
 
 
@@ -210,12 +218,12 @@ def test_hot_payload_of_the_wrong_shape_is_a_clean_miss(home):
     widened = conv.to_float32().view(np.uint16)  # float32 bits read as bf16: twice as wide
     payload.state[layer] = (Tensor(np.ascontiguousarray(widened), "bfloat16"), *rest)
 
-    b = server.ask(prompt)
+    b = server.ask(branch(prompt))
     stats = server.service.cache_stats
     assert stats.incompatible_payloads == 1 and stats.last_miss_reason.startswith(
         "cached payload does not fit")
     assert b["cached"] == 2 * BS  # walked back to the previous checkpoint
-    assert b["text"] == server.cold_text(prompt)
+    assert b["text"] == server.cold_text(branch(prompt))
     # Dropped, and replaced by the re-prefill's own checkpoint, which fits:
     fresh = server.store.hot.entry(ids[2]).handle
     assert fresh is not payload
@@ -244,9 +252,9 @@ def test_ssd_block_of_the_wrong_dtype_is_dropped_and_counted(home, tmp_path):
     assert writer.write("block", bid, widened, {**meta, "dtypes": dtypes})
 
     again = Server(name, home, tmp_path)
-    b = again.ask(prompt)
+    b = again.ask(branch(prompt))
     stats = again.service.cache_stats
-    assert b["cached"] == BS and b["text"] == again.cold_text(prompt)
+    assert b["cached"] == BS and b["text"] == again.cold_text(branch(prompt))
     assert stats.incompatible_payloads == 1
     again.drain()  # dropped, and written again by the re-prefill, in the model's dtype
     tensors, meta = read_file(again.ssd.block_entry(bid).path, {})
@@ -278,7 +286,7 @@ def test_a_restore_that_fails_to_build_prefills_cold_and_spares_the_batch(home):
     broken = [BlockPayload(dict(b.kv), dict(b.state)) for b in blocks]
     layer = next(iter(broken[-1].state))
     broken[-1].state[layer] = broken[-1].state[layer][:1]  # a recurrent array missing
-    plan = CachePlan(BS, server.service.root, [], RestorePlan(3 * BS, broken), None)
+    plan = CachePlan(BS, server.service.root, [], RestorePlan([BS] * 3, broken), None)
     engine.submit(prompt, SamplingParams(max_tokens=10), sink("bad"), plan)
     assert done["bad"].wait(60) and done["other"].wait(60)
     assert all(e.error is None for e in events["bad"] + events["other"])

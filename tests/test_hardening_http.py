@@ -20,7 +20,7 @@ import httpx
 import mlx_lm
 import pytest
 
-from serve_app.devserver import ServerProcess, descendants, free_port, write_config
+from bench.devserver import ServerProcess, descendants, free_port, write_config
 from serve_app.embedded import materialize
 from serve_app.http import MAX_JSON_DEPTH, parse_json
 from serve_app.openai_api import ApiError, ChatCompletionRequest, CompletionRequest

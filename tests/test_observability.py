@@ -18,9 +18,9 @@ import pytest
 import yaml
 from openai import OpenAI
 
+from bench.devserver import ServerProcess, free_port, write_config
 from dashboards.generate import DASHBOARDS, build, concrete, panel_queries
 from serve_app.cache.ssd import FORMAT_VERSION, read_header
-from serve_app.devserver import ServerProcess, free_port, write_config
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -269,13 +269,23 @@ def test_metrics_follow_a_workload_across_a_restart(stack):
     last = hybrid[-1]
     restorable = (last.usage.prompt_tokens - 1) // BS
     hybrid_ids = {p.stem for p in sidecars}
-    parents = {p.stem: read_header(p)[1]["parent_id"] for p in blocks if p.stem in hybrid_ids}
+    headers = {p.stem: read_header(p)[1] for p in blocks}
+    parents = {b: h["parent_id"] for b, h in headers.items()  # full blocks, not tails
+               if b in hybrid_ids and int(h["tokens"]) == BS}
     deepest = [b for b in parents if depth_of(parents, b) == restorable]
     assert len(deepest) == 1, deepest
     (victim,) = [p for p in sidecars if p.stem == deepest[0]]
     victim.unlink()
+    # ... and the tails (partial blocks) under it and under its parent, with their
+    # sidecars: the replay must walk back exactly one block, to a full block's end.
+    under = {deepest[0], parents[deepest[0]]}
+    for path in blocks:
+        meta = headers[path.stem]
+        if int(meta["tokens"]) < BS and meta["parent_id"] in under:
+            for same in [path, *(p for p in sidecars if p.stem == path.stem)]:
+                same.unlink()
 
-    # ---- session 2: the same request again, restored from SSD one block short
+    # ---- session 2: the same request again, restored from SSD a block and a tail short
     second = start()
     prom.wait_for(m("prefix_cache_walkbacks_total", model=HYBRID), 0)  # the new series
     again = chat(second, HYBRID, hybrid_messages)

@@ -81,6 +81,12 @@ def prompt_of(seed: int, blocks: int) -> list[int]:
     return [5 + (i * seed) % 240 for i in range(blocks * BS + 3)]
 
 
+def branch(prompt: list[int]) -> list[int]:
+    """The same full blocks, other last tokens: no tail of ``prompt`` matches it, so
+    a restore of it exercises the full blocks and their checkpoints alone."""
+    return prompt[:-3] + [5 + (t + 7) % 240 for t in prompt[-3:]]
+
+
 def cold_text(loaded, prompt, n=12) -> str:
     return run(loaded[3], CompletionRequest(model="m", prompt=prompt, max_tokens=n,
                                             temperature=0))["text"]
@@ -95,14 +101,16 @@ def test_restart_restores_from_ssd_with_one_sidecar(loaded, tmp_path):
     first.close()
 
     again = Server(loaded, tmp_path)
-    b = again.ask(prompt)
-    assert b["cached"] == 4 * BS
+    b = again.ask(prompt)  # four blocks and the tail at the prompt's end, from SSD
+    assert b["cached"] == len(prompt) - 1
     assert b["text"] == a["text"] == cold_text(loaded, prompt)
     stats = again.service.cache_stats
-    assert stats.sidecar_loads == 1  # lazily: only the newest checkpoint
-    assert stats.hit_tokens_by_tier == {"ssd": 4 * BS}
+    assert stats.sidecar_loads == 1  # lazily: only the newest checkpoint (the tail's)
+    assert stats.hit_tokens_by_tier == {"ssd": len(prompt) - 1}
     c = again.ask(prompt)  # promoted into the hot tier
-    assert c["text"] == a["text"] and stats.hit_tokens_by_tier["hot"] == 4 * BS
+    assert c["text"] == a["text"] and stats.hit_tokens_by_tier["hot"] == len(prompt) - 1
+    d = again.ask(branch(prompt))  # the full blocks alone, their newest checkpoint
+    assert d["cached"] == 4 * BS and d["text"] == cold_text(loaded, branch(prompt))
     again.close()
 
 
@@ -113,10 +121,10 @@ def test_deleted_newest_sidecar_walks_back_once(loaded, tmp_path):
     first.ssd.sidecar_path(first.service.layout.digest, ids[3]).unlink()
 
     again = Server(loaded, tmp_path)
-    b = again.ask(prompt)
+    b = again.ask(branch(prompt))
     assert again.service.cache_stats.walkbacks == 1
     assert b["cached"] == 3 * BS
-    assert b["text"] == cold_text(loaded, prompt)
+    assert b["text"] == cold_text(loaded, branch(prompt))
     again.close()
 
 
@@ -129,10 +137,10 @@ def test_corrupt_sidecar_is_a_decode_failure_and_a_walkback(loaded, tmp_path):
     path.write_bytes(bytes(data))
 
     again = Server(loaded, tmp_path)
-    b = again.ask(prompt)
+    b = again.ask(branch(prompt))
     assert again.store.snapshot()["sidecar_decode_failures"] == 1
     assert again.service.cache_stats.walkbacks == 1
-    assert b["cached"] == 2 * BS and b["text"] == cold_text(loaded, prompt)
+    assert b["cached"] == 2 * BS and b["text"] == cold_text(loaded, branch(prompt))
     again.drain()  # the re-prefilled block brought a fresh, valid sidecar
     assert read_file(path, {})[1]["kind"] == "sidecar"
     again.close()
@@ -159,7 +167,7 @@ def test_embedded_checkpoints_need_no_sidecar(loaded, tmp_path):
     assert first.ssd.snapshot()["sidecars"] == 0
     again = Server(loaded, tmp_path, cache={"gdn_snapshot_storage": "embedded"})
     b = again.ask(prompt)
-    assert b["cached"] == 3 * BS and b["text"] == cold_text(loaded, prompt)
+    assert b["cached"] == len(prompt) - 1 and b["text"] == cold_text(loaded, prompt)
     assert again.service.cache_stats.sidecar_loads == 0
     again.close()
 
@@ -169,7 +177,7 @@ def test_inexact_codec_restores(loaded, tmp_path):
     prompt = prompt_of(23, 3)
     cached_on_disk(loaded, tmp_path, prompt, cache={"sidecar_codec": "rht_int8"})
     again = Server(loaded, tmp_path, cache={"sidecar_codec": "rht_int8"})
-    assert again.ask(prompt)["cached"] == 3 * BS
+    assert again.ask(prompt)["cached"] == len(prompt) - 1
     assert again.service.cache_stats.sidecar_loads == 1
     again.close()
 
@@ -249,7 +257,7 @@ def test_embedded_checkpoint_behind_a_promoted_block(loaded, tmp_path):
     prompt = prompt_of(61, 4)
     cached_on_disk(loaded, tmp_path, prompt, cache=cache)
     again = Server(loaded, tmp_path, cache=cache)
-    assert again.ask(prompt)["cached"] == 4 * BS  # blocks 0-2 promoted without checkpoints
+    assert again.ask(prompt)["cached"] == len(prompt) - 1  # blocks 0-2 promoted, no state
     other = prompt[: 2 * BS + 5] + [(t + 3) % 250 for t in prompt[2 * BS + 5:]]
     b = again.ask(other)
     assert b["cached"] == 2 * BS and b["text"] == cold_text(loaded, other)

@@ -112,7 +112,7 @@ def test_a_slow_put_does_not_hold_up_other_calls(local_ray, tmp_path):
         assert took < 0.3, f"a lookup waited {took:.2f} s behind puts"
         most = max(most, client._in_flight)
     assert most <= MAX_UNACKED_PUTS
-    found = asyncio.run(client._lookup([bid(i) for i in range(12)], False, LAYOUT, True))
+    found = asyncio.run(client._lookup([bid(i) for i in range(12)], False, LAYOUT, True, None))
     assert found["present"] == 12  # it waited for its own puts' acks
     staging = ray.get(actor.stats.remote())["staging"]
     assert staging["backpressure_seconds"] > 0 and staging["inline_writes"] > 0
@@ -155,7 +155,7 @@ def test_back_to_back_publish_then_lookup_sees_the_block(local_ray):
     async def turns() -> None:
         for i in range(50):
             client.publish("m", block(i), None)
-            found = await client._lookup([bid(i)], False, LAYOUT, True)
+            found = await client._lookup([bid(i)], False, LAYOUT, True, None)
             assert found["present"] == 1, f"turn {i} missed its own block"
             await client.release(found["lease"])
 
@@ -178,7 +178,7 @@ def test_a_block_that_cannot_be_published_is_counted(local_ray):
     ray.get(actor.stats.remote(), timeout=60)
     client = RayCacheClient(actor)
     client.publish("m", CapturedBlock(bid(0), "", Unpicklable()), None)
-    found = asyncio.run(client._lookup([bid(0)], False, LAYOUT, True))  # not held up
+    found = asyncio.run(client._lookup([bid(0)], False, LAYOUT, True, None))  # not held up
     assert found["present"] == 0 and client.dropped == 1
     deadline = time.monotonic() + 10
     while (stats := asyncio.run(client.stats()))["dropped"]["publish"] != 1:

@@ -29,7 +29,7 @@ from serve_app.cache.client import CacheClient
 from serve_app.cache.hot import HotEntry
 from serve_app.cache.payload import BlockPayload
 from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir
-from serve_app.cache.tiers import DiskInfo, TieredStore
+from serve_app.cache.tiers import DiskInfo, TailQuery, TieredStore
 from serve_app.metrics import MetricsPump, RayRecorder, store_samples
 
 logger = logging.getLogger(__name__)
@@ -115,8 +115,8 @@ class CacheStore:
             self.tiers.ssd.activate(model, layout)
 
     def lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
-               exact: bool = True) -> dict:
-        return self.tiers.lookup(block_ids, need_checkpoint, layout, exact)
+               exact: bool = True, tails: TailQuery | None = None) -> dict:
+        return self.tiers.lookup(block_ids, need_checkpoint, layout, exact, tails)
 
     def release(self, lease: int | None) -> None:
         self.tiers.release(lease)
@@ -234,14 +234,15 @@ class RayCacheClient(CacheClient):
             self._cv.wait_for(lambda: not (seqs & self._unacked), timeout=ACK_WAIT_S)
 
     async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
-                      exact: bool) -> dict:
+                      exact: bool, tails: TailQuery | None) -> dict:
         # Blocks published before this lookup must be visible to it: wait for the
         # store's acks of those puts (not of the ones published after).
         with self._cv:
             before = set(self._unacked)
         if before:
             await asyncio.get_running_loop().run_in_executor(None, self._wait_acked, before)
-        return await self.actor.lookup.remote(block_ids, need_checkpoint, layout, exact)
+        return await self.actor.lookup.remote(block_ids, need_checkpoint, layout, exact,
+                                              tails)
 
     async def _resolve(self, handle: Any) -> BlockPayload:
         try:

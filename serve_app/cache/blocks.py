@@ -36,10 +36,18 @@ class CapturedBlock:
 
 @dataclass
 class RestorePlan:
-    """What a request starts from: the KV of its first blocks, the last one's checkpoint."""
+    """What a request starts from: the KV of its first blocks, the last one's checkpoint.
 
-    tokens: int
+    Every block holds ``block_size`` tokens but the last, which may be a tail
+    (a partial block captured where a conversation branches).
+    """
+
+    block_tokens: list[int]
     blocks: list[BlockPayload]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.block_tokens)
 
     @property
     def nbytes(self) -> int:
@@ -78,14 +86,11 @@ def build_cache(model, layout: Layout, plan: RestorePlan) -> list:
     Checks every block against the layout first: a payload that does not fit
     raises ``ValueError`` here, never inside the running batch.
     """
-    if not plan.blocks:
-        raise ValueError("a restore needs at least one block")
-    per_block, rem = divmod(plan.tokens, len(plan.blocks))
-    if rem:
-        raise ValueError(f"{plan.tokens} tokens do not split into {len(plan.blocks)} blocks")
-    for n, block in enumerate(plan.blocks):
+    if not plan.blocks or len(plan.blocks) != len(plan.block_tokens):
+        raise ValueError(f"{len(plan.blocks)} blocks for {len(plan.block_tokens)} token counts")
+    for n, (block, tokens) in enumerate(zip(plan.blocks, plan.block_tokens, strict=True)):
         last = n == len(plan.blocks) - 1
-        reason = layout.check(block, per_block, need_state=layout.hybrid and last)
+        reason = layout.check(block, tokens, need_state=layout.hybrid and last)
         if reason is not None:
             raise ValueError(f"restored block {n} does not fit the model: {reason}")
     cache = make_prompt_cache(model)

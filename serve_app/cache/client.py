@@ -26,7 +26,7 @@ from serve_app.cache.hot import HotEntry
 from serve_app.cache.layout import Layout
 from serve_app.cache.payload import BlockPayload, PayloadError, from_tensors, state_from_names
 from serve_app.cache.ssd import SSDError, read_file
-from serve_app.cache.tiers import DiskInfo, Source, TieredStore
+from serve_app.cache.tiers import DiskInfo, Source, TailQuery, TieredStore
 
 MAX_ATTEMPTS = 8
 
@@ -44,6 +44,7 @@ class FetchedChain:
     checkpoint_rejects: int = 0
     incompatible: int = 0  # payloads whose shapes or dtypes did not fit the layout
     incompatible_reason: str | None = None
+    tail_tokens: int = 0  # the last payload is a tail of this many tokens (0: none)
     sidecar_loads: int = 0
     ssd_bytes: int = 0
     ssd_seconds: float = 0.0
@@ -59,6 +60,13 @@ class FetchRequest:
     block_size: int
     expect: dict[str, str]  # metadata every SSD file of this model must carry
     exact: bool = True  # only exact checkpoints (no lossy sidecar codec)
+    tails: TailQuery | None = None  # also look for a tail past the last full block
+
+    def block_tokens(self, found: dict) -> list[int]:
+        """Tokens of each block a lookup returned (the last may be a tail)."""
+        n = len(found["ids"])
+        tail = found.get("tail_tokens", 0)
+        return [self.block_size] * (n - bool(tail)) + ([tail] if tail else [])
 
 
 class BadFile(Exception):
@@ -80,7 +88,7 @@ class CacheClient:
         raise NotImplementedError
 
     async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
-                      exact: bool) -> dict:
+                      exact: bool, tails: TailQuery | None) -> dict:
         raise NotImplementedError
 
     async def _resolve(self, handle: Any) -> BlockPayload:
@@ -104,7 +112,7 @@ class CacheClient:
             found = await self._pinned_lookup(req)
             try:
                 tic = time.perf_counter()
-                payloads, loads = await self._load(req, found["sources"])
+                payloads, loads = await self._load(req, found)
                 toc = time.perf_counter()
             except BadFile as bad:
                 await self.release(found["lease"])
@@ -122,7 +130,7 @@ class CacheClient:
             ssd_bytes = sum(p.nbytes for p, t in zip(payloads, tiers, strict=True) if t == "ssd")
             return FetchedChain(found["present"], found["walkbacks"], payloads,
                                 found["lease"], found["first_missing_evicted"], tiers, rejects,
-                                incompatible, reason, loads, ssd_bytes,
+                                incompatible, reason, found["tail_tokens"], loads, ssd_bytes,
                                 (toc - tic) if ssd_bytes else 0.0)
         return FetchedChain(0, 0, [], None, False, [], rejects, incompatible, reason)
 
@@ -132,8 +140,8 @@ class CacheClient:
         The store grants the lease when the lookup runs; a client that hangs up
         while waiting for the answer would otherwise leave its blocks pinned.
         """
-        task = asyncio.ensure_future(
-            self._lookup(req.block_ids, req.layout.hybrid, req.layout.digest, req.exact))
+        task = asyncio.ensure_future(self._lookup(req.block_ids, req.layout.hybrid,
+                                                  req.layout.digest, req.exact, req.tails))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -144,11 +152,13 @@ class CacheClient:
         if not task.cancelled() and task.exception() is None:
             asyncio.ensure_future(self.release(task.result()["lease"]))
 
-    async def _load(self, req: FetchRequest, sources: list[Source]):
+    async def _load(self, req: FetchRequest, found: dict):
         payloads: list[BlockPayload] = []
         sidecar_loads = 0
         loop = asyncio.get_running_loop()
-        block_ids, layout = req.block_ids, req.layout
+        sources: list[Source] = found["sources"]
+        block_ids, layout = found["ids"], req.layout
+        counts = req.block_tokens(found)
         # Read every SSD block file at once; the disk does better with queue depth.
         reads = await asyncio.gather(*(
             loop.run_in_executor(None, _read_or_none, s.handle, {**req.expect, "block_id": b})
@@ -180,11 +190,11 @@ class CacheClient:
                 state, lossy = await self._load_checkpoint(loop, req, source, payload, bid)
                 payload = payload.with_state(state)
                 sidecar_loads += source.checkpoint != "embedded"
-            reason = layout.check(payload.without_state(), req.block_size, need_state=False)
+            reason = layout.check(payload.without_state(), counts[i], need_state=False)
             if reason is not None:
                 raise BadFile(bad_kind, bid, source.token, reason)
             if last and layout.hybrid:
-                reason = layout.check(payload, req.block_size, need_state=True)
+                reason = layout.check(payload, counts[i], need_state=True)
                 if reason is not None:  # a walkback: this checkpoint is unusable
                     kind = "checkpoint" if source.checkpoint is None else (
                         "sidecar" if source.checkpoint != "embedded" else "block")
@@ -241,8 +251,8 @@ class LocalCacheClient(CacheClient):
         self.store.put(entry_for(model, block, block.payload), disk)
 
     async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
-                      exact: bool) -> dict:
-        return self.store.lookup(block_ids, need_checkpoint, layout, exact)
+                      exact: bool, tails: TailQuery | None) -> dict:
+        return self.store.lookup(block_ids, need_checkpoint, layout, exact, tails)
 
     async def _resolve(self, handle: Any) -> BlockPayload:
         return handle

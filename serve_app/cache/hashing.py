@@ -108,25 +108,31 @@ def root_id(identity: str, layout_digest: str, block_size: int) -> str:
     return _h(b"root", identity.encode(), layout_digest.encode(), str(block_size).encode())
 
 
-def salted_root(root: str, salt: str | None) -> str:
-    """The root a request's chain starts from; unsalted requests share ``root``."""
-    if not salt:
-        return root
-    return _h(b"salt", root.encode(), salt.encode())
+def salted_root(root: str, salt: str | None, api_key_digest: str | None = None) -> str:
+    """The root a request's chain starts from; unsalted requests share ``root``.
+
+    The API-key fork has its own tag, so no ``cache_salt`` a client sends can
+    reach another tenant's root.
+    """
+    if salt:
+        root = _h(b"salt", root.encode(), salt.encode())
+    if api_key_digest:
+        root = _h(b"api-key", root.encode(), api_key_digest.encode())
+    return root
 
 
-def block_id(parent: str, tokens: list[int], extra: dict | None = None) -> str:
+def block_id(parent: str, tokens: list[int]) -> str:
+    """A block's id: its parent's id and its tokens (salts fork the root instead)."""
     encoded = struct.pack(f"<{len(tokens)}I", *tokens)
-    extra_bytes = json.dumps(extra, sort_keys=True).encode() if extra else b""
-    return _h(b"block", parent.encode(), encoded, extra_bytes)
+    # The trailing empty part was once "extra keys": kept so ids on disk stay valid.
+    return _h(b"block", parent.encode(), encoded, b"")
 
 
-def chain(root: str, tokens: list[int], block_size: int, start_parent: str | None = None,
-          start_block: int = 0) -> list[str]:
-    """Ids of every full block of ``tokens`` (from block ``start_block`` on)."""
+def chain(root: str, tokens: list[int], block_size: int) -> list[str]:
+    """Ids of every full block of ``tokens``, chained from ``root``."""
     ids: list[str] = []
-    parent = start_parent or root
-    for b in range(start_block, len(tokens) // block_size):
+    parent = root
+    for b in range(len(tokens) // block_size):
         parent = block_id(parent, tokens[b * block_size : (b + 1) * block_size])
         ids.append(parent)
     return ids

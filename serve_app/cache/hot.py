@@ -8,7 +8,7 @@ in tests) with their sizes; it never looks inside a payload.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,6 @@ class HotStore:
         self._lease_ids = itertools.count(1)
         self._evicted: OrderedDict[str, None] = OrderedDict()
         self._remember_evicted = remember_evicted
-        self._recent_drops: deque[str] = deque(maxlen=16)
 
     def __contains__(self, block_id: str) -> bool:
         return block_id in self._entries
@@ -110,7 +109,6 @@ class HotStore:
         if entry is None or not entry.has_checkpoint:
             return False
         entry.has_checkpoint = False
-        self._recent_drops.append(block_id)
         return True
 
     def remove(self, block_id: str) -> bool:

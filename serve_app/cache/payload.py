@@ -100,6 +100,12 @@ class BlockPayload:
         return bool(self.state)
 
     @property
+    def tokens(self) -> int:
+        """Tokens of KV it holds (a full block, or fewer for a tail)."""
+        shape = next(iter(self.kv.values()))[0].shape if self.kv else ()
+        return shape[-2] if len(shape) >= 2 else 0  # keys are (1, heads, tokens, dim)
+
+    @property
     def nbytes(self) -> int:
         kv = sum(k.nbytes + v.nbytes for k, v in self.kv.values())
         return kv + sum(t.nbytes for arrays in self.state.values() for t in arrays)

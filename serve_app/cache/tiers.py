@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.cache import codecs
+from serve_app.cache.hashing import block_id
 from serve_app.cache.hot import HotEntry, HotStore
 from serve_app.cache.payload import BlockPayload, state_tensors, to_tensors
 from serve_app.cache.ssd import DiskEntry, SSDStore, WriteResult, token_of
@@ -60,6 +61,15 @@ class StagingStats:
     writes_done: int = 0
     writes_failed: int = 0
     dropped_hot_full: int = 0  # rejected by a full hot tier with no SSD tier to keep them
+
+
+@dataclass(frozen=True)
+class TailQuery:
+    """What a lookup needs to find tails: the chain's root and the restorable tokens."""
+
+    root: str
+    tokens: list[int]  # the prompt without its last token (always computed)
+    block_size: int
 
 
 @dataclass
@@ -170,7 +180,7 @@ class TieredStore:
             embedded = payload.has_state and disk.storage == "embedded"
             tensors, dtypes = to_tensors(payload, with_state=embedded)
             meta = {"model": disk.model, "layout": disk.layout,
-                    "block_size": str(disk.block_size), "tokens": str(disk.block_size),
+                    "block_size": str(disk.block_size), "tokens": str(payload.tokens),
                     "parent_id": entry.parent_id, "dtypes": dtypes}
             if embedded:
                 meta["checkpoint"] = "embedded"
@@ -194,10 +204,12 @@ class TieredStore:
     # ---- lookups ------------------------------------------------------------------------
 
     def lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str = "",
-               exact: bool = True) -> dict:
+               exact: bool = True, tails: TailQuery | None = None) -> dict:
         """The restorable chain across tiers, pinned under one lease.
 
         ``exact``: a checkpoint in a lossy-codec sidecar does not count.
+        ``tails``: also look for a tail (a partial block captured where a
+        conversation branches) past the last usable full block.
         """
         if self.ssd is not None:
             self.ssd.ready.wait(timeout=2.0)  # a restart's index rebuild, briefly
@@ -214,13 +226,13 @@ class TieredStore:
                     break
                 sources.append(source)
             present = len(sources)
-            restore = present
-            if need_checkpoint:
-                while restore and not self._has_checkpoint(block_ids[restore - 1],
-                                                           sources[restore - 1], layout, exact):
-                    restore -= 1
+            restore, tail = self._restore_point(block_ids, sources, need_checkpoint, layout,
+                                                exact, tails, seen)
             sources = sources[:restore]
             ids = block_ids[:restore]
+            if tail is not None:  # a partial block past the last full one
+                ids.append(tail[0])
+                sources.append(tail[2])
             sidecar = None
             if need_checkpoint and sources and not self._inline_checkpoint(ids[-1], sources[-1]):
                 disk = self._disk_checkpoint(ids[-1], layout, exact)
@@ -248,7 +260,44 @@ class TieredStore:
         for disk_entry in touched if self.ssd is not None else ():
             self.ssd.touch(disk_entry)  # file mtimes: outside the lock
         return {"present": present, "walkbacks": present - restore, "lease": lease,
-                "sources": sources, "first_missing_evicted": evicted}
+                "sources": sources, "first_missing_evicted": evicted, "ids": ids,
+                "tail_tokens": tail[1] if tail is not None else 0}
+
+    def _restore_point(self, block_ids: list[str], sources: list[Source], need_checkpoint: bool,
+                       layout: str, exact: bool, tails: TailQuery | None,
+                       seen: dict[str, DiskEntry]) -> tuple[int, tuple | None]:
+        """(full blocks, tail or None) of the deepest position a request can start from.
+
+        Positions in order, deepest first: the longest tail under the last
+        present block, that block's own end, the longest tail under the block
+        before it, ... A hybrid model needs a recurrent checkpoint exactly there
+        (a tail carries its own; a tail needs none at its parent's end).
+        """
+        for i in range(len(sources), -1, -1):
+            if tails is not None:
+                tail = self._longest_tail(tails, block_ids, i, need_checkpoint, layout, exact,
+                                          seen)
+                if tail is not None:
+                    return i, tail
+            if i and (not need_checkpoint or self._has_checkpoint(
+                    block_ids[i - 1], sources[i - 1], layout, exact)):
+                return i, None
+        return 0, None
+
+    def _longest_tail(self, q: TailQuery, block_ids: list[str], i: int, need_checkpoint: bool,
+                      layout: str, exact: bool, seen: dict[str, DiskEntry]) -> tuple | None:
+        """(tail id, tokens, source) of the longest stored tail under full block ``i``."""
+        start = i * q.block_size
+        parent = block_ids[i - 1] if i else q.root
+        for k in range(min(q.block_size - 1, len(q.tokens) - start), 0, -1):
+            tid = block_id(parent, q.tokens[start : start + k])
+            source = self._source(tid, layout, seen)
+            if source is None:
+                continue
+            if need_checkpoint and not self._has_checkpoint(tid, source, layout, exact):
+                continue
+            return tid, k, source
+        return None
 
     def _expire_leases(self) -> None:
         """Leases of clients that vanished mid-restore must not pin blocks for ever."""

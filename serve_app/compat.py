@@ -1,0 +1,61 @@
+"""Every use of mlx-lm's or Ray's private internals, one named function each.
+
+Private names can change in any release. Keeping them here, each with a test
+in ``tests/test_compat.py`` run against the installed versions, means an
+upgrade that breaks one fails one named test instead of a request somewhere.
+Imports are lazy: the ingress loads this module without loading MLX.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def download_model(path_or_repo: str, revision: str | None = None) -> Path:
+    """The local directory of a model: a path as is, a hub repo id downloaded.
+
+    Relies on ``mlx_lm.utils._download`` (mlx-lm 0.32), the helper ``mlx_lm.load``
+    uses with mlx-lm's own file patterns. ``mlx_lm.load`` does not return the
+    directory, and the prefix cache needs it to digest the weight files.
+    """
+    from mlx_lm.utils import _download
+
+    return Path(_download(path_or_repo, revision=revision))
+
+
+def model_classes(config: dict) -> tuple[type, type]:
+    """mlx-lm's (Model, ModelArgs) classes for a config's ``model_type``.
+
+    Relies on ``mlx_lm.utils._get_classes`` (mlx-lm 0.32): there is no public way
+    to build a model from a config alone, which the embedded random-weight
+    models need before they are saved in mlx-lm's format.
+    """
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes(config)
+
+
+def batch_row_caches(generator: Any, uid: int) -> tuple[list, int]:
+    """The running batch's per-layer caches holding ``uid``, and its row in them.
+
+    Relies on ``BatchGenerator._find_uids`` (stage 1: prompt batch, 2:
+    generation batch), ``_prompt_batch``, ``_generation_batch`` and their
+    ``prompt_cache`` (mlx-lm 0.32). The public ``extract_cache`` copies the whole
+    history, which at every block boundary would make capture quadratic.
+    """
+    stage, row = generator._find_uids([uid])[uid]
+    if stage not in (1, 2):
+        raise KeyError(f"request {uid} is not in a running batch (stage {stage})")
+    batch = generator._prompt_batch if stage == 1 else generator._generation_batch
+    return batch.prompt_cache, row
+
+
+def record_metric_zero(metric: Any, labels: dict[str, str]) -> None:
+    """Record 0 on a Ray metric series, so a known series exists before its first event.
+
+    Relies on ``ray.util.metrics.Metric._record`` (Ray 2.60): the public
+    ``Counter.inc`` refuses 0, and a counter that is missing until its first
+    event makes ``rate()`` absent rather than 0.
+    """
+    metric._record(0.0, tags=labels)

@@ -1,0 +1,77 @@
+"""One test per private seam in ``serve_app.compat``, against the installed mlx-lm and Ray.
+
+An upgrade that moves or changes one of these internals fails its test here,
+by name, before it fails a request.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import BatchGenerator
+
+from serve_app import compat
+from serve_app.embedded import EMBEDDED_MODELS, materialize
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return materialize("tiny-hybrid", tmp_path_factory.mktemp("m"))
+
+
+def test_download_model_keeps_a_local_directory(hybrid_dir):
+    assert compat.download_model(str(hybrid_dir)) == hybrid_dir
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
+def test_model_classes_build_a_model_from_its_config(name):
+    config = EMBEDDED_MODELS[name].config
+    model_cls, args_cls = compat.model_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    assert len(model.layers) == config["num_hidden_layers"]
+
+
+def _states(caches: list) -> list[mx.array]:
+    return [a for _, a in tree_flatten([c.state for c in caches]) if a is not None]
+
+
+def test_batch_row_caches_are_the_live_rows_of_both_batches(hybrid_dir):
+    model, tokenizer = mlx_lm.load(str(hybrid_dir))
+    gen = BatchGenerator(model, stop_tokens=[], prefill_step_size=8,
+                         stream=mx.default_stream(mx.default_device()))
+    prompts = [list(range(3, 23)), list(range(40, 52))]  # two rows, different padding
+    uids = gen.insert(prompts, max_tokens=[3, 3])
+    with pytest.raises(KeyError):  # not in a batch yet: no live cache to read
+        compat.batch_row_caches(gen, uids[0])
+    seen = {"prompt": 0, "generation": 0}
+    for _ in range(20):
+        prompt_responses, responses = gen.next()
+        live = [(p.uid, "prompt") for p in prompt_responses if not p.end_of_prompt]
+        live += [(r.uid, "generation") for r in responses if r.finish_reason is None]
+        rows = set()
+        for uid, stage in live:
+            caches, row = compat.batch_row_caches(gen, uid)
+            assert caches is compat.batch_row_caches(gen, uid)[0]  # live, not a copy
+            assert len(caches) == len(model.layers)
+            rows.add(row)
+            ours = _states([c.extract(row) for c in caches])
+            public = _states(gen.extract_cache([uid])[uid][0])
+            assert len(ours) == len(public)
+            assert all(mx.array_equal(a, b).item() for a, b in zip(ours, public, strict=True))
+            seen[stage] += 1
+        assert len(rows) == len({uid for uid, _ in live})  # one row per request
+        if not prompt_responses and not responses:
+            break
+    assert seen["prompt"] and seen["generation"], seen
+
+
+def test_record_metric_zero_reaches_rays_recording_path():
+    from ray.serve.metrics import Counter
+
+    counter = Counter("serve_app_compat_probe", description="compat probe",
+                      tag_keys=("model",))
+    compat.record_metric_zero(counter, {"model": "m"})
+    with pytest.raises(ValueError, match="tag"):  # Ray validated the labels: it recorded
+        compat.record_metric_zero(counter, {"other": "m"})
