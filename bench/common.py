@@ -1,21 +1,100 @@
-"""What every benchmark here needs: one streamed chat request, timed, and the output."""
+"""What every benchmark here needs: the servers, one streamed chat request, the checks.
+
+Every bench takes ``--model`` with an embedded model name (``tiny-hybrid``,
+``tiny-hybrid-bf16``, ``tiny-dense``, ...; see ``serve_app.embedded.EMBEDDED_MODELS``).
+The model is materialized once; ``mlx_lm.server --model <dir>`` gets that
+directory and our profile gets ``source: embedded:<name>``, which resolves to the
+same directory, so both servers run the very same weights, tokenizer and
+template. Outputs are compared request by request (temperature 0), and ratios
+are always ours / theirs.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import os
+import shutil
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import yaml
+
+from bench.devserver import (  # noqa: F401 (re-exported for the benches)
+    ServerProcess,
+    descendants,
+    free_port,
+    write_config,
+)
+from serve_app.embedded import EMBEDDED_MODELS
+
+MODELS = sorted(EMBEDDED_MODELS)
+MLX_LM_PROMPT_CACHE_SIZE = 10  # mlx_lm.server --prompt-cache-size default (mlx-lm 0.32)
+
+
+def add_model_option(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--model", default=default, choices=MODELS,
+                        help="embedded model: the same weights go to both servers "
+                             f"(default {default})")
+
+
+@contextlib.contextmanager
+def workdir() -> Iterator[Path]:
+    """A scratch directory for configs, logs and cache files, under ``$BENCH_TMP`` if set;
+    kept (and named on stderr) when ``$BENCH_KEEP`` is set or the bench fails."""
+    path = Path(tempfile.mkdtemp(prefix="bench-", dir=os.environ.get("BENCH_TMP")))
+    try:
+        yield path
+    except BaseException:
+        print(f"bench failed; logs kept in {path}", file=sys.stderr)
+        raise
+    if os.environ.get("BENCH_KEEP"):
+        print(f"bench files kept in {path}", file=sys.stderr)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def cache_opt(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` for a cache profile option; the value is parsed as YAML (ints, bools)."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError("expected KEY=VALUE")
+    return key, yaml.safe_load(value)
+
+
+def add_cache_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="our cache block size (default: the profile's, 256 for hybrid)")
+    parser.add_argument("--cache-opt", type=cache_opt, action="append", default=[],
+                        metavar="KEY=VALUE", help="extra cache profile option for our server, "
+                        "e.g. checkpoint_interval=1024 (repeatable)")
+
+
+def cache_profile(args: argparse.Namespace) -> dict:
+    """Our cache profile from ``--block-size`` and ``--cache-opt``."""
+    cache = {"enabled": True, **dict(args.cache_opt)}
+    if args.block_size:
+        cache["block_size"] = args.block_size
+    return cache
 
 
 def stream_chat(base_url: str, body: dict) -> dict:
-    """POST a streaming chat request; time to first token, decode time, text and usage."""
+    """POST a streaming chat request; time to first token, decode time, text and usage.
+
+    ``cached_tokens`` is ``usage.prompt_tokens_details.cached_tokens``, or None when the
+    server does not report it.
+    """
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = last = None
     parts: list[str] = []
     usage = None
+    finish = None
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -24,6 +103,7 @@ def stream_chat(base_url: str, body: dict) -> dict:
             obj = json.loads(line[6:])
             usage = obj.get("usage") or usage
             for choice in obj.get("choices", []):
+                finish = choice.get("finish_reason") or finish
                 content = (choice.get("delta") or {}).get("content")
                 if content:
                     last = time.perf_counter()
@@ -31,15 +111,133 @@ def stream_chat(base_url: str, body: dict) -> dict:
                     parts.append(content)
     end = time.perf_counter()
     usage = usage or {}
+    details = usage.get("prompt_tokens_details") or {}
     return {
         "ttft": (first or end) - start,
         "decode_s": (last or end) - (first or end),
         "total_s": end - start,
         "text": "".join(parts),
+        "finish_reason": finish,
         "tokens": usage.get("completion_tokens", len(parts)),
         "prompt_tokens": usage.get("prompt_tokens"),
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        "cached_tokens": details.get("cached_tokens"),
     }
+
+
+def start_ours(tmp: Path, tag: str, model: str, *, cache: dict | None, max_tokens: int,
+               context_length: int = 16384, ssd_dir: Path | None = None,
+               **profile) -> ServerProcess:
+    """``serve run`` of our app with one embedded model; returns it ready.
+
+    ``cache`` None keeps the profile's default cache settings; ``profile`` adds fields.
+    """
+    port = free_port()
+    config = write_config(tmp / f"{tag}.yaml", port, [{
+        "name": model, "source": f"embedded:{model}", "context_length": context_length,
+        "max_tokens": max_tokens, **({"cache": cache} if cache is not None else {}),
+        **profile}],
+        cache_store={"ssd_dir": str(ssd_dir or tmp / f"kv-{tag}")})
+    server = ServerProcess.serve_run(config, port, tmp / f"{tag}.log")
+    try:
+        server.wait_ready([model])
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def start_mlx_lm_server(tmp: Path, tag: str, model_dir: Path, max_tokens: int,
+                        *extra: str) -> ServerProcess:
+    """``mlx_lm.server --model <dir>`` on the same weights; returns it ready."""
+    port = free_port()
+    argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port",
+            str(port), "--max-tokens", str(max_tokens), *extra]
+    server = ServerProcess(argv, port, tmp / f"{tag}.log")
+    try:
+        server.wait_ready([str(model_dir)])
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def model_stats(server: ServerProcess, model: str) -> dict:
+    return httpx.get(f"{server.base_url}/v1/stats", timeout=30).json()["models"][model]
+
+
+def wait_written(server: ServerProcess, model: str, timeout: float = 60.0) -> dict:
+    """Wait until the SSD write-behind has nothing pending; returns the model's stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = model_stats(server, model)
+        staging = (s.get("cache_store") or {}).get("staging") or {}
+        if not staging.get("pending_bytes") or time.monotonic() > deadline:
+            return s
+        time.sleep(0.1)
+
+
+def compare_outputs(ours: list[dict], theirs: list[dict], labels: list[str]) -> dict:
+    """Request-by-request text equality (temperature 0): our output vs mlx_lm's."""
+    mismatches = []
+    for label, a, b in zip(labels, ours, theirs, strict=True):
+        if a["text"] != b["text"]:
+            at = next((i for i, (x, y) in enumerate(zip(a["text"], b["text"], strict=False))
+                       if x != y),
+                      min(len(a["text"]), len(b["text"])))
+            mismatches.append({"request": label, "first_diff_char": at,
+                               "ours": a["text"], "mlx_lm": b["text"]})
+    return {"requests": len(labels), "identical": len(labels) - len(mismatches),
+            "all_identical": not mismatches, "mismatches": mismatches}
+
+
+def checkpoint_memory(stats: dict) -> dict:
+    """Recurrent-checkpoint bytes per 1K cached tokens, from our ``/v1/stats``.
+
+    Newer servers report ``cache.checkpoint_bytes_per_1k_tokens`` themselves (the engine's
+    ``captured_checkpoint_bytes * 1000 / captured_tokens``: recurrent-state bytes of every
+    block and tail it captured, per token captured); that is used when present. Older
+    ones do not: then it is computed from the SSD tier after the write-behind has drained,
+    ``ssd.sidecar_bytes / (ssd.blocks * block_size) * 1000``, which assumes every block
+    file holds ``block_size`` tokens (true before partial tail blocks existed) and needs
+    ``gdn_snapshot_storage`` auto/ssd_sidecar. The SSD counts are recorded either way.
+    """
+    cache = stats.get("cache") or {}
+    engine = stats.get("engine") or {}
+    block_size = cache.get("block_size")
+    store = stats.get("cache_store") or {}
+    ssd = store.get("ssd") or {}
+    reported = cache.get("checkpoint_bytes_per_1k_tokens")
+    out = {"source": "reported by /v1/stats (cache.checkpoint_bytes_per_1k_tokens)"
+           if reported is not None else
+           "computed: ssd.sidecar_bytes / (ssd.blocks * block_size) * 1000",
+           "checkpoint_bytes_per_1k_tokens": reported,
+           "block_size": block_size,
+           "checkpoint_interval": cache.get("checkpoint_interval"),
+           "captured": {k: engine.get(k) for k in ("captured_blocks", "captured_tokens",
+                                                   "captured_checkpoints",
+                                                   "captured_checkpoint_bytes")},
+           "hot": {"blocks": store.get("blocks"), "bytes": store.get("bytes")},
+           "ssd": {k: ssd.get(k) for k in ("blocks", "block_bytes", "sidecars",
+                                           "sidecar_bytes")}}
+    if engine.get("captured_checkpoints"):
+        out["bytes_per_checkpoint"] = (engine["captured_checkpoint_bytes"]
+                                       / engine["captured_checkpoints"])
+    elif ssd.get("sidecars"):
+        out["bytes_per_checkpoint"] = ssd["sidecar_bytes"] / ssd["sidecars"]
+    if reported is None and ssd.get("blocks") and block_size:
+        out["checkpoint_bytes_per_1k_tokens"] = (ssd["sidecar_bytes"] * 1000
+                                                 / (ssd["blocks"] * block_size))
+    return out
+
+
+def checkpoint_line(cm: dict) -> str:
+    per_1k = cm.get("checkpoint_bytes_per_1k_tokens")
+    if not per_1k:
+        return (f"checkpoint bytes per 1K cached tokens: {per_1k} "
+                "(no recurrent checkpoints captured: an attention-only model?)")
+    each = cm.get("bytes_per_checkpoint")
+    return (f"checkpoint bytes per 1K cached tokens: {per_1k:,.0f} ({cm['source']})"
+            + (f"; {each:,.0f} bytes per checkpoint" if each else ""))
 
 
 def emit(result: dict, out: Path | None) -> None:

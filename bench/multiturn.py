@@ -5,25 +5,37 @@ A 6-turn conversation (~1,500-token system prompt, ~300-token user turns,
 with caching, our server with caching disabled (the cold reference), and
 ``mlx_lm.server``, each alone on the machine. Reports the sum of TTFT over
 turns 2-6 (goal: ours <= 0.8x mlx_lm.server), whether every turn's output is
-identical between our warm and cold runs, and hot-restore throughput next to
-a plain memory copy of the same number of bytes.
+identical between our warm and cold runs and between ours and mlx_lm.server,
+hot-restore throughput next to a plain memory copy of the same number of
+bytes, and (hybrid models) the bytes of recurrent checkpoints per 1K cached
+tokens on the SSD tier.
 
-Usage: python -m bench.multiturn [--model tiny-hybrid] [--block-size N]
+Usage: python -m bench.multiturn [--model tiny-hybrid|tiny-hybrid-bf16|...] [--block-size N]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
-from bench.common import emit, stream_chat
-from serve_app.devserver import ServerProcess, free_port, write_config
+from bench.common import (
+    add_cache_options,
+    add_model_option,
+    cache_profile,
+    checkpoint_line,
+    checkpoint_memory,
+    compare_outputs,
+    emit,
+    start_mlx_lm_server,
+    start_ours,
+    stream_chat,
+    wait_written,
+    workdir,
+)
 from serve_app.embedded import materialize
 
 WORDS = ("cache block prefix token model layer state replay agent code review test "
@@ -58,27 +70,19 @@ def replay(base_url: str, model: str, system: str, users: list[str], gen: int) -
 
 
 def run_ours(name, cache: dict, system, users, gen, tmp: Path) -> tuple[list[dict], dict]:
-    port = free_port()
-    config = write_config(tmp / "serve.yaml", port, [{
-        "name": name, "source": f"embedded:{name}", "context_length": 16384,
-        "max_tokens": gen, "cache": cache}], cache_store={"ssd_dir": str(tmp / "kv")})
-    server = ServerProcess.serve_run(config, port, tmp / "serve.log")
+    tag = "ours" if cache.get("enabled", True) else "ours-cold"
+    server = start_ours(tmp, tag, name, cache=cache, max_tokens=gen)
     try:
-        server.wait_ready([name])
         results = replay(server.base_url, name, system, users, gen)
-        stats = httpx.get(f"{server.base_url}/v1/stats", timeout=30).json()["models"][name]
+        stats = wait_written(server, name)
     finally:
         server.stop()
     return results, stats
 
 
 def run_mlx_lm_server(model_dir: Path, system, users, gen, tmp: Path) -> list[dict]:
-    port = free_port()
-    argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port",
-            str(port), "--max-tokens", str(gen)]
-    server = ServerProcess(argv, port, tmp / "mlx_lm_server.log")
+    server = start_mlx_lm_server(tmp, "mlx_lm_server", model_dir, gen)
     try:
-        server.wait_ready([str(model_dir)])
         return replay(server.base_url, str(model_dir), system, users, gen)
     finally:
         server.stop()
@@ -97,8 +101,8 @@ def memcpy_bytes_per_second(nbytes: int, repeats: int = 5) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="tiny-hybrid", choices=["tiny-dense", "tiny-hybrid"])
-    parser.add_argument("--block-size", type=int, default=None)
+    add_model_option(parser, "tiny-hybrid")
+    add_cache_options(parser)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--user-tokens", type=int, default=300)
@@ -109,11 +113,8 @@ def main() -> int:
     # The embedded tokenizer is byte-level: one ASCII character is one token.
     system, users = conversation(args.turns, args.system_tokens, args.user_tokens)
     model_dir = materialize(args.model)
-    warm_cache = {"enabled": True}
-    if args.block_size:
-        warm_cache["block_size"] = args.block_size
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
+    warm_cache = cache_profile(args)
+    with workdir() as tmp:
         warm, stats = run_ours(args.model, warm_cache, system, users, args.gen, tmp)
         cold, _ = run_ours(args.model, {"enabled": False}, system, users, args.gen, tmp)
         baseline = run_mlx_lm_server(model_dir, system, users, args.gen, tmp)
@@ -127,10 +128,18 @@ def main() -> int:
     result = {
         "model": args.model,
         "block_size": cache["block_size"],
+        "settings": {"turns": args.turns, "system_tokens": args.system_tokens,
+                     "user_tokens": args.user_tokens, "gen": args.gen,
+                     "cache": warm_cache},
         "turns": [{"turn": i + 1, "prompt_tokens": w["prompt_tokens"],
-                   "cached_tokens": w["cached_tokens"], "ttft_ours": w["ttft"],
+                   "cached_tokens": w["cached_tokens"],
+                   "mlx_lm_server_prompt_tokens": b["prompt_tokens"],
+                   "mlx_lm_server_cached_tokens": b["cached_tokens"],
+                   "ttft_ours": w["ttft"],
                    "ttft_ours_cold": c["ttft"], "ttft_mlx_lm_server": b["ttft"],
-                   "identical_warm_cold": w["text"] == c["text"]}
+                   "ratio_vs_mlx_lm_server": w["ttft"] / b["ttft"],
+                   "identical_warm_cold": w["text"] == c["text"],
+                   "identical_to_mlx_lm_server": w["text"] == b["text"]}
                   for i, (w, c, b) in enumerate(zip(warm, cold, baseline, strict=True))],
         "ttft_sum_turns_2_on": {"ours": later_ttft(warm), "ours_cold": later_ttft(cold),
                                 "mlx_lm_server": later_ttft(baseline)},
@@ -139,6 +148,9 @@ def main() -> int:
         "goal_vs_mlx_lm_server": 0.8,
         "all_turns_identical_warm_cold": all(w["text"] == c["text"]
                                              for w, c in zip(warm, cold, strict=True)),
+        "vs_mlx_lm_server_outputs": compare_outputs(
+            warm, baseline, [f"turn {i + 1}" for i in range(len(warm))]),
+        "checkpoint_memory": checkpoint_memory(stats),
         "hot_restore": {"bytes": engine["restored_bytes"],
                         "copy_seconds": engine["restore_seconds"],
                         "lookup_and_fetch_seconds": cache["fetch_seconds"],
@@ -153,7 +165,27 @@ def main() -> int:
                     max(engine["step_seconds"], 1e-9)},
     }
     emit(result, args.out)
+    print(summary(result))
     return 0
+
+
+def summary(result: dict) -> str:
+    t, cm = result["ttft_sum_turns_2_on"], result["checkpoint_memory"]
+    cmp = result["vs_mlx_lm_server_outputs"]
+    lines = [f"model {result['model']}, block size {result['block_size']}",
+             "turn  prompt  cached(ours)  cached(mlx_lm)  ttft ours  cold  mlx_lm  same"]
+    for r in result["turns"]:
+        lines.append(f"{r['turn']:>4}  {r['prompt_tokens']:>6}  {str(r['cached_tokens']):>12}  "
+                     f"{str(r['mlx_lm_server_cached_tokens']):>14}  {r['ttft_ours']:>9.3f}  "
+                     f"{r['ttft_ours_cold']:>5.3f}  {r['ttft_mlx_lm_server']:>6.3f}  "
+                     f"{'yes' if r['identical_to_mlx_lm_server'] else 'NO'}")
+    lines.append(f"TTFT sum turns 2+: ours {t['ours']:.3f} s, cold {t['ours_cold']:.3f} s, "
+                 f"mlx_lm.server {t['mlx_lm_server']:.3f} s -> ratio "
+                 f"{result['ratio_vs_mlx_lm_server']:.2f}x (goal <= "
+                 f"{result['goal_vs_mlx_lm_server']}x)")
+    lines.append(f"identical to mlx_lm.server: {cmp['identical']}/{cmp['requests']}")
+    lines.append(checkpoint_line(cm))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

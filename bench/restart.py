@@ -7,7 +7,9 @@ run: the same turn with caching disabled, and ``mlx_lm.server`` after its own
 restart. Also SSD restore throughput next to the disk's sequential read
 bandwidth, and peak RSS of a long hybrid session with sidecars vs embedded.
 
-Usage: python -m bench.restart [--block-size N]
+Outputs are compared with mlx_lm.server's, turn by turn (temperature 0).
+
+Usage: python -m bench.restart [--model tiny-hybrid|tiny-hybrid-bf16|...] [--block-size N]
 """
 
 from __future__ import annotations
@@ -15,18 +17,26 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
-from bench.common import emit, stream_chat
+from bench.common import (
+    ServerProcess,
+    add_cache_options,
+    add_model_option,
+    cache_profile,
+    compare_outputs,
+    descendants,
+    emit,
+    model_stats,
+    start_mlx_lm_server,
+    start_ours,
+    stream_chat,
+    wait_written,
+    workdir,
+)
 from bench.multiturn import conversation, replay
-from serve_app.devserver import ServerProcess, descendants, free_port, write_config
 from serve_app.embedded import materialize
-
-MODEL = "tiny-hybrid"
 
 
 def drop_page_cache(*paths: Path) -> None:
@@ -57,16 +67,6 @@ def sequential_read_bandwidth(directory: Path, size: int = 256 << 20) -> float:
     return size / seconds
 
 
-def start(tmp: Path, name: str, cache: dict, kv: Path) -> ServerProcess:
-    port = free_port()
-    config = write_config(tmp / f"{name}.yaml", port, [{
-        "name": MODEL, "source": f"embedded:{MODEL}", "context_length": 16384,
-        "max_tokens": 64, "cache": cache}], cache_store={"ssd_dir": str(kv)})
-    server = ServerProcess.serve_run(config, port, tmp / f"{name}.log")
-    server.wait_ready([MODEL])
-    return server
-
-
 def peak_rss(server: ServerProcess) -> int:
     total = 0
     for pid in descendants(server.proc.pid):
@@ -82,15 +82,6 @@ def peak_rss(server: ServerProcess) -> int:
     return total
 
 
-def stats(server: ServerProcess) -> dict:
-    return httpx.get(f"{server.base_url}/v1/stats", timeout=30).json()["models"][MODEL]
-
-
-def wait_written(server: ServerProcess) -> None:
-    while stats(server)["cache_store"]["staging"]["pending_bytes"]:
-        time.sleep(0.1)
-
-
 def replay_last(server_url: str, model: str, system: str, users: list[str],
                 answers: list[str], gen: int) -> dict:
     """Only the last turn, with the earlier turns' answers as history."""
@@ -104,54 +95,77 @@ def replay_last(server_url: str, model: str, system: str, users: list[str],
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--block-size", type=int, default=None)
+    add_model_option(parser, "tiny-hybrid")
+    add_cache_options(parser)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-tokens", type=int, default=1500)
+    parser.add_argument("--user-tokens", type=int, default=300)
     parser.add_argument("--gen", type=int, default=24)
-    parser.add_argument("--long-turns", type=int, default=12)
+    parser.add_argument("--long-turns", type=int, default=12,
+                        help="turns of the peak-RSS session (0: skip that part)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    system, users = conversation(6, 1500, 300)
-    cache = {"enabled": True, **({"block_size": args.block_size} if args.block_size else {})}
-    model_dir = materialize(MODEL)
-    result: dict = {"model": MODEL}
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as d:
-        tmp = Path(d)
+    model = args.model
+    system, users = conversation(args.turns, args.system_tokens, args.user_tokens)
+    cache = cache_profile(args)
+    model_dir = materialize(model)
+    result: dict = {"model": model,
+                    "settings": {"turns": args.turns, "system_tokens": args.system_tokens,
+                                 "user_tokens": args.user_tokens, "gen": args.gen,
+                                 "cache": cache, "long_turns": args.long_turns}}
+
+    def ours(tag: str, cache: dict, kv: Path) -> ServerProcess:
+        return start_ours(tmp, tag, model, cache=cache, max_tokens=64, ssd_dir=kv)
+
+    with workdir() as tmp:
         kv = tmp / "kv"
-        first = start(tmp, "first", cache, kv)
-        answers = [r["text"] for r in replay(first.base_url, MODEL, system, users, args.gen)]
-        wait_written(first)
-        first.stop()
+        first = ours("first", cache, kv)
+        try:
+            before = replay(first.base_url, model, system, users, args.gen)
+            wait_written(first, model)
+        finally:
+            first.stop()
+        answers = [r["text"] for r in before]
         drop_page_cache(*kv.rglob("*.safetensors"))
-        second = start(tmp, "second", cache, kv)
-        ours = replay_last(second.base_url, MODEL, system, users, answers, args.gen)
-        s = stats(second)
-        second.stop()
+        second = ours("second", cache, kv)
+        try:
+            after = replay_last(second.base_url, model, system, users, answers, args.gen)
+            s = model_stats(second, model)
+        finally:
+            second.stop()
 
-        cold_server = start(tmp, "cold", {"enabled": False}, tmp / "kv-cold")
-        cold = replay_last(cold_server.base_url, MODEL, system, users, answers, args.gen)
-        cold_server.stop()
+        cold_server = ours("cold", {"enabled": False}, tmp / "kv-cold")
+        try:
+            cold = replay_last(cold_server.base_url, model, system, users, answers, args.gen)
+        finally:
+            cold_server.stop()
 
-        port = free_port()
-        argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port",
-                str(port), "--max-tokens", str(args.gen)]
-        mls = ServerProcess(argv, port, tmp / "mls1.log")
-        mls.wait_ready([str(model_dir)])
-        mls_answers = [r["text"] for r in replay(mls.base_url, str(model_dir), system, users,
-                                                 args.gen)]
-        mls.stop()
-        port = free_port()
-        argv[argv.index("--port") + 1] = str(port)
-        mls = ServerProcess(argv, port, tmp / "mls2.log")
-        mls.wait_ready([str(model_dir)])
-        baseline = replay_last(mls.base_url, str(model_dir), system, users, mls_answers,
-                               args.gen)
-        mls.stop()
+        mls = start_mlx_lm_server(tmp, "mls1", model_dir, args.gen)
+        try:
+            mls_before = replay(mls.base_url, str(model_dir), system, users, args.gen)
+        finally:
+            mls.stop()
+        mls = start_mlx_lm_server(tmp, "mls2", model_dir, args.gen)
+        try:
+            baseline = replay_last(mls.base_url, str(model_dir), system, users,
+                                   [r["text"] for r in mls_before], args.gen)
+        finally:
+            mls.stop()
 
-        result["last_turn_ttft"] = {"ours_after_restart": ours["ttft"], "ours_cold": cold["ttft"],
+        result["last_turn_ttft"] = {"ours_after_restart": after["ttft"],
+                                    "ours_cold": cold["ttft"],
                                     "mlx_lm_server_after_restart": baseline["ttft"]}
-        result["ratio_vs_cold"] = ours["ttft"] / cold["ttft"]
-        result["ratio_vs_mlx_lm_server"] = ours["ttft"] / baseline["ttft"]
+        result["last_turn_cached_tokens"] = {"ours_after_restart": after["cached_tokens"],
+                                             "mlx_lm_server_after_restart":
+                                             baseline["cached_tokens"],
+                                             "prompt_tokens": after["prompt_tokens"]}
+        result["ratio_vs_cold"] = after["ttft"] / cold["ttft"]
+        result["ratio_vs_mlx_lm_server"] = after["ttft"] / baseline["ttft"]
         result["goals"] = {"vs_cold": 0.15, "vs_mlx_lm_server": 0.2}
-        result["identical_to_cold"] = ours["text"] == cold["text"]
+        result["identical_to_cold"] = after["text"] == cold["text"]
+        labels = [f"turn {i + 1}" for i in range(len(users))]
+        result["vs_mlx_lm_server_outputs"] = compare_outputs(
+            [*before, after], [*mls_before, baseline], [*labels, "last turn after restart"])
         result["cache"] = {k: s["cache"][k] for k in ("block_size", "hit_tokens_by_tier",
                                                         "sidecar_loads", "ssd_read_bytes",
                                                         "ssd_read_seconds")}
@@ -161,16 +175,27 @@ def main() -> int:
         result["disk_sequential_read_bytes_per_second"] = sequential_read_bandwidth(tmp)
 
         rss = {}
-        long_system, long_users = conversation(args.long_turns, 1500, 300)
-        for storage in ("ssd_sidecar", "embedded"):
-            server = start(tmp, f"rss-{storage}", {**cache, "gdn_snapshot_storage": storage},
-                           tmp / f"kv-{storage}")
-            replay(server.base_url, MODEL, long_system, long_users, args.gen)
-            wait_written(server)
-            rss[storage] = peak_rss(server)
-            server.stop()
+        long_system, long_users = conversation(args.long_turns, args.system_tokens,
+                                               args.user_tokens)
+        for storage in ("ssd_sidecar", "embedded") if args.long_turns else ():
+            server = ours(f"rss-{storage}", {**cache, "gdn_snapshot_storage": storage},
+                          tmp / f"kv-{storage}")
+            try:
+                replay(server.base_url, model, long_system, long_users, args.gen)
+                wait_written(server, model)
+                rss[storage] = peak_rss(server)
+            finally:
+                server.stop()
         result["peak_rss_bytes_long_session"] = rss
     emit(result, args.out)
+    cmp = result["vs_mlx_lm_server_outputs"]
+    t = result["last_turn_ttft"]
+    print(f"last turn TTFT after restart: ours {t['ours_after_restart']:.3f} s, "
+          f"ours cold {t['ours_cold']:.3f} s, mlx_lm.server {t['mlx_lm_server_after_restart']:.3f}"
+          f" s; ratios {result['ratio_vs_cold']:.3f}x vs cold, "
+          f"{result['ratio_vs_mlx_lm_server']:.3f}x vs mlx_lm.server; "
+          f"identical to mlx_lm.server: {cmp['identical']}/{cmp['requests']}, "
+          f"to cold: {result['identical_to_cold']}")
     return 0
 
 

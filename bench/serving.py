@@ -6,36 +6,47 @@
     --decode-concurrency N`` (goal >= 1.0x).
 
 Each server runs alone (the other is stopped) so they do not share the CPU.
-Usage: python -m bench.serving --model tiny-dense [--tokens 256] [--streams 8]
+Outputs (temperature 0) are compared: our single stream with ``stream_generate``'s
+text, and each of our concurrent streams with mlx_lm.server's stream of the same index.
+Usage: python -m bench.serving --model tiny-dense|tiny-hybrid|tiny-hybrid-bf16|...
+       [--tokens 256] [--streams 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.common import emit, stream_chat
-from serve_app.devserver import ServerProcess, free_port, write_config
+from bench.common import (
+    add_model_option,
+    compare_outputs,
+    emit,
+    start_mlx_lm_server,
+    start_ours,
+    stream_chat,
+    workdir,
+)
 from serve_app.embedded import materialize
 
 PROMPT = "Once upon a time, in a land far away, there lived a"
 
 
-def in_process_decode_tps(model_dir: Path, tokens: int, repeats: int) -> float:
+def in_process_decode_tps(model_dir: Path, tokens: int, repeats: int) -> tuple[float, str]:
+    """Best decode tokens/s of ``mlx_lm.stream_generate`` (greedy), and its text."""
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(str(model_dir))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                            add_generation_prompt=True)
-    best = 0.0
+    best, text = 0.0, ""
     for _ in range(repeats + 1):  # the first run warms up
         responses = list(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=tokens))
         best = max(best, responses[-1].generation_tps)
-    return best
+        text = "".join(r.text for r in responses)
+    return best, text
 
 
 def stream_once(base_url: str, model: str, tokens: int) -> dict:
@@ -44,47 +55,42 @@ def stream_once(base_url: str, model: str, tokens: int) -> dict:
                                   "messages": [{"role": "user", "content": PROMPT}]})
 
 
-def http_decode_tps(base_url: str, model: str, tokens: int, repeats: int) -> float:
-    best = 0.0
+def http_decode_tps(base_url: str, model: str, tokens: int, repeats: int) -> tuple[float, dict]:
+    best, last = 0.0, {}
     for _ in range(repeats + 1):
-        r = stream_once(base_url, model, tokens)
-        if r["decode_s"] > 0:
-            best = max(best, (r["tokens"] - 1) / r["decode_s"])
-    return best
+        last = stream_once(base_url, model, tokens)
+        if last["decode_s"] > 0:
+            best = max(best, (last["tokens"] - 1) / last["decode_s"])
+    return best, last
 
 
-def aggregate_tps(base_url: str, model: str, tokens: int, streams: int) -> float:
+def aggregate_tps(base_url: str, model: str, tokens: int,
+                  streams: int) -> tuple[float, list[dict]]:
     stream_once(base_url, model, 8)  # warm up
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         results = list(pool.map(lambda _: stream_once(base_url, model, tokens), range(streams)))
     wall = time.perf_counter() - start
-    return sum(r["tokens"] for r in results) / wall
+    return sum(r["tokens"] for r in results) / wall, results
 
 
 def run_ours(name: str, tokens: int, streams: int, repeats: int, tmp: Path) -> dict:
-    port = free_port()
-    config = write_config(tmp / "serve.yaml", port, [{
-        "name": name, "source": f"embedded:{name}", "context_length": 8192,
-        "max_batch_size": streams, "max_queued_requests": 64, "max_tokens": tokens,
-    }], cache_store={"ssd_dir": str(tmp / "kv")})
-    server = ServerProcess.serve_run(config, port, tmp / "serve.log")
+    server = start_ours(tmp, "ours", name, cache=None, max_tokens=tokens,
+                        context_length=8192, max_batch_size=streams, max_queued_requests=64)
     try:
-        server.wait_ready([name])
-        single = http_decode_tps(server.base_url, name, tokens, repeats)
-        agg = aggregate_tps(server.base_url, name, tokens, streams)
+        single, single_out = http_decode_tps(server.base_url, name, tokens, repeats)
+        agg, agg_out = aggregate_tps(server.base_url, name, tokens, streams)
     finally:
         server.stop()
-    return {"single_stream_tps": single, "aggregate_tps": agg}
+    return {"single_stream_tps": single, "aggregate_tps": agg, "single_output": single_out,
+            "aggregate_outputs": agg_out}
 
 
-def run_mlx_lm_server(model_dir: Path, tokens: int, streams: int, tmp: Path) -> float:
-    port = free_port()
-    argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port",
-            str(port), "--decode-concurrency", str(streams), "--max-tokens", str(tokens)]
-    server = ServerProcess(argv, port, tmp / "mlx_lm_server.log")
+def run_mlx_lm_server(model_dir: Path, tokens: int, streams: int,
+                      tmp: Path) -> tuple[float, list[dict]]:
+    server = start_mlx_lm_server(tmp, "mlx_lm_server", model_dir, tokens,
+                                 "--decode-concurrency", str(streams))
     try:
-        server.wait_ready([str(model_dir)])
         return aggregate_tps(server.base_url, str(model_dir), tokens, streams)
     finally:
         server.stop()
@@ -92,7 +98,7 @@ def run_mlx_lm_server(model_dir: Path, tokens: int, streams: int, tmp: Path) -> 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="tiny-dense", choices=["tiny-dense", "tiny-hybrid"])
+    add_model_option(parser, "tiny-dense")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
@@ -100,11 +106,12 @@ def main() -> int:
     args = parser.parse_args()
 
     model_dir = materialize(args.model)
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        baseline_single = in_process_decode_tps(model_dir, args.tokens, args.repeats)
+    with workdir() as tmp:
+        baseline_single, baseline_text = in_process_decode_tps(model_dir, args.tokens,
+                                                               args.repeats)
         ours = run_ours(args.model, args.tokens, args.streams, args.repeats, tmp)
-        baseline_agg = run_mlx_lm_server(model_dir, args.tokens, args.streams, tmp)
+        baseline_agg, baseline_outs = run_mlx_lm_server(model_dir, args.tokens, args.streams,
+                                                        tmp)
 
     result = {
         "model": args.model,
@@ -116,8 +123,21 @@ def main() -> int:
                           "goal": 0.9},
         "aggregate": {"ours_tps": ours["aggregate_tps"], "mlx_lm_server_tps": baseline_agg,
                       "ratio": ours["aggregate_tps"] / baseline_agg, "goal": 1.0},
+        "outputs": {
+            "single_stream_vs_stream_generate": compare_outputs(
+                [ours["single_output"]], [{"text": baseline_text}], ["single stream"]),
+            "aggregate_vs_mlx_lm_server": compare_outputs(
+                ours["aggregate_outputs"], baseline_outs,
+                [f"stream {i}" for i in range(args.streams)]),
+        },
     }
     emit(result, args.out)
+    o = result["outputs"]
+    s, a = o["single_stream_vs_stream_generate"], o["aggregate_vs_mlx_lm_server"]
+    print(f"single stream: {result['single_stream']['ratio']:.2f}x stream_generate "
+          f"(identical: {s['all_identical']}); {args.streams} streams: "
+          f"{result['aggregate']['ratio']:.2f}x mlx_lm.server "
+          f"(identical: {a['identical']}/{a['requests']})")
     return 0
 
 
