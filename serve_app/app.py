@@ -57,8 +57,8 @@ class ModelReplica:
             client = RayCacheClient(actor)
         recorder = RayRecorder("replica", serve=True)
         self.service = ModelService(self.profile, model, tokenizer, model_dir, client, recorder)
-        if self.service.cache_client is not None:
-            ray.get(actor.activate.remote(self.profile.name, self.service.identity,
+        if self.service.cache.enabled:
+            ray.get(actor.activate.remote(self.profile.name, self.service.cache.identity,
                                           self.service.layout.digest))
         # Serve routes nothing here before __init__ returns: warming up now keeps
         # MLX's first-use cost out of the first user request.

@@ -22,9 +22,9 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_top_p, greedy_sampler, make_sampler
 
-from serve_app.cache.blocks import CapturedBlock, RestorePlan, build_cache, capture_block
-from serve_app.cache.hashing import block_id
+from serve_app.cache.blocks import build_cache, capture_block
 from serve_app.cache.layout import Layout, probe_layout
+from serve_app.cache.manager import Published, RequestPlan
 
 logger = logging.getLogger(__name__)
 
@@ -55,44 +55,6 @@ class EngineEvent:
 
 
 EventSink = Callable[[EngineEvent], None]
-BlockSink = Callable[[CapturedBlock], None]
-
-
-@dataclass
-class CachePlan:
-    """A request's part in the prefix cache.
-
-    ``block_ids`` are the ids of the prompt's full blocks; the engine extends
-    the chain with generated tokens. Blocks from ``restore.tokens`` on are
-    captured at their boundaries and handed to ``publish``.
-    """
-
-    block_size: int
-    root: str
-    block_ids: list[str]
-    restore: RestorePlan | None
-    publish: BlockSink | None
-    # Hybrid models: a recurrent checkpoint every this many tokens (a multiple of
-    # block_size), plus one at the prompt's last block boundary and the newest one
-    # reached while decoding. 0: no checkpoints (attention-only models).
-    checkpoint_every: int = 0
-    # Where conversations branch inside the prompt (the end of the system prompt,
-    # the start of the last message): a tail is captured there, so a request that
-    # shares the prompt up to that point restores exactly to it.
-    branch_points: tuple[int, ...] = ()
-
-    def checkpoints(self, prompt_len: int, start: int) -> list[int]:
-        """Prompt positions in ``(start, prompt_len)`` where prefill pauses for a checkpoint."""
-        if not self.checkpoint_every:
-            return []
-        last = (prompt_len - 1) // self.block_size * self.block_size
-        every = range(self.checkpoint_every, last, self.checkpoint_every)
-        points = (*every, last, *self.branch_points)
-        return sorted({p for p in points if start < p < prompt_len})
-
-    def tail_points(self, prompt_len: int) -> list[int]:
-        """Prompt positions where a tail is captured: branch points and the prompt's end."""
-        return sorted({p for p in (*self.branch_points, prompt_len - 1) if 0 < p < prompt_len})
 
 
 @dataclass
@@ -130,13 +92,11 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     sink: EventSink
-    cache: CachePlan | None = None
+    cache: RequestPlan | None = None
     uid: int | None = None
     generated: int = 0
     output: list[int] = field(default_factory=list)
-    restored: int = 0
-    captured: int = 0  # tokens covered by the blocks captured so far
-    held: CapturedBlock | None = None  # the newest decode-time checkpoint, not yet published
+    restored: int = 0  # tokens the request really started from
 
 
 def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
@@ -232,7 +192,7 @@ class Engine:
         prompt: list[int],
         params: SamplingParams,
         sink: EventSink,
-        cache: CachePlan | None = None,
+        cache: RequestPlan | None = None,
     ) -> int:
         """Queue a request; events for it arrive through ``sink`` on the engine thread."""
         if not prompt:
@@ -393,6 +353,7 @@ class Engine:
         if cache is not None:
             caches, all_tokens = [cache], [req.prompt[: req.restored]]
         if req.cache is not None:
+            req.cache.start(req.restored)
             _deliver(req, EngineEvent(restored=req.restored))
         (uid,) = self._generator.insert_segments(
             [self._segments(req)],
@@ -402,8 +363,6 @@ class Engine:
             samplers=[make_request_sampler(req.params)],
         )
         req.uid = uid
-        if req.cache is not None:  # a restore may end inside a block (a tail)
-            req.captured = req.restored // req.cache.block_size * req.cache.block_size
         self._requests[req.rid] = req
         self._by_uid[uid] = req
         with self._lock:
@@ -415,7 +374,9 @@ class Engine:
             return
         self._by_uid.pop(req.uid, None)
         if req.cache is not None and req.uid is not None and req.generated:
-            self._capture_tail(req, len(req.prompt) + req.generated, None)  # still in the batch
+            # Still in the batch: the cache and the state are at the last token returned.
+            self._capture(req, len(req.prompt) + req.generated, None, state_valid=True,
+                          decoding=True, ended=True)
         self._generator.remove([req.uid])
         self._publish_held(req)
         with self._lock:
@@ -433,16 +394,10 @@ class Engine:
             if req is None or req.cache is None:
                 continue
             if p.end_of_prompt:  # the last prompt token is fed with the first decode step
-                self._capture(req, len(req.prompt) - 1, None, state=False)
-                if not self.layout.hybrid:  # KV tails need no pause: take them all now
-                    for point in req.cache.tail_points(len(req.prompt)):
-                        self._capture_tail(req, point, None)
+                self._capture(req, len(req.prompt) - 1, None, state_valid=False)
             else:  # the recurrent state is at ``covered`` only where a segment ended
-                covered = req.restored + p.progress[0]
-                self._capture(req, covered, None, state=p.end_of_segment)
-                if (self.layout.hybrid and p.end_of_segment
-                        and covered in req.cache.tail_points(len(req.prompt))):
-                    self._capture_tail(req, covered, None)
+                self._capture(req, req.restored + p.progress[0], None,
+                              state_valid=p.end_of_segment)
         for r in responses:
             req = self._by_uid.get(r.uid)
             if req is None:
@@ -451,10 +406,9 @@ class Engine:
             req.output.append(r.token)
             if req.cache is not None:
                 # The cache now holds the prompt and every token returned so far.
-                covered = len(req.prompt) + req.generated
-                self._capture(req, covered, r.prompt_cache, state=True, decoding=True)
-                if r.finish_reason is not None:  # the end of generation: a tail
-                    self._capture_tail(req, covered, r.prompt_cache)
+                self._capture(req, len(req.prompt) + req.generated, r.prompt_cache,
+                              state_valid=True, decoding=True,
+                              ended=r.finish_reason is not None)
             _deliver(req, EngineEvent(token=r.token))
             if r.finish_reason is not None:
                 self._finish(req, r.finish_reason)
@@ -477,108 +431,51 @@ class Engine:
         return batch_row_caches(self._generator, uid)
 
     def _capture(self, req: _Request, covered: int, finished_cache: list | None, *,
-                 state: bool, decoding: bool = False) -> None:
-        """Capture every block the cache now covers that is not captured yet.
+                 state_valid: bool, decoding: bool = False, ended: bool = False) -> None:
+        """Slice out what the request's plan says is due, now that the cache covers
+        ``covered`` tokens (``state_valid``: the recurrent state is exactly there).
 
-        ``state``: the recurrent state is exactly at ``covered``, so the block
-        ending there can carry a checkpoint. Prompt-time checkpoints (at the
-        plan's checkpoint positions) are published at once; while decoding, only
-        the newest is kept (``held``), and published when the request ends.
+        ``finished_cache``: the request's own cache once it has left the batch.
+        A tail that fails to capture is logged and skipped: a cache that misses
+        a tail is slower, never wrong.
         """
-        plan = req.cache
-        bs = plan.block_size
-        if plan.publish is None or covered - req.captured < bs:
+        captures = req.cache.captures(covered, req.prompt, req.output, state_valid=state_valid,
+                                      decoding=decoding, ended=ended)
+        if not captures:
             return
         tic = time.perf_counter()
-        tokens = req.prompt + req.output
-        layer_caches = row = None
-        while req.captured + bs <= covered:
-            end = req.captured + bs
-            index = end // bs - 1
-            while len(plan.block_ids) <= index:  # extend the chain into generated tokens
-                b = len(plan.block_ids)
-                parent = plan.block_ids[-1] if plan.block_ids else plan.root
-                plan.block_ids.append(block_id(parent, tokens[b * bs : (b + 1) * bs]))
-            if layer_caches is None:
-                if finished_cache is not None:  # the request already left the batch
-                    layer_caches, row = finished_cache, 0
-                else:
-                    layer_caches, row = self._batch_caches(req.uid)
-            checkpoint = self.layout.hybrid and state and end == covered and (
-                decoding or end in plan.checkpoints(len(req.prompt), end - 1))
-            payload = capture_block(layer_caches, row, self.layout, end - bs, end, checkpoint)
-            block = CapturedBlock(
-                block_id=plan.block_ids[index],
-                parent_id=plan.block_ids[index - 1] if index else plan.root,
-                payload=payload,
-            )
-            req.captured = end
-            if checkpoint and decoding:  # keep only the newest decode-time checkpoint
-                if req.held is not None:
-                    self._publish(req, CapturedBlock(req.held.block_id, req.held.parent_id,
-                                                     req.held.payload.without_state()))
-                req.held = block
-            else:
-                self._publish(req, block)
+        source = (finished_cache, 0) if finished_cache is not None else None
+        for capture in captures:
+            try:
+                if source is None:
+                    source = self._batch_caches(req.uid)
+                payload = capture_block(source[0], source[1], self.layout, capture.start,
+                                        capture.end, capture.with_state)
+                published = req.cache.publish(capture, payload)
+            except Exception:
+                if not capture.tail:
+                    raise
+                logger.exception("engine %s: capturing a tail of request %d failed", self.name,
+                                 req.rid)
+                continue
+            self._count(published)
         with self._lock:
             self.stats.capture_seconds += time.perf_counter() - tic
 
-    def _capture_tail(self, req: _Request, position: int, finished_cache: list | None) -> None:
-        """Capture the partial block that ends at ``position`` (with the recurrent state
-        there, for hybrid models: the caller knows the state is at ``position``).
-
-        Keyed like a block, by its parent block and its own tokens, so a later
-        request whose prompt continues the same tokens restores exactly to it.
-        """
-        plan = req.cache
-        bs = plan.block_size
-        start = position // bs * bs
-        if plan.publish is None or position % bs == 0 or position <= req.restored:
-            return
-        try:
-            self._capture_tail_at(req, position, start, finished_cache)
-        except Exception:  # a cache that misses a tail is slower, never wrong
-            logger.exception("engine %s: capturing a tail of request %d failed", self.name,
-                             req.rid)
-
-    def _capture_tail_at(self, req: _Request, position: int, start: int,
-                         finished_cache: list | None) -> None:
-        plan = req.cache
-        bs = plan.block_size
-        tic = time.perf_counter()
-        tokens = req.prompt + req.output
-        while len(plan.block_ids) < start // bs:  # the chain up to the tail's parent
-            b = len(plan.block_ids)
-            parent = plan.block_ids[-1] if plan.block_ids else plan.root
-            plan.block_ids.append(block_id(parent, tokens[b * bs : (b + 1) * bs]))
-        parent = plan.block_ids[start // bs - 1] if start else plan.root
-        if finished_cache is not None:
-            layer_caches, row = finished_cache, 0
-        else:
-            layer_caches, row = self._batch_caches(req.uid)
-        payload = capture_block(layer_caches, row, self.layout, start, position,
-                                checkpoint=self.layout.hybrid)
-        tail = CapturedBlock(block_id(parent, tokens[start:position]), parent, payload)
-        self._publish(req, tail, tokens=position - start)
+    def _count(self, published: list[Published]) -> None:
         with self._lock:
-            self.stats.captured_tails += 1
-            self.stats.capture_seconds += time.perf_counter() - tic
-
-    def _publish(self, req: _Request, block: CapturedBlock, tokens: int | None = None) -> None:
-        req.cache.publish(block)
-        state = sum(t.nbytes for arrays in block.payload.state.values() for t in arrays)
-        with self._lock:
-            self.stats.captured_blocks += 1
-            self.stats.captured_bytes += block.nbytes
-            self.stats.captured_tokens += tokens or req.cache.block_size
-            self.stats.captured_checkpoints += bool(state)
-            self.stats.captured_checkpoint_bytes += state
+            for item in published:
+                self.stats.captured_blocks += 1
+                self.stats.captured_bytes += item.block.nbytes
+                self.stats.captured_tokens += item.tokens
+                self.stats.captured_checkpoints += bool(item.state_bytes)
+                self.stats.captured_checkpoint_bytes += item.state_bytes
+                self.stats.captured_tails += item.tail
 
     def _publish_held(self, req: _Request) -> None:
         """A request that ends publishes its newest decode-time checkpoint."""
-        if req.held is not None:
-            held, req.held = req.held, None
-            self._publish(req, held)
+        if req.cache is not None:
+            self._count(req.cache.publish_held())
 
     def _finish(self, req: _Request, reason: str) -> None:
         self._requests.pop(req.rid, None)

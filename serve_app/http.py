@@ -140,26 +140,21 @@ def caller_of(request: Request) -> Caller:
     return Caller(api_key_digest=hashlib.sha256(key.encode()).hexdigest() if key else None)
 
 
+def _unavailable(message: str, code: str) -> ApiError:
+    return ApiError(503, message, type="service_unavailable", code=code,
+                    headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
+
+
 def not_ready_error(names: list[str]) -> ApiError:
     """503 for models whose replica is not up and warmed yet."""
-    return ApiError(
-        503,
-        f"not ready yet (loading or warming up): {', '.join(names)}; retry shortly",
-        type="service_unavailable",
-        code="model_not_ready",
-        headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)},
-    )
+    return _unavailable(f"not ready yet (loading or warming up): {', '.join(names)}; "
+                        "retry shortly", "model_not_ready")
 
 
 def replica_lost_error(name: str) -> ApiError:
     """503 for a request whose model replica went away while serving it."""
-    return ApiError(
-        503,
-        f"the replica serving model {name!r} went away; retry shortly",
-        type="service_unavailable",
-        code="replica_lost",
-        headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)},
-    )
+    return _unavailable(f"the replica serving model {name!r} went away; retry shortly",
+                        "replica_lost")
 
 
 class OpenAIIngress:

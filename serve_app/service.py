@@ -10,21 +10,17 @@ a thin wrapper around it.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from serve_app.cache import codecs
-from serve_app.cache.blocks import RestorePlan
-from serve_app.cache.client import CacheClient, FetchedChain, FetchRequest
-from serve_app.cache.hashing import chain, model_identity, root_id, salted_root
-from serve_app.cache.tiers import DiskInfo, TailQuery
+from serve_app.cache.client import CacheClient
+from serve_app.cache.manager import CacheManager, CacheStats, find_branch_points
 from serve_app.compat import download_model
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
-from serve_app.engine import CachePlan, Engine, EngineEvent, QueueFullError, SamplingParams
+from serve_app.engine import Engine, EngineEvent, QueueFullError, SamplingParams
 from serve_app.metrics import Recorder, replica_samples
 from serve_app.openai_api import (
     ApiError,
@@ -35,8 +31,6 @@ from serve_app.openai_api import (
 )
 from serve_app.profile import ModelProfile, source_kind
 from serve_app.stops import StopStringMatcher
-
-logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
 
@@ -53,40 +47,6 @@ class PreparedRequest:
     # Where the conversation may branch: the end of the system prompt, the start of
     # the last message (prompt positions; a tail of the cache is captured there).
     branch_points: tuple[int, ...] = ()
-
-
-@dataclass
-class CacheStats:
-    """Prefix-cache counters of one replica, token-granular like vLLM's."""
-
-    enabled: bool
-    disabled_reason: str | None
-    block_size: int
-    lookups: int = 0
-    hit_tokens: int = 0
-    missed_tokens: int = 0
-    walkbacks: int = 0
-    checkpoint_loads_by_tier: dict[str, int] = field(default_factory=dict)
-    checkpoint_rejects: int = 0
-    incompatible_payloads: int = 0  # cached payloads whose shapes/dtypes did not fit
-    restore_failures: int = 0  # restores that failed to build: prefilled cold instead
-    sidecar_loads: int = 0
-    ssd_read_bytes: int = 0
-    ssd_read_seconds: float = 0.0
-    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    fetch_seconds: float = 0.0
-    misses_by_reason: dict[str, int] = field(default_factory=dict)
-    last_miss_reason: str | None = None
-
-    def miss(self, reason: str, text: str) -> None:
-        """A lookup that restored less than it could: ``reason`` is the metric label."""
-        self.misses_by_reason[reason] = self.misses_by_reason.get(reason, 0) + 1
-        self.last_miss_reason = text
-
-    def summary(self) -> dict:
-        """The counters plus the derived hit rate (of prompt tokens)."""
-        seen = self.hit_tokens + self.missed_tokens
-        return {**self.__dict__, "hit_rate": round(self.hit_tokens / seen, 4) if seen else None}
 
 
 def resolve_source(profile: ModelProfile, home: Path | None = None) -> str:
@@ -136,31 +96,12 @@ class ModelService:
         )
         # The engine thread probes the layout: every cached array's shape and dtype.
         self.layout = self.engine.wait_ready()
-        block_size = profile.cache.block_size or (256 if self.layout.hybrid else 64)
-        interval = profile.cache.checkpoint_interval or block_size
-        if interval % block_size:
-            raise ValueError(f"model {profile.name}: cache.checkpoint_interval ({interval}) "
-                             f"must be a multiple of the block size ({block_size})")
-        self._checkpoint_every = interval if self.layout.hybrid else 0
-        reason = None
-        if not profile.cache.enabled:
-            reason = "caching disabled in the profile"
-        elif not self.layout.supported:
-            reason = self.layout.unsupported
-        elif cache_client is None or model_dir is None:
-            reason = "no cache store"
-        self.cache_client = cache_client if reason is None else None
-        self.cache_stats = CacheStats(reason is None, reason, block_size)
-        if reason is None:
-            self.identity = model_identity(model_dir, profile.source, tokenizer.chat_template,
-                                           memo=default_home() / "weights-digests.json")
-            self.root = root_id(self.identity, self.layout.digest, block_size)
-            self._expect = {"model": self.identity, "layout": self.layout.digest,
-                            "block_size": str(block_size)}
-            storage = profile.cache.gdn_snapshot_storage
-            self._storage = "ssd_sidecar" if storage == "auto" else storage
-        else:
-            logger.warning("model %s: prefix caching off: %s", profile.name, reason)
+        self.cache = CacheManager.for_model(profile, self.layout, cache_client, model_dir,
+                                            tokenizer.chat_template)
+
+    @property
+    def cache_stats(self) -> CacheStats:
+        return self.cache.stats
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -228,34 +169,17 @@ class ModelService:
 
     def branch_points(self, request: ChatCompletionRequest | CompletionRequest,
                       prompt: list[int]) -> tuple[int, ...]:
-        """Prompt positions where another conversation is likely to branch off this one.
-
-        The end of the system prompt (the next session of an agent shares it) and
-        the start of the last message (the next turn, or a retry, shares all before
-        it), found as mlx_lm.server does: render the shorter conversation and take
-        the common prefix with the prompt. Only chat requests have them.
-        """
-        if self.cache_client is None or not isinstance(request, ChatCompletionRequest):
+        """Prompt positions where another conversation is likely to branch off this one
+        (see ``find_branch_points``). Only chat requests have them."""
+        if not self.cache.enabled or not isinstance(request, ChatCompletionRequest):
             return ()
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        n_system = next((i for i, m in enumerate(messages)
-                         if m["role"] not in ("system", "developer")), len(messages))
-        shorter = [messages[:-1]]
-        if 0 < n_system < len(messages):
-            shorter.append(messages[:n_system] + [{"role": "user", "content": ""}])
-        points = set()
-        for conversation in shorter:
-            if not conversation:
-                continue
-            try:
-                tokens = self.tokenizer.apply_chat_template(
-                    conversation, add_generation_prompt=False, tokenize=True)
-            except Exception:  # a template that refuses the shorter form: no point
-                continue
-            common = _common_prefix(tokens, prompt)
-            if 0 < common < len(prompt) - 1:
-                points.add(common)
-        return tuple(sorted(points))
+
+        def render(conversation: list[dict[str, str]]) -> list[int]:
+            return self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=False, tokenize=True)
+
+        return find_branch_points(messages, prompt, render)
 
     # ---- streaming ----------------------------------------------------------------
 
@@ -271,12 +195,15 @@ class ModelService:
         if self.engine.at_capacity():  # before any cache work
             yield [_queue_full(self.engine.capacity_message()).to_event()]
             return
-        plan, lease = await self._cache_plan(prepared)
-        cached = plan.restore.tokens if plan and plan.restore else 0
+        plan = await self.cache.plan(prepared.prompt, salt=prepared.salt,
+                                     api_key_digest=prepared.api_key_digest,
+                                     branch_points=prepared.branch_points)
+        lease = plan.lease if plan is not None else None
+        cached = plan.restore_tokens if plan is not None else 0
         try:
             rid = self.engine.submit(prepared.prompt, prepared.params, events.put, plan)
         except QueueFullError as exc:
-            await self._release(lease)
+            await self.cache.release(lease)
             yield [_queue_full(str(exc)).to_event()]
             return
 
@@ -297,11 +224,12 @@ class ModelService:
                     await asyncio.sleep(wait)
                 batch = await events.take()
                 if lease is not None:  # the engine has copied the restored blocks by now
-                    lease = await self._release(lease)
+                    await self.cache.release(lease)
+                    lease = None
                 out: list[dict] = []
                 for event in batch:
                     if event.restored is not None and event.restored < cached:
-                        self._restore_failed(cached)  # the engine prefilled it cold
+                        self.cache.restore_failed(cached)  # the engine prefilled it cold
                         cached = event.restored
                     if event.error is not None:
                         out.append(ApiError(500, event.error, type="server_error").to_event())
@@ -343,7 +271,7 @@ class ModelService:
             if not done:
                 self.engine.cancel(rid)
             if lease is not None:
-                await self._release(lease)
+                await self.cache.release(lease)
             self.metrics.observe("serve_app_request_duration_seconds",
                                  time.perf_counter() - arrived, self._labels)
 
@@ -355,89 +283,6 @@ class ModelService:
             self.metrics.observe("serve_app_inter_token_latency_seconds", at - previous,
                                  self._labels)
 
-    # ---- prefix cache ---------------------------------------------------------------
-
-    async def _cache_plan(self, prepared: PreparedRequest) -> tuple[CachePlan | None, int | None]:
-        """Look the prompt's blocks up and fetch what can be restored.
-
-        Hybrid models restore only up to a block whose recurrent checkpoint is
-        present and valid; each step back is a walkback. At least one prompt
-        token is always left to compute.
-        """
-        if self.cache_client is None:
-            self.cache_stats.miss("disabled", self.cache_stats.disabled_reason)
-            return None, None
-        stats = self.cache_stats
-        bs = stats.block_size
-        root = salted_root(self.root, prepared.salt, prepared.api_key_digest)
-        ids = chain(root, prepared.prompt, bs)
-        restorable = min(len(ids), (len(prepared.prompt) - 1) // bs)
-        hybrid = self.layout.hybrid
-        stats.lookups += 1
-        tic = time.perf_counter()
-        found = await self.cache_client.fetch(FetchRequest(
-            self.profile.name, ids[:restorable], self.layout, bs, self._expect,
-            exact=self.profile.cache.sidecar_codec == codecs.EXACT,
-            tails=TailQuery(root, prepared.prompt[:-1], bs)))
-        stats.fetch_seconds += time.perf_counter() - tic
-        stats.walkbacks += found.walkbacks
-        stats.checkpoint_rejects += found.checkpoint_rejects
-        stats.incompatible_payloads += found.incompatible
-        stats.sidecar_loads += found.sidecar_loads
-        stats.ssd_read_bytes += found.ssd_bytes
-        stats.ssd_read_seconds += found.ssd_seconds
-        n = len(found.payloads)
-        restore = None
-        tail = found.tail_tokens
-        counts = [bs] * (n - bool(tail)) + ([tail] if tail else [])
-        for tier, count in zip(found.tiers, counts, strict=True):
-            stats.hit_tokens_by_tier[tier] = stats.hit_tokens_by_tier.get(tier, 0) + count
-        hit = sum(counts)
-        if n:
-            restore = RestorePlan(counts, found.payloads)
-            if hybrid:
-                loads = stats.checkpoint_loads_by_tier
-                loads[found.tiers[-1]] = loads.get(found.tiers[-1], 0) + 1
-        stats.hit_tokens += hit
-        stats.missed_tokens += len(prepared.prompt) - hit
-        if hit < restorable * bs:
-            stats.miss(*self._miss_reason(found, n - bool(tail), bs))
-        plan = CachePlan(bs, root, ids, restore, self._publish, self._checkpoint_every,
-                         prepared.branch_points)
-        return plan, found.lease
-
-    def _restore_failed(self, planned: int) -> None:
-        """The engine could not build a planned restore: those tokens were missed."""
-        stats = self.cache_stats
-        stats.restore_failures += 1
-        stats.hit_tokens -= planned
-        stats.missed_tokens += planned
-        stats.miss("restore_failed", f"restore of {planned} tokens failed; prefilled cold")
-
-    @staticmethod
-    def _miss_reason(found: FetchedChain, restored: int, bs: int) -> tuple[str, str]:
-        """(metric label, human text) of a lookup that restored ``restored`` blocks."""
-        if found.incompatible:
-            return "incompatible", f"cached payload does not fit: {found.incompatible_reason}"
-        if found.present > restored:
-            return "no_checkpoint", f"no valid recurrent checkpoint after token {restored * bs}"
-        where = found.present * bs
-        if found.first_missing_evicted:
-            return "evicted", f"evicted at token {where}"
-        if found.present == 0:
-            return "new_prefix", "new prefix"
-        return "diverged", f"diverged at token {where}"
-
-    def _publish(self, block) -> None:
-        disk = DiskInfo(self.identity, self.layout.digest, self.cache_stats.block_size,
-                        self._storage, self.profile.cache.sidecar_codec)
-        self.cache_client.publish(self.profile.name, block, disk)
-
-    async def _release(self, lease: int | None) -> None:
-        if lease is not None and self.cache_client is not None:
-            await self.cache_client.release(lease)
-        return None
-
     def metric_samples(self) -> list:
         """This replica's counters and gauges, for the metrics pump."""
         return replica_samples(self.profile.name, self.engine.snapshot(),
@@ -447,12 +292,12 @@ class ModelService:
         engine = self.engine.snapshot()
         cache = self.cache_stats.summary()
         tokens = engine["captured_tokens"]
-        cache["checkpoint_interval"] = self._checkpoint_every or None
+        cache["checkpoint_interval"] = self.cache.settings.checkpoint_every or None
         cache["checkpoint_bytes_per_1k_tokens"] = (
             round(engine["captured_checkpoint_bytes"] * 1000 / tokens) if tokens else None)
         out = {"model": self.profile.name, "engine": engine, "cache": cache}
-        if self.cache_client is not None:
-            out["cache_store"] = await self.cache_client.stats()
+        if self.cache.client is not None:
+            out["cache_store"] = await self.cache.client.stats()
         return out
 
     def warm_up(self, timeout: float = 300.0) -> float:
@@ -561,11 +406,3 @@ class _TextDecoder:
         text, stopped = self._stops.feed(self._detok.last_segment)
         return text if stopped else text + self._stops.flush()
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -128,7 +128,7 @@ def cached_prompt(warm: ModelService, prompt: list[int]):
     """Serve ``prompt`` once so its blocks are cached; return the request and block ids."""
     req = CompletionRequest(model="m", prompt=prompt, max_tokens=16, temperature=0)
     run(warm, req)
-    return req, chain(salted_root(warm.root, None), prompt, BS)
+    return req, chain(salted_root(warm.cache.root, None), prompt, BS)
 
 
 def test_forced_walkback_drops_one_block_and_stays_exact(hybrid_services):

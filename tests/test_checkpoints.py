@@ -15,13 +15,15 @@ import pytest
 
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.hashing import chain, salted_root
+from serve_app.cache.manager import RequestPlan
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
-from serve_app.engine import CachePlan, SamplingParams, _Request
+from serve_app.engine import SamplingParams, _Request
 from serve_app.openai_api import CompletionRequest
 from serve_app.profile import ModelProfile
 from serve_app.service import ModelService
 from tests.test_cache_exact import run
+from tests.test_tails import generated
 
 BS = 16
 
@@ -60,12 +62,13 @@ def prompt_of(seed: int, tokens: int) -> list[int]:
 
 def checkpointed(service: ModelService, store: TieredStore, tokens: list[int]) -> list[bool]:
     """For each full block of ``tokens``: present in the hot tier with a checkpoint?"""
-    ids = chain(salted_root(service.root, None), tokens, BS)
+    ids = chain(salted_root(service.cache.root, None), tokens, BS)
     return [bool(store.hot.entry(b) and store.hot.entry(b).has_checkpoint) for b in ids]
 
 
 def segments(service: ModelService, prompt: list[int], restored: int = 0) -> list[int]:
-    plan = CachePlan(BS, service.root, [], None, None, service._checkpoint_every)
+    plan = RequestPlan(BS, service.cache.root, [],
+                       checkpoint_every=service.cache.settings.checkpoint_every)
     req = _Request(1, prompt, SamplingParams(max_tokens=1), lambda e: None, plan,
                    restored=restored)
     return [len(s) for s in service.engine._segments(req)]
@@ -78,8 +81,8 @@ def test_attention_only_prefill_is_not_cut_at_block_boundaries(models):
     assert segments(service, prompt, restored=2 * BS) == [len(prompt) - 2 * BS]
     a = ask(service, prompt)
     # Every full block was captured all the same, without pausing the batch.
-    assert all(b is not None for b in
-               (store.hot.entry(i) for i in chain(salted_root(service.root, None), prompt, BS)))
+    ids = chain(salted_root(service.cache.root, None), prompt, BS)
+    assert all(store.hot.entry(i) is not None for i in ids)
     b = ask(service, prompt)  # five blocks and the tail at the prompt's end
     assert b["cached"] == len(prompt) - 1 and a["text"] == b["text"]
     engine = service.engine.snapshot()
@@ -112,7 +115,7 @@ def test_only_the_newest_decode_time_checkpoint_is_kept(models):
     service, store = warm(models, "tiny-hybrid-bf16")
     prompt = prompt_of(17, 2 * BS + 5)
     first = ask(service, prompt, n=3 * BS)  # decoding crosses three block boundaries
-    output = _generated(models["tiny-hybrid-bf16"][3], prompt, 3 * BS)
+    output = generated(models["tiny-hybrid-bf16"][3], prompt, 3 * BS)
     flags = checkpointed(service, store, prompt + output)
     assert flags[:2] == [True, True]  # the prompt's blocks (every block by default)
     # Blocks completed while decoding: KV only, except the newest one.
@@ -126,26 +129,6 @@ def test_only_the_newest_decode_time_checkpoint_is_kept(models):
     assert warm_turn["cached"] == len(prompt) + 3 * BS
     assert warm_turn["text"] == ask(models["tiny-hybrid-bf16"][3], follow)["text"]
     service.shutdown()
-
-
-def _generated(service: ModelService, prompt: list[int], n: int) -> list[int]:
-    """The token ids a greedy request produced (the text may not re-tokenize to them)."""
-    tokens: list[int] = []
-
-    async def go():
-        from serve_app.service import EventChannel
-
-        channel = EventChannel(asyncio.get_running_loop())
-        service.engine.submit(prompt, SamplingParams(max_tokens=n), channel.put)
-        while True:
-            for e in await channel.take():
-                if e.token is not None:
-                    tokens.append(e.token)
-                if e.finish_reason or e.error:
-                    return
-
-    asyncio.run(go())
-    return tokens
 
 
 def test_checkpoint_bytes_per_1k_tokens_drop_with_a_larger_interval(models):

@@ -16,14 +16,14 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from serve_app.cache.blocks import RestorePlan
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.hashing import chain, salted_root
-from serve_app.cache.payload import BlockPayload, Tensor, from_tensors
+from serve_app.cache.manager import RequestPlan
+from serve_app.cache.payload import BlockPayload, RestorePlan, Tensor, from_tensors
 from serve_app.cache.ssd import SSDStore, read_file
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import FORMATS, materialize
-from serve_app.engine import CachePlan, SamplingParams
+from serve_app.engine import SamplingParams
 from serve_app.openai_api import ChatCompletionRequest, CompletionRequest
 from serve_app.profile import ModelProfile
 from serve_app.service import ModelService
@@ -81,7 +81,7 @@ class Server:
                                                 temperature=0))["text"]
 
     def ids(self, prompt: list[int]) -> list[str]:
-        return chain(salted_root(self.service.root, None), prompt, BS)
+        return chain(salted_root(self.service.cache.root, None), prompt, BS)
 
     def drain(self) -> None:
         deadline = time.monotonic() + 30
@@ -286,7 +286,7 @@ def test_a_restore_that_fails_to_build_prefills_cold_and_spares_the_batch(home):
     broken = [BlockPayload(dict(b.kv), dict(b.state)) for b in blocks]
     layer = next(iter(broken[-1].state))
     broken[-1].state[layer] = broken[-1].state[layer][:1]  # a recurrent array missing
-    plan = CachePlan(BS, server.service.root, [], RestorePlan([BS] * 3, broken), None)
+    plan = RequestPlan(BS, server.service.cache.root, [], RestorePlan([BS] * 3, broken))
     engine.submit(prompt, SamplingParams(max_tokens=10), sink("bad"), plan)
     assert done["bad"].wait(60) and done["other"].wait(60)
     assert all(e.error is None for e in events["bad"] + events["other"])

@@ -62,7 +62,7 @@ class Server:
             time.sleep(0.02)
 
     def ids(self, prompt: list[int]) -> list[str]:
-        return chain(salted_root(self.service.root, None), prompt, BS)
+        return chain(salted_root(self.service.cache.root, None), prompt, BS)
 
     def close(self) -> None:
         self.service.shutdown()

@@ -26,8 +26,7 @@ from serve_app.cache.actor import (
     RayCacheClient,
     make_ssd,
 )
-from serve_app.cache.blocks import CapturedBlock
-from serve_app.cache.payload import BlockPayload, Tensor
+from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
 from serve_app.metrics import DROP_REASONS, store_samples
 from tests.test_ssd import LAYOUT, bid
 from tests.test_tiers import DISK

@@ -24,10 +24,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from serve_app.cache.blocks import CapturedBlock
 from serve_app.cache.client import CacheClient
 from serve_app.cache.hot import HotEntry
-from serve_app.cache.payload import BlockPayload
+from serve_app.cache.payload import BlockPayload, CapturedBlock
 from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir
 from serve_app.cache.tiers import DiskInfo, TailQuery, TieredStore
 from serve_app.metrics import MetricsPump, RayRecorder, store_samples

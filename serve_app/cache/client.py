@@ -18,15 +18,22 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serve_app.cache import codecs
-from serve_app.cache.blocks import CapturedBlock
 from serve_app.cache.hot import HotEntry
-from serve_app.cache.layout import Layout
-from serve_app.cache.payload import BlockPayload, PayloadError, from_tensors, state_from_names
+from serve_app.cache.payload import (
+    BlockPayload,
+    CapturedBlock,
+    PayloadError,
+    from_tensors,
+    state_from_names,
+)
 from serve_app.cache.ssd import SSDError, read_file
 from serve_app.cache.tiers import DiskInfo, Source, TailQuery, TieredStore
+
+if TYPE_CHECKING:  # layout.py imports mlx-lm; this module (and the cache policy) need not
+    from serve_app.cache.layout import Layout
 
 MAX_ATTEMPTS = 8
 

@@ -117,6 +117,44 @@ class BlockPayload:
         return BlockPayload(self.kv, state)
 
 
+@dataclass
+class CapturedBlock:
+    """One block on its way to the store (captured, or read from SSD and promoted)."""
+
+    block_id: str
+    parent_id: str
+    payload: BlockPayload
+    lossy: bool = False  # its checkpoint was decoded from a lossy sidecar codec
+
+    @property
+    def has_checkpoint(self) -> bool:
+        return self.payload.has_state
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.nbytes
+
+
+@dataclass
+class RestorePlan:
+    """What a request starts from: the KV of its first blocks, the last one's checkpoint.
+
+    Every block holds ``block_size`` tokens but the last, which may be a tail
+    (a partial block captured where a conversation branches).
+    """
+
+    block_tokens: list[int]
+    blocks: list[BlockPayload]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.block_tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+
 # ---- safetensors naming: the file format, in one place ---------------------------------
 
 def kv_tensors(payload: BlockPayload) -> tuple[dict[str, np.ndarray], dict[str, str]]:

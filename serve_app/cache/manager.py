@@ -1,0 +1,460 @@
+"""The prefix cache's policy for one model, in one place (like vLLM's KV-cache manager).
+
+``CacheManager`` plans each request: it looks the prompt's chain up through the
+``CacheClient``, turns what was found into a ``RestorePlan``, names every miss
+and keeps the replica's ``CacheStats``. The ``RequestPlan`` it returns then
+decides, as the engine reports how far the batch cache covers the request,
+which blocks, tails and recurrent checkpoints are due (``Capture``), extends
+the chain of block ids over generated tokens, and holds back the newest
+decode-time checkpoint. The engine only slices what it is told to.
+
+No MLX and no Ray here: the policy is unit-tested in ``tests/test_manager.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from serve_app.cache import codecs
+from serve_app.cache.client import CacheClient, FetchedChain, FetchRequest
+from serve_app.cache.hashing import block_id, chain, model_identity, root_id, salted_root
+from serve_app.cache.payload import BlockPayload, CapturedBlock, RestorePlan
+from serve_app.cache.tiers import DiskInfo, TailQuery
+from serve_app.embedded import default_home
+from serve_app.profile import ModelProfile
+
+if TYPE_CHECKING:
+    from serve_app.cache.layout import Layout
+
+logger = logging.getLogger(__name__)
+
+BlockSink = Callable[[CapturedBlock], None]
+Renderer = Callable[[list[dict[str, str]]], list[int]]
+
+
+@dataclass(frozen=True)
+class Miss:
+    """Why a lookup restored less than it could: a metric label and a human text."""
+
+    label: str
+    text: str
+
+
+@dataclass
+class CacheStats:
+    """Prefix-cache counters of one replica, token-granular like vLLM's."""
+
+    enabled: bool
+    disabled_reason: str | None
+    block_size: int
+    lookups: int = 0
+    hit_tokens: int = 0
+    missed_tokens: int = 0
+    walkbacks: int = 0
+    checkpoint_loads_by_tier: dict[str, int] = field(default_factory=dict)
+    checkpoint_rejects: int = 0
+    incompatible_payloads: int = 0  # cached payloads whose shapes/dtypes did not fit
+    restore_failures: int = 0  # restores that failed to build: prefilled cold instead
+    sidecar_loads: int = 0
+    ssd_read_bytes: int = 0
+    ssd_read_seconds: float = 0.0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    fetch_seconds: float = 0.0
+    misses_by_reason: dict[str, int] = field(default_factory=dict)
+    last_miss_reason: str | None = None
+
+    def miss(self, miss: Miss) -> None:
+        """A lookup that restored less than it could (counted by its label)."""
+        self.misses_by_reason[miss.label] = self.misses_by_reason.get(miss.label, 0) + 1
+        self.last_miss_reason = miss.text
+
+    def summary(self) -> dict:
+        """The counters plus the derived hit rate (of prompt tokens)."""
+        seen = self.hit_tokens + self.missed_tokens
+        return {**self.__dict__, "hit_rate": round(self.hit_tokens / seen, 4) if seen else None}
+
+
+def miss_reason(found: FetchedChain, restored: int, block_size: int) -> Miss:
+    """The miss of a lookup that restored ``restored`` full blocks of those it asked for."""
+    if found.incompatible:
+        return Miss("incompatible", f"cached payload does not fit: {found.incompatible_reason}")
+    if found.present > restored:
+        return Miss("no_checkpoint",
+                    f"no valid recurrent checkpoint after token {restored * block_size}")
+    where = found.present * block_size
+    if found.first_missing_evicted:
+        return Miss("evicted", f"evicted at token {where}")
+    if found.present == 0:
+        return Miss("new_prefix", "new prefix")
+    return Miss("diverged", f"diverged at token {where}")
+
+
+def block_tokens(found: FetchedChain, block_size: int) -> list[int]:
+    """Tokens of each payload a fetch returned: full blocks, the last maybe a tail."""
+    tail = found.tail_tokens
+    return [block_size] * (len(found.payloads) - bool(tail)) + ([tail] if tail else [])
+
+
+def find_branch_points(messages: list[dict[str, str]], prompt: list[int],
+                  render: Renderer) -> tuple[int, ...]:
+    """Prompt positions where another conversation is likely to branch off this one.
+
+    The end of the system prompt (the next session of an agent shares it) and
+    the start of the last message (the next turn, or a retry, shares all before
+    it), found as mlx_lm.server does: ``render`` the shorter conversation (no
+    generation prompt) and take the common prefix with the prompt.
+    """
+    n_system = next((i for i, m in enumerate(messages)
+                     if m["role"] not in ("system", "developer")), len(messages))
+    shorter = [messages[:-1]]
+    if 0 < n_system < len(messages):
+        shorter.append(messages[:n_system] + [{"role": "user", "content": ""}])
+    points = set()
+    for conversation in shorter:
+        if not conversation:
+            continue
+        try:
+            tokens = render(conversation)
+        except Exception:  # a template that refuses the shorter form: no point
+            continue
+        common = common_prefix(tokens, prompt)
+        if 0 < common < len(prompt) - 1:
+            points.add(common)
+    return tuple(sorted(points))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One slice of a request's cache that is due: tokens ``[start, end)``."""
+
+    start: int
+    end: int
+    block_id: str
+    parent_id: str
+    with_state: bool  # carries the recurrent state at ``end`` (a checkpoint)
+    hold: bool = False  # a decode-time checkpoint: held back until a newer one or the end
+    tail: bool = False  # a partial block, keyed by its parent and its own tokens
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Published:
+    """A block or tail handed to the store: what the engine counts."""
+
+    block: CapturedBlock
+    tokens: int
+    tail: bool = False
+
+    @property
+    def state_bytes(self) -> int:
+        """Recurrent-state bytes: the cost of a hybrid model's checkpoint."""
+        return sum(t.nbytes for arrays in self.block.payload.state.values() for t in arrays)
+
+
+@dataclass
+class RequestPlan:
+    """A request's part in the prefix cache: what it restores and what it captures.
+
+    ``block_ids`` are the ids of the prompt's full blocks; the chain is extended
+    over generated tokens as the cache covers them. Blocks from the restored
+    position on are captured and handed to ``sink`` (None: restore only).
+    """
+
+    block_size: int
+    root: str
+    block_ids: list[str]
+    restore: RestorePlan | None = None
+    sink: BlockSink | None = None
+    # Hybrid models: a recurrent checkpoint every this many tokens (a multiple of
+    # block_size), plus one at the prompt's last block boundary and the newest one
+    # reached while decoding. 0: no recurrent state (attention-only models).
+    checkpoint_every: int = 0
+    # Where conversations branch inside the prompt (the end of the system prompt,
+    # the start of the last message): a tail is captured there, so a request that
+    # shares the prompt up to that point restores exactly to it.
+    branch_points: tuple[int, ...] = ()
+    lease: int | None = None  # the store's pins on the restored blocks, until copied
+    # Progress, kept by the plan as the engine reports it:
+    restored: int = field(default=0, init=False)  # tokens the request really started from
+    captured: int = field(default=0, init=False)  # tokens covered by the blocks captured
+    held: Published | None = field(default=None, init=False)  # newest decode checkpoint
+    _tails: set[int] = field(default_factory=set, init=False)  # positions already taken
+
+    @property
+    def hybrid(self) -> bool:
+        """The model has recurrent state: captures carry it where it is exact."""
+        return self.checkpoint_every > 0
+
+    @property
+    def restore_tokens(self) -> int:
+        return self.restore.tokens if self.restore is not None else 0
+
+    def checkpoints(self, prompt_len: int, start: int) -> list[int]:
+        """Prompt positions in ``(start, prompt_len)`` where prefill pauses for a checkpoint."""
+        if not self.checkpoint_every:
+            return []
+        last = (prompt_len - 1) // self.block_size * self.block_size
+        every = range(self.checkpoint_every, last, self.checkpoint_every)
+        points = (*every, last, *self.branch_points)
+        return sorted({p for p in points if start < p < prompt_len})
+
+    def tail_points(self, prompt_len: int) -> list[int]:
+        """Prompt positions where a tail is captured: branch points and the prompt's end."""
+        return sorted({p for p in (*self.branch_points, prompt_len - 1) if 0 < p < prompt_len})
+
+    def start(self, restored: int) -> None:
+        """The engine started the request from ``restored`` tokens (0: the restore failed).
+
+        A restore may end inside a block (a tail): capture resumes at the block
+        boundary before it, so the next full block is captured whole.
+        """
+        self.restored = restored
+        self.captured = restored // self.block_size * self.block_size
+
+    def captures(self, covered: int, prompt: list[int], output: list[int], *,
+                 state_valid: bool, decoding: bool = False, ended: bool = False
+                 ) -> list[Capture]:
+        """What is due now that the cache covers ``covered`` tokens of prompt + output.
+
+        ``state_valid``: the recurrent state is exactly at ``covered``, so what
+        ends there can carry a checkpoint. ``decoding``: ``covered`` is past the
+        prompt. ``ended``: the generation ends at ``covered`` (finished or
+        cancelled), where a tail is due. Full blocks come first, then tails.
+        """
+        if self.sink is None:
+            return []
+        tails = self._tails_due(covered, len(prompt), state_valid, ended)
+        if covered - self.captured < self.block_size and not tails:
+            return []
+        tokens = prompt + output
+        bs = self.block_size
+        out = []
+        while self.captured + bs <= covered:
+            end = self.captured + bs
+            index = end // bs - 1
+            self._extend(index + 1, tokens)
+            with_state = self.hybrid and state_valid and end == covered and (
+                decoding or self._is_checkpoint(end, len(prompt)))
+            out.append(Capture(end - bs, end, self.block_ids[index], self._parent(index),
+                               with_state, hold=with_state and decoding))
+            self.captured = end
+        for position in tails:
+            start = position // bs * bs
+            self._extend(start // bs, tokens)
+            parent = self._parent(start // bs)
+            out.append(Capture(start, position, block_id(parent, tokens[start:position]),
+                               parent, self.hybrid, tail=True))
+        return out
+
+    def publish(self, capture: Capture, payload: BlockPayload) -> list[Published]:
+        """Hand a captured slice to the store, or hold it back; returns what was published.
+
+        While decoding only the newest checkpoint keeps its state: the one it
+        replaces is published as KV only.
+        """
+        item = Published(CapturedBlock(capture.block_id, capture.parent_id, payload),
+                         capture.tokens, capture.tail)
+        if not capture.hold:
+            return self._send([item])
+        previous, self.held = self.held, item
+        if previous is None:
+            return []
+        old = previous.block
+        return self._send([replace(previous, block=CapturedBlock(
+            old.block_id, old.parent_id, old.payload.without_state()))])
+
+    def publish_held(self) -> list[Published]:
+        """A request that ends publishes its newest decode-time checkpoint."""
+        held, self.held = self.held, None
+        return self._send([held]) if held is not None else []
+
+    def _send(self, items: list[Published]) -> list[Published]:
+        for item in items:
+            self.sink(item.block)
+        return items
+
+    def _is_checkpoint(self, position: int, prompt_len: int) -> bool:
+        return position in self.checkpoints(prompt_len, position - 1)
+
+    def _tails_due(self, covered: int, prompt_len: int, state_valid: bool,
+                   ended: bool) -> list[int]:
+        """Tail positions due now: prompt tail points the cache has reached (exactly,
+        with the state there, for a hybrid model) and the end of the generation."""
+        points = [p for p in self.tail_points(prompt_len) if p <= covered and (
+            not self.hybrid or (state_valid and p == covered))]
+        if ended:
+            points.append(covered)
+        due = sorted({p for p in points if p % self.block_size and p > self.restored
+                      and p not in self._tails})
+        self._tails.update(due)
+        return due
+
+    def _extend(self, n: int, tokens: list[int]) -> None:
+        """Extend the chain of block ids to ``n`` full blocks (into generated tokens)."""
+        bs = self.block_size
+        while len(self.block_ids) < n:
+            b = len(self.block_ids)
+            parent = self.block_ids[-1] if self.block_ids else self.root
+            self.block_ids.append(block_id(parent, tokens[b * bs : (b + 1) * bs]))
+
+    def _parent(self, index: int) -> str:
+        return self.block_ids[index - 1] if index else self.root
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """One model's cache settings, resolved from its profile and its probed layout."""
+
+    model: str  # the name the model is served under
+    block_size: int
+    checkpoint_every: int = 0  # 0: attention-only, no recurrent checkpoints
+    storage: str = "ssd_sidecar"  # where SSD checkpoints go: "ssd_sidecar" or "embedded"
+    codec: str = codecs.EXACT  # the sidecar codec
+
+    @classmethod
+    def from_profile(cls, profile: ModelProfile, hybrid: bool) -> CacheSettings:
+        """Defaults: blocks of 64 tokens (256 for hybrid models), a checkpoint every block."""
+        cache = profile.cache
+        block_size = cache.block_size or (256 if hybrid else 64)
+        interval = cache.checkpoint_interval or block_size
+        if interval % block_size:
+            raise ValueError(f"model {profile.name}: cache.checkpoint_interval ({interval}) "
+                             f"must be a multiple of the block size ({block_size})")
+        storage = cache.gdn_snapshot_storage
+        return cls(profile.name, block_size, interval if hybrid else 0,
+                   "ssd_sidecar" if storage == "auto" else storage, cache.sidecar_codec)
+
+
+def disabled_reason(profile: ModelProfile, layout: Layout, client: CacheClient | None,
+                    model_dir: Path | None) -> str | None:
+    """Why a model is served without prefix caching, or None."""
+    if not profile.cache.enabled:
+        return "caching disabled in the profile"
+    if not layout.supported:
+        return layout.unsupported
+    if client is None or model_dir is None:
+        return "no cache store"
+    return None
+
+
+class CacheManager:
+    """The prefix cache of one model replica: lookups, plans, misses and their stats."""
+
+    def __init__(self, settings: CacheSettings, layout: Layout, client: CacheClient | None,
+                 identity: str = "", disabled: str | None = None) -> None:
+        if disabled is None and client is None:
+            disabled = "no cache store"
+        self.settings = settings
+        self.layout = layout
+        self.client = client if disabled is None else None
+        self.stats = CacheStats(disabled is None, disabled, settings.block_size)
+        self.identity = identity
+        self.root = root_id(identity, layout.digest, settings.block_size)
+        self._expect = {"model": identity, "layout": layout.digest,
+                        "block_size": str(settings.block_size)}
+        self._disk = DiskInfo(identity, layout.digest, settings.block_size, settings.storage,
+                              settings.codec)
+
+    @classmethod
+    def for_model(cls, profile: ModelProfile, layout: Layout, client: CacheClient | None,
+                  model_dir: Path | None, chat_template: str | None) -> CacheManager:
+        """The manager of a loaded model; caching is off (and logged) where it cannot work."""
+        settings = CacheSettings.from_profile(profile, layout.hybrid)
+        reason = disabled_reason(profile, layout, client, model_dir)
+        if reason is not None:
+            logger.warning("model %s: prefix caching off: %s", profile.name, reason)
+            return cls(settings, layout, None, disabled=reason)
+        identity = model_identity(model_dir, profile.source, chat_template,
+                                  memo=default_home() / "weights-digests.json")
+        return cls(settings, layout, client, identity)
+
+    @property
+    def enabled(self) -> bool:
+        return self.client is not None
+
+    async def plan(self, prompt: list[int], *, salt: str | None = None,
+                   api_key_digest: str | None = None,
+                   branch_points: tuple[int, ...] = ()) -> RequestPlan | None:
+        """Look the prompt's blocks up and fetch what can be restored (None: caching off).
+
+        Hybrid models restore only up to a block whose recurrent checkpoint is
+        present and valid; each step back is a walkback. At least one prompt
+        token is always left to compute.
+        """
+        stats = self.stats
+        if self.client is None:
+            stats.miss(Miss("disabled", stats.disabled_reason))
+            return None
+        bs = self.settings.block_size
+        root = salted_root(self.root, salt, api_key_digest)
+        ids = chain(root, prompt, bs)
+        restorable = min(len(ids), (len(prompt) - 1) // bs)
+        stats.lookups += 1
+        tic = time.perf_counter()
+        found = await self.client.fetch(FetchRequest(
+            self.settings.model, ids[:restorable], self.layout, bs, self._expect,
+            exact=self.settings.codec == codecs.EXACT,
+            tails=TailQuery(root, prompt[:-1], bs)))
+        stats.fetch_seconds += time.perf_counter() - tic
+        restore = self._count(found, len(prompt), restorable)
+        return RequestPlan(bs, root, ids, restore, self.publish, self.settings.checkpoint_every,
+                           branch_points, found.lease)
+
+    def _count(self, found: FetchedChain, prompt_len: int, restorable: int) -> RestorePlan | None:
+        """Count a fetch in the stats; the restore it allows, if any."""
+        stats = self.stats
+        bs = self.settings.block_size
+        stats.walkbacks += found.walkbacks
+        stats.checkpoint_rejects += found.checkpoint_rejects
+        stats.incompatible_payloads += found.incompatible
+        stats.sidecar_loads += found.sidecar_loads
+        stats.ssd_read_bytes += found.ssd_bytes
+        stats.ssd_read_seconds += found.ssd_seconds
+        counts = block_tokens(found, bs)
+        for tier, count in zip(found.tiers, counts, strict=True):
+            stats.hit_tokens_by_tier[tier] = stats.hit_tokens_by_tier.get(tier, 0) + count
+        hit = sum(counts)
+        stats.hit_tokens += hit
+        stats.missed_tokens += prompt_len - hit
+        if hit < restorable * bs:
+            stats.miss(miss_reason(found, len(counts) - bool(found.tail_tokens), bs))
+        if not counts:
+            return None
+        if self.layout.hybrid:
+            loads = stats.checkpoint_loads_by_tier
+            loads[found.tiers[-1]] = loads.get(found.tiers[-1], 0) + 1
+        return RestorePlan(counts, found.payloads)
+
+    def restore_failed(self, planned: int) -> None:
+        """The engine could not build a planned restore: those tokens were missed."""
+        stats = self.stats
+        stats.restore_failures += 1
+        stats.hit_tokens -= planned
+        stats.missed_tokens += planned
+        stats.miss(Miss("restore_failed", f"restore of {planned} tokens failed; prefilled cold"))
+
+    def publish(self, block: CapturedBlock) -> None:
+        """A captured block to the store (called on the engine thread; never blocks it)."""
+        self.client.publish(self.settings.model, block, self._disk)
+
+    async def release(self, lease: int | None) -> None:
+        """Unpin a plan's restored blocks once the engine has copied them."""
+        if lease is not None and self.client is not None:
+            await self.client.release(lease)
