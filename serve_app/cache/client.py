@@ -52,6 +52,7 @@ class FetchedChain:
     incompatible: int = 0  # payloads whose shapes or dtypes did not fit the layout
     incompatible_reason: str | None = None
     tail_tokens: int = 0  # the last payload is a tail of this many tokens (0: none)
+    block_tokens: list[int] = field(default_factory=list)  # tokens of each payload
     sidecar_loads: int = 0
     ssd_bytes: int = 0
     ssd_seconds: float = 0.0
@@ -137,7 +138,8 @@ class CacheClient:
             ssd_bytes = sum(p.nbytes for p, t in zip(payloads, tiers, strict=True) if t == "ssd")
             return FetchedChain(found["present"], found["walkbacks"], payloads,
                                 found["lease"], found["first_missing_evicted"], tiers, rejects,
-                                incompatible, reason, found["tail_tokens"], loads, ssd_bytes,
+                                incompatible, reason, found["tail_tokens"],
+                                req.block_tokens(found), loads, ssd_bytes,
                                 (toc - tic) if ssd_bytes else 0.0)
         return FetchedChain(0, 0, [], None, False, [], rejects, incompatible, reason)
 

@@ -94,12 +94,6 @@ def miss_reason(found: FetchedChain, restored: int, block_size: int) -> Miss:
     return Miss("diverged", f"diverged at token {where}")
 
 
-def block_tokens(found: FetchedChain, block_size: int) -> list[int]:
-    """Tokens of each payload a fetch returned: full blocks, the last maybe a tail."""
-    tail = found.tail_tokens
-    return [block_size] * (len(found.payloads) - bool(tail)) + ([tail] if tail else [])
-
-
 def find_branch_points(messages: list[dict[str, str]], prompt: list[int],
                   render: Renderer) -> tuple[int, ...]:
     """Prompt positions where another conversation is likely to branch off this one.
@@ -427,7 +421,7 @@ class CacheManager:
         stats.sidecar_loads += found.sidecar_loads
         stats.ssd_read_bytes += found.ssd_bytes
         stats.ssd_read_seconds += found.ssd_seconds
-        counts = block_tokens(found, bs)
+        counts = found.block_tokens
         for tier, count in zip(found.tiers, counts, strict=True):
             stats.hit_tokens_by_tier[tier] = stats.hit_tokens_by_tier.get(tier, 0) + count
         hit = sum(counts)
