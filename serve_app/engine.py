@@ -25,6 +25,7 @@ from mlx_lm.sample_utils import apply_top_p, greedy_sampler, make_sampler
 from serve_app.cache.blocks import build_cache, capture_block
 from serve_app.cache.layout import Layout, probe_layout
 from serve_app.cache.manager import Published, RequestPlan
+from serve_app.compat import batch_row_caches
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,11 @@ class Engine:
             f"(max_batch_size {self.max_batch_size} + max_queued_requests "
             f"{self.max_queued_requests})"
         )
+
+    def reset_stats(self) -> None:
+        """Start every counter from zero (after a warm-up users must not see)."""
+        with self._lock:
+            self.stats = EngineStats()
 
     def wait_ready(self, timeout: float | None = None) -> Layout:
         """Block until the engine thread has probed the model's cache layout."""
@@ -426,8 +432,6 @@ class Engine:
         Reads mlx-lm internals, kept in ``serve_app.compat``: the public
         ``extract_cache`` copies the whole history (quadratic capture).
         """
-        from serve_app.compat import batch_row_caches  # a dict lookup once imported
-
         return batch_row_caches(self._generator, uid)
 
     def _capture(self, req: _Request, covered: int, finished_cache: list | None, *,

@@ -328,13 +328,13 @@ class ModelService:
         if errors:
             raise RuntimeError(f"model {self.profile.name}: warm-up failed: {errors[0]}")
         # The engine counts a step's tokens just after delivering them: wait for
-        # that, then start every counter from zero (EngineStats has no arguments).
+        # that, then start every counter from zero.
         settle = time.monotonic() + 5.0
         while self.engine.snapshot()["generated_tokens"] < len(tokens):
             if time.monotonic() > settle:
                 break
             time.sleep(0.001)
-        self.engine.stats = type(self.engine.stats)()
+        self.engine.reset_stats()
         return time.perf_counter() - tic
 
 
@@ -405,4 +405,3 @@ class _TextDecoder:
         self._detok.finalize()
         text, stopped = self._stops.feed(self._detok.last_segment)
         return text if stopped else text + self._stops.flush()
-

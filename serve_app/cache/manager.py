@@ -95,7 +95,7 @@ def miss_reason(found: FetchedChain, restored: int, block_size: int) -> Miss:
 
 
 def find_branch_points(messages: list[dict[str, str]], prompt: list[int],
-                  render: Renderer) -> tuple[int, ...]:
+                       render: Renderer) -> tuple[int, ...]:
     """Prompt positions where another conversation is likely to branch off this one.
 
     The end of the system prompt (the next session of an agent shares it) and
