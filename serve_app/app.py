@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import urllib.request
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.compat import serve_replica_env
 from serve_app.http import OpenAIIngress, api
 from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition
 from serve_app.openai_api import ApiError, Caller, OpenAIRequest
@@ -86,7 +88,11 @@ class ModelReplica:
             yield events
 
     async def stats(self) -> dict:
-        return await self.service.stats()
+        out = await self.service.stats()
+        # Where Serve runs our code: its main loop ("AsyncIO Thread: default") once
+        # SERVE_REPLICA_ENV took effect, not a "Thread-N (_run_user_code_event_loop)".
+        out["replica"] = {"pid": os.getpid(), "user_code_thread": threading.current_thread().name}
+        return out
 
     def __del__(self) -> None:
         pump = getattr(self, "pump", None)
@@ -125,7 +131,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                 "num_cpus": m.num_cpus,
                 # Ray forces OMP_NUM_THREADS=1 in actors without whole CPUs, which
                 # halves MLX's CPU backend; the engine thread wants the machine.
-                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
+                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads),
+                                             **serve_replica_env()}},
             },
             # Our own queue answers 429 before Serve would start queueing.
             max_ongoing_requests=m.max_batch_size + m.max_queued_requests + 8,
@@ -138,7 +145,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         Ingress,
         name="ingress",
         num_replicas=profile.ingress.num_replicas,
-        ray_actor_options={"num_cpus": profile.ingress.num_cpus},
+        ray_actor_options={"num_cpus": profile.ingress.num_cpus,
+                           "runtime_env": {"env_vars": serve_replica_env()}},
         max_ongoing_requests=1000,
     )
     return ingress.bind(profile.model_dump(), handles)

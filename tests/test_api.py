@@ -309,3 +309,12 @@ def test_queue_full_is_429_with_retry_after(server):
     stats = wait_idle(server, LIMITED)
     assert stats["in_flight"] == 0
     assert stats["rejected"] >= 1
+
+
+def test_replicas_run_our_code_on_serves_main_loop(server, client):
+    """SERVE_REPLICA_ENV reached the replica: no second event-loop thread per chunk."""
+    chat_ids(client, HYBRID, "hello", 4)
+    stats = httpx.get(f"{server.base_url}/v1/stats", timeout=30).json()["models"]
+    for name in (HYBRID, DENSE):
+        thread = stats[name]["replica"]["user_code_thread"]
+        assert thread == "AsyncIO Thread: default", thread  # Ray's main loop, not Thread-N

@@ -75,3 +75,18 @@ def test_record_metric_zero_reaches_rays_recording_path():
     compat.record_metric_zero(counter, {"model": "m"})
     with pytest.raises(ValueError, match="tag"):  # Ray validated the labels: it recorded
         compat.record_metric_zero(counter, {"other": "m"})
+
+
+@pytest.mark.parametrize("env, separate", [({}, True), (compat.serve_replica_env(), False)])
+def test_serve_replica_env_switches_rays_user_code_thread(env, separate):
+    """Ray Serve reads the flag at import; our value turns the second loop off."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from ray.serve._private import constants as c; "
+            "print(c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD)")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    assert out == str(separate)
