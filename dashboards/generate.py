@@ -72,6 +72,12 @@ SERVING = (
               "{{model}} {{status}}"),)),
     PanelSpec("Time to first token", "s", quantiles("ray_serve_app_time_to_first_token_seconds"),
               "From arrival at the model replica to the first token."),
+    PanelSpec("Time to first token by phase (p50)", "s", (
+        Query("histogram_quantile(0.5, sum by (le, model, phase) "
+              f"(rate(ray_serve_app_request_phase_seconds_bucket{{{MODEL}}}{RATE})))",
+              "{{model}} {{phase}}"),),
+        "prepare: template and tokenize; plan: cache lookup and fetch; queue: batch slot and "
+        "restore; prefill: to the first token."),
     PanelSpec("Inter-token latency", "s",
               quantiles("ray_serve_app_inter_token_latency_seconds")),
     PanelSpec("End-to-end latency", "s", quantiles("ray_serve_app_request_duration_seconds")),

@@ -51,7 +51,7 @@ class EngineEvent:
     token: int | None = None
     finish_reason: str | None = None
     error: str | None = None
-    restored: int | None = None  # tokens the request really started from (cache plans only)
+    restored: int | None = None  # set once, at insert: tokens the request started from
     at: float = field(default_factory=time.perf_counter)  # when the engine produced it
 
 
@@ -360,7 +360,8 @@ class Engine:
             caches, all_tokens = [cache], [req.prompt[: req.restored]]
         if req.cache is not None:
             req.cache.start(req.restored)
-            _deliver(req, EngineEvent(restored=req.restored))
+        # Every request learns when it left the queue and what it really restored.
+        _deliver(req, EngineEvent(restored=req.restored))
         (uid,) = self._generator.insert_segments(
             [self._segments(req)],
             max_tokens=[req.params.max_tokens],

@@ -32,6 +32,7 @@ TIERS = ("hot", "pending", "ssd")
 MISS_REASONS = ("new_prefix", "diverged", "evicted", "no_checkpoint", "incompatible",
                 "restore_failed", "disabled")
 WRITE_RESULTS = ("done", "failed", "dropped")
+PHASES = ("prepare", "plan", "queue", "prefill")
 DROP_REASONS = ("publish", "hot_full", "ssd_low_space", "ssd_budget")
 
 Kind = Literal["counter", "gauge", "histogram"]
@@ -67,8 +68,9 @@ def _g(name: str, where: Where, help: str, labels: tuple[str, ...] = ("model",))
     return MetricDef(name, "gauge", where, help, labels)
 
 
-def _h(name: str, help: str, buckets: tuple[float, ...]) -> MetricDef:
-    return MetricDef(name, "histogram", "replica", help, ("model",), buckets)
+def _h(name: str, help: str, buckets: tuple[float, ...],
+       labels: tuple[str, ...] = ("model",)) -> MetricDef:
+    return MetricDef(name, "histogram", "replica", help, labels, buckets)
 
 
 METRICS: tuple[MetricDef, ...] = (
@@ -78,6 +80,11 @@ METRICS: tuple[MetricDef, ...] = (
        "we serve).", ("model", "status")),
     _h("serve_app_time_to_first_token_seconds",
        "From arrival at the model replica to the first generated token.", TTFT_BUCKETS),
+    _h("serve_app_request_phase_seconds",
+       "Where the time to first token goes, by phase: `prepare` (templating, tokenizing), "
+       "`plan` (prefix-cache lookup and fetch), `queue` (waiting for a batch slot, building "
+       "the restored cache), `prefill` (from joining the batch to the first token).",
+       TTFT_BUCKETS, ("model", "phase")),
     _h("serve_app_inter_token_latency_seconds",
        "Between consecutive generated tokens of a request, as the engine produced them.",
        ITL_BUCKETS),

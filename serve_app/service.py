@@ -13,7 +13,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from serve_app.cache.client import CacheClient
@@ -21,7 +21,7 @@ from serve_app.cache.manager import CacheManager, CacheStats, find_branch_points
 from serve_app.compat import download_model
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.engine import Engine, EngineEvent, QueueFullError, SamplingParams
-from serve_app.metrics import Recorder, replica_samples
+from serve_app.metrics import PHASES, Recorder, replica_samples
 from serve_app.openai_api import (
     ApiError,
     Caller,
@@ -47,6 +47,20 @@ class PreparedRequest:
     # Where the conversation may branch: the end of the system prompt, the start of
     # the last message (prompt positions; a tail of the cache is captured there).
     branch_points: tuple[int, ...] = ()
+    prepare_seconds: float = 0.0  # templating and tokenizing, for the phase metrics
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds spent in each phase before the first token, summed over requests."""
+
+    requests: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def summary(self) -> dict:
+        n = max(self.requests, 1)
+        return {"requests": self.requests,
+                "mean_ms": {k: round(v * 1000 / n, 3) for k, v in self.seconds.items()}}
 
 
 def resolve_source(profile: ModelProfile, home: Path | None = None) -> str:
@@ -96,6 +110,7 @@ class ModelService:
         )
         # The engine thread probes the layout: every cached array's shape and dtype.
         self.layout = self.engine.wait_ready()
+        self.phases = PhaseTimes()
         self.cache = CacheManager.for_model(profile, self.layout, cache_client, model_dir,
                                             tokenizer.chat_template)
 
@@ -138,6 +153,7 @@ class ModelService:
         must not stall the event loop. ``caller`` comes from the ingress's view
         of the headers, never from the body.
         """
+        tic = time.perf_counter()
         check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length)
         prompt = self.prompt_tokens(request)
         if not prompt:
@@ -165,7 +181,8 @@ class ModelService:
         return PreparedRequest(prompt=prompt, params=params, stops=request.stop_list(),
                                salt=request.cache_salt,
                                api_key_digest=caller.api_key_digest if isolate else None,
-                               branch_points=self.branch_points(request, prompt))
+                               branch_points=self.branch_points(request, prompt),
+                               prepare_seconds=time.perf_counter() - tic)
 
     def branch_points(self, request: ChatCompletionRequest | CompletionRequest,
                       prompt: list[int]) -> tuple[int, ...]:
@@ -198,6 +215,11 @@ class ModelService:
         plan = await self.cache.plan(prepared.prompt, salt=prepared.salt,
                                      api_key_digest=prepared.api_key_digest,
                                      branch_points=prepared.branch_points)
+        planned = time.perf_counter()
+        self._phase("prepare", prepared.prepare_seconds)
+        self._phase("plan", planned - arrived)
+        self.phases.requests += 1
+        started: float | None = None
         lease = plan.lease if plan is not None else None
         cached = plan.restore_tokens if plan is not None else 0
         try:
@@ -228,6 +250,9 @@ class ModelService:
                     lease = None
                 out: list[dict] = []
                 for event in batch:
+                    if event.restored is not None:  # the engine took it out of the queue
+                        started = event.at
+                        self._phase("queue", started - planned)
                     if event.restored is not None and event.restored < cached:
                         self.cache.restore_failed(cached)  # the engine prefilled it cold
                         cached = event.restored
@@ -236,6 +261,8 @@ class ModelService:
                         done = True
                         break
                     if event.token is not None:
+                        if last_token_at is None and started is not None:
+                            self._phase("prefill", event.at - started)
                         self._observe_token(arrived, last_token_at, event.at)
                         last_token_at = event.at
                         text, stopped = decoder.add(event.token)
@@ -275,6 +302,11 @@ class ModelService:
             self.metrics.observe("serve_app_request_duration_seconds",
                                  time.perf_counter() - arrived, self._labels)
 
+    def _phase(self, phase: str, seconds: float) -> None:
+        self.phases.seconds[phase] += seconds
+        self.metrics.observe("serve_app_request_phase_seconds", seconds,
+                             {**self._labels, "phase": phase})
+
     def _observe_token(self, arrived: float, previous: float | None, at: float) -> None:
         if previous is None:
             self.metrics.observe("serve_app_time_to_first_token_seconds", at - arrived,
@@ -295,7 +327,8 @@ class ModelService:
         cache["checkpoint_interval"] = self.cache.settings.checkpoint_every or None
         cache["checkpoint_bytes_per_1k_tokens"] = (
             round(engine["captured_checkpoint_bytes"] * 1000 / tokens) if tokens else None)
-        out = {"model": self.profile.name, "engine": engine, "cache": cache}
+        out = {"model": self.profile.name, "engine": engine, "cache": cache,
+               "phases": self.phases.summary()}
         if self.cache.client is not None:
             out["cache_store"] = await self.cache.client.stats()
         return out

@@ -16,6 +16,7 @@ from serve_app.cache.tiers import TieredStore
 from serve_app.metrics import (
     DEFS,
     METRICS,
+    PHASES,
     MetricsPump,
     Recorder,
     Sample,
@@ -165,6 +166,15 @@ def test_service_records_latency_and_cache_counters(tmp_path):
         assert len(rec.observed("serve_app_time_to_first_token_seconds")) == 2
         assert len(rec.observed("serve_app_inter_token_latency_seconds")) == 2 * 6
         assert len(rec.observed("serve_app_request_duration_seconds")) == 2
+        phases = [c for c in rec.calls
+                  if c[0] == "observe" and c[1] == "serve_app_request_phase_seconds"]
+        assert sorted(c[3]["phase"] for c in phases) == sorted(PHASES * 2)
+        ttft = rec.observed("serve_app_time_to_first_token_seconds")
+        # plan + queue + prefill is the time to first token (prepare comes before it)
+        parts = sum(c[2] for c in phases if c[3]["phase"] != "prepare")
+        assert parts == pytest.approx(sum(ttft), rel=0.05, abs=2e-3)
+        summary = asyncio.run(warm.stats())["phases"]
+        assert summary["requests"] == 2 and set(summary["mean_ms"]) == set(PHASES)
         assert all(v >= 0 for c in rec.calls if c[0] == "observe" for v in [c[2]])
 
         samples = {(s.name, tuple(s.labels.values())): s.value for s in warm.metric_samples()}

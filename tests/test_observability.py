@@ -245,6 +245,8 @@ def test_metrics_follow_a_workload_across_a_restart(stack):
     prom.wait_for(m("inter_token_latency_seconds_count", model=HYBRID),
                   sum(r.usage.completion_tokens - 1 for r in hybrid))
     prom.wait_for(m("request_duration_seconds_count", model=HYBRID), len(hybrid))
+    for phase in ("prepare", "plan", "queue", "prefill"):
+        prom.wait_for(m("request_phase_seconds_count", model=HYBRID, phase=phase), len(hybrid))
 
     # Staging and SSD: what the writer did is what is on disk.
     blocks, sidecars = files(kv, "block"), files(kv, "sidecar")
