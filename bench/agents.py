@@ -26,6 +26,8 @@ up to its first U+FFFD. The check: recomputed <= new + one block (our
 profile's block size). Reports the total TTFT ratio ours / mlx_lm.server
 (goal <= 0.6x), whether every request's output is identical, and (hybrid
 models) recurrent-checkpoint bytes per 1K cached tokens from our /v1/stats.
+During our run, /v1/stats is also sampled every ``--sample-interval`` s (0.5) for
+``cache_bytes_timeline``: bytes in the hot tier, on SSD and in write staging over time.
 
 Usage: python -m bench.agents --model tiny-hybrid   (writes bench/results/agents-<model>.json)
 """
@@ -33,12 +35,17 @@ Usage: python -m bench.agents --model tiny-hybrid   (writes bench/results/agents
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import (
     MLX_LM_PROMPT_CACHE_SIZE,
+    ServerProcess,
     add_cache_options,
     add_model_option,
     cache_profile,
@@ -135,6 +142,46 @@ def run(base_url: str, model: str, tokenizer, system: str, requests: list[Reques
     return out
 
 
+def cache_bytes_sample(stats: dict, t: float) -> dict:
+    """One point of the cache-bytes timeline: bytes held by each tier at ``t`` seconds."""
+    store = stats.get("cache_store") or {}
+    ssd = store.get("ssd") or {}
+    return {"t": round(t, 3), "hot_bytes": store.get("bytes") or 0,
+            "ssd_bytes": (ssd.get("block_bytes") or 0) + (ssd.get("sidecar_bytes") or 0),
+            "staging_bytes": (store.get("staging") or {}).get("pending_bytes") or 0}
+
+
+@contextlib.contextmanager
+def cache_bytes_timeline(server: ServerProcess, model: str,
+                         interval: float) -> Iterator[list[dict]]:
+    """Sample our ``/v1/stats`` every ``interval`` s in a thread while the run goes on, so
+    the report can plot bytes by tier over time (the end-of-run stats hide the growth).
+
+    Yields the list the samples go to; ``interval`` <= 0 samples nothing. A failed
+    sample is skipped: the timeline must never fail the bench.
+    """
+    samples: list[dict] = []
+    stop = threading.Event()
+    start = time.monotonic()
+
+    def loop() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                stats = model_stats(server, model)
+                samples.append(cache_bytes_sample(stats, time.monotonic() - start))
+            stop.wait(interval)
+
+    thread = threading.Thread(target=loop, name="cache-bytes-sampler", daemon=True)
+    if interval > 0:
+        thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(timeout=60)
+
+
 def check_bound(rows: list[dict], block_size: int) -> None:
     for row in rows:
         rec = row["recomputed_tokens"]
@@ -169,6 +216,9 @@ def main() -> int:
                              "(default: the middle one)")
     parser.add_argument("--prompt-cache-size", type=int, default=MLX_LM_PROMPT_CACHE_SIZE,
                         help="mlx_lm.server --prompt-cache-size (its default: 10)")
+    parser.add_argument("--sample-interval", type=float, default=0.5,
+                        help="seconds between samples of our /v1/stats for the cache-bytes "
+                             "timeline (0: no timeline)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON results (default bench/results/agents-<model>.json)")
     args = parser.parse_args()
@@ -187,8 +237,9 @@ def main() -> int:
         server = start_ours(tmp, "ours", args.model, cache=cache, max_tokens=args.gen)
         try:
             block_size = model_stats(server, args.model)["cache"]["block_size"]
-            ours = run(server.base_url, args.model, tokenizer, system, requests, args.gen)
-            stats = wait_written(server, args.model)
+            with cache_bytes_timeline(server, args.model, args.sample_interval) as timeline:
+                ours = run(server.base_url, args.model, tokenizer, system, requests, args.gen)
+                stats = wait_written(server, args.model)
         finally:
             server.stop()
         server = start_mlx_lm_server(tmp, "mlx_lm_server", model_dir, args.gen,
@@ -212,7 +263,8 @@ def main() -> int:
                                                "user_message": args.edit_turn},
                      "cache": cache, "block_size": block_size,
                      "mlx_lm_server_prompt_cache_size": args.prompt_cache_size,
-                     "interleaving": "round-robin: turn t of every session, then turn t+1"},
+                     "interleaving": "round-robin: turn t of every session, then turn t+1",
+                     "cache_bytes_sample_interval_s": args.sample_interval},
         "ttft_total": {"ours": t_ours["all"]["ttft_s"],
                        "mlx_lm_server": t_theirs["all"]["ttft_s"]},
         "ratio_vs_mlx_lm_server": ratio,
@@ -228,6 +280,7 @@ def main() -> int:
         "cache_stats": {k: stats["cache"].get(k) for k in (
             "hit_tokens", "missed_tokens", "hit_rate", "walkbacks", "misses_by_reason",
             "hit_tokens_by_tier")},
+        "cache_bytes_timeline": timeline,
         "requests": [{"ours": {k: v for k, v in a.items() if k != "text"},
                       "mlx_lm_server": {k: v for k, v in b.items() if k != "text"},
                       "identical": a["text"] == b["text"]}

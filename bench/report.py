@@ -1,0 +1,541 @@
+"""The Markdown report of one benchmark run: every goal met or missed, with plots.
+
+Reads a results directory as ``python -m bench`` leaves it: the benches' JSON
+(``<bench>-<model>.json``), ``runs.json`` (each bench's exit status and log tail)
+and ``machine.json``; writes ``REPORT.md`` and its PNG plots beside it, linked
+relatively so that the README (or any Markdown viewer) can embed the report.
+Missing keys and missing files leave a cell ``n/a`` or a plot out: a bench
+that failed, or an older JSON schema, must not stop the report.
+
+    python -m bench.report DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+BENCHES = ("multiturn", "agents", "restart", "checkpoints", "serving")
+REPORT = "REPORT.md"
+RUNS = "runs.json"
+MACHINE = "machine.json"
+MIB = 1 << 20
+
+# Issue 11's goals. They are the report's, not the JSON's: a bench may still record an
+# older goal of its own, and the report must judge every run by the same bar.
+GOALS = {
+    "multiturn_ttft": ("<=", 0.8),
+    "agents_ttft": ("<=", 0.6),
+    "restart_vs_cold": ("<=", 0.1),
+    "restart_vs_mlx_lm_server": ("<=", 0.2),
+    "serving_single": (">=", 0.95),
+    "serving_streams": (">=", 1.1),
+    "serving_cold_ttft": ("<=", 1.05),
+}
+_OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge}
+_SIGNS = {"<=": "≤", ">=": "≥"}
+
+HOW_TO_READ = """\
+Every ratio is **ours / baseline**, the baseline being mlx-lm (`mlx_lm.server`, or in-process
+`stream_generate` where marked) or our own server with caching off (where marked), on the same
+embedded model (same weights, tokenizer and chat template), measured side by side in one run
+with each server alone on the machine.
+For times (TTFT) lower is better, for throughput (tok/s) higher is better; the *goal*
+column says which way each ratio must go, and *status* whether this run met it.
+"Identical outputs" counts requests whose text (temperature 0) is the same on both servers:
+a speedup only counts when it is the full count. Counts such as "recomputed ≤ new + one
+block" are requests meeting the bound out of all requests. Numbers on a small shared CPU
+vary by ±20% between runs, so judge a goal by repeated runs, not one. A bench that failed
+shows as FAILED with the tail of its log below; `n/a` means the JSON lacked that number.
+"""
+
+
+@dataclass
+class Row:
+    """One line of the summary table."""
+
+    bench: str
+    model: str
+    metric: str
+    ours: str = ""
+    baseline: str = ""
+    ratio: float | None = None
+    goal: str = ""
+    status: str = "n/a"
+
+
+# ---------------------------------------------------------------- reading the results
+
+
+def load_results(directory: Path) -> dict[str, dict[str, dict]]:
+    """``{bench: {label: data}}`` from ``<bench>-<label>.json``; an unreadable file maps
+    to ``{"_error": why}`` so that the report shows it instead of crashing."""
+    out: dict[str, dict[str, dict]] = {b: {} for b in BENCHES}
+    for path in sorted(directory.glob("*.json"), key=lambda p: p.stem):
+        bench, sep, label = path.stem.partition("-")
+        if bench not in out or not sep:
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            data = {"_error": f"unreadable JSON: {e}"}
+        out[bench][label] = data if isinstance(data, dict) else {"_error": "not an object"}
+    return out
+
+
+def load_json(path: Path, default: dict) -> dict:
+    """A side file (runs, machine) if present and readable, else ``default``."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return default
+
+
+def first(data: dict, *keys: str):
+    """The value of the first of ``keys`` present in ``data`` (renamed fields)."""
+    return next((data[k] for k in keys if isinstance(data, dict) and data.get(k) is not None),
+                None)
+
+
+# ---------------------------------------------------------------- summary rows
+
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    if unit == "s":
+        return f"{value:.3f} s"
+    if unit == "tok/s":
+        return f"{value:,.0f} tok/s"
+    return f"{value:g}{unit}"
+
+
+def ratio_row(bench: str, model: str, metric: str, ours: float | None, base: float | None,
+              unit: str, goal: str, ratio: float | None = None, base_label: str = "") -> Row:
+    """A speed ratio against its goal; the ratio is computed when the JSON lacks it."""
+    op, bound = GOALS[goal]
+    if ratio is None and ours is not None and base:
+        ratio = ours / base
+    status = "n/a" if ratio is None else ("met" if _OPS[op](ratio, bound) else "**missed**")
+    baseline = fmt(base, unit) + (f" ({base_label})" if base_label and base is not None else "")
+    return Row(bench, model, metric, fmt(ours, unit), baseline, ratio,
+               f"{_SIGNS[op]} {bound}×", status)
+
+
+def count_row(bench: str, model: str, metric: str, met: int | None, total: int | None,
+              baseline: str = "") -> Row:
+    """A count that must be the full count (identical outputs, requests within a bound)."""
+    if met is None or not total:
+        return Row(bench, model, metric, "n/a", baseline, goal="all")
+    return Row(bench, model, metric, f"{met}/{total}", baseline, goal="all",
+               status="met" if met == total else "**missed**")
+
+
+def outputs_summary(data: dict) -> tuple[int | None, int | None]:
+    """(identical, requests) over the output comparisons a bench recorded: benches name
+    it ``vs_mlx_lm_server_outputs`` or ``outputs`` (one comparison, or several by name,
+    of which those of ours against mlx_lm.server count when there are any)."""
+    found = first(data, "vs_mlx_lm_server_outputs", "outputs")
+    if not isinstance(found, dict):
+        return None, None
+    named = {k: v for k, v in found.items() if isinstance(v, dict) and "requests" in v}
+    ours = [v for k, v in named.items() if k.endswith("vs_mlx_lm_server")
+            and not k.startswith("mlx_lm")]  # not mlx-lm against itself
+    parts = [found] if "requests" in found else ours or list(named.values())
+    if not parts:
+        return None, None
+    return sum(p.get("identical", 0) for p in parts), sum(p["requests"] for p in parts)
+
+
+def identical_row(bench: str, model: str, data: dict) -> Row:
+    return count_row(bench, model, "identical outputs", *outputs_summary(data))
+
+
+def multiturn_rows(model: str, d: dict) -> list[Row]:
+    t = d.get("ttft_sum_turns_2_on") or {}
+    turns = len(d.get("turns") or [])
+    return [ratio_row("multiturn", model, f"TTFT sum, turns 2–{turns or 6}", t.get("ours"),
+                      t.get("mlx_lm_server"), "s", "multiturn_ttft",
+                      d.get("ratio_vs_mlx_lm_server")),
+            identical_row("multiturn", model, d)]
+
+
+def agents_rows(model: str, d: dict) -> list[Row]:
+    t = d.get("ttft_total") or {}
+    bound = d.get("recomputed_within_new_plus_one_block") or {}
+    theirs = bound.get("mlx_lm_server")
+    return [ratio_row("agents", model, "total TTFT", t.get("ours"), t.get("mlx_lm_server"),
+                      "s", "agents_ttft", d.get("ratio_vs_mlx_lm_server")),
+            count_row("agents", model, "requests with recomputed ≤ new + one block",
+                      bound.get("ours"), bound.get("requests"),
+                      f"{theirs}/{bound.get('requests')}" if theirs is not None else ""),
+            identical_row("agents", model, d)]
+
+
+def restart_rows(model: str, d: dict) -> list[Row]:
+    t = d.get("last_turn_ttft") or {}
+    ours = t.get("ours_after_restart")
+    return [ratio_row("restart", model, "last-turn TTFT after restart vs our cold", ours,
+                      t.get("ours_cold"), "s", "restart_vs_cold", d.get("ratio_vs_cold"),
+                      "ours, cache off"),
+            ratio_row("restart", model, "last-turn TTFT after restart", ours,
+                      t.get("mlx_lm_server_after_restart"), "s", "restart_vs_mlx_lm_server",
+                      d.get("ratio_vs_mlx_lm_server")),
+            identical_row("restart", model, d)]
+
+
+def streams_entry(d: dict, streams: int = 8) -> tuple[int | None, dict]:
+    """The ``streams``-stream throughput: from ``concurrency`` when the bench swept it,
+    else ``aggregate`` (then at however many streams it ran)."""
+    for entry in d.get("concurrency") or []:
+        if entry.get("streams") == streams:
+            return streams, entry
+    agg = d.get("aggregate") or {}
+    return first(agg, "streams") or d.get("streams"), agg
+
+
+def serving_rows(model: str, d: dict) -> list[Row]:
+    single = d.get("single_stream") or {}
+    server = first(single, "mlx_lm_server_tps", "mlx_lm_server_http_tps")
+    in_process = server is None and single.get("mlx_lm_generate_tps") is not None
+    n, agg = streams_entry(d)
+    cold = d.get("cold_ttft") or {}
+    tokens = first(cold, "prompt_tokens", "tokens")
+    return [ratio_row("serving", model, "single-stream decode",
+                      first(single, "ours_tps", "ours_http_tps"),
+                      single.get("mlx_lm_generate_tps") if in_process else server, "tok/s",
+                      "serving_single", single.get("ratio"),
+                      "in-process stream_generate" if in_process else ""),
+            ratio_row("serving", model, f"{n or '?'} streams, aggregate",
+                      agg.get("ours_tps"), agg.get("mlx_lm_server_tps"), "tok/s",
+                      "serving_streams", agg.get("ratio")),
+            ratio_row("serving", model, f"cold {tokens or '4K'}-token prompt TTFT",
+                      first(cold, "ours", "ours_s", "ttft_ours"),
+                      first(cold, "mlx_lm_server", "mlx_lm_server_s", "ttft_mlx_lm_server"),
+                      "s", "serving_cold_ttft", cold.get("ratio")),
+            identical_row("serving", model, d)]
+
+
+ROWS: dict[str, Callable[[str, dict], list[Row]]] = {
+    "multiturn": multiturn_rows, "agents": agents_rows, "restart": restart_rows,
+    "serving": serving_rows}
+
+
+def summary_rows(results: dict[str, dict[str, dict]], runs: dict[str, dict]) -> list[Row]:
+    """Every goal of every result, then a FAILED row for each run without a result."""
+    rows: list[Row] = []
+    for bench, by_label in results.items():
+        for label, data in by_label.items():
+            if "_error" in data:
+                rows.append(Row(bench, label, data["_error"], status="**FAILED**"))
+            elif bench in ROWS:
+                rows += ROWS[bench](label, data)
+    for run in runs.values():
+        if run.get("status") != "ok":
+            rows.append(Row(run["bench"], run["model"],
+                            f"bench {run.get('status', 'failed')} "
+                            f"(exit {run.get('returncode')}), see [failures](#failures)",
+                            status="**FAILED**"))
+    order = {b: i for i, b in enumerate(BENCHES)}
+    return sorted(rows, key=lambda r: (order.get(r.bench, len(order)), r.model))
+
+
+def summary_table(rows: list[Row]) -> list[str]:
+    lines = ["| bench | model | metric | ours | baseline | ratio | goal | status |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "" if r.ratio is None else f"{r.ratio:.3f}×"
+        lines.append(f"| {r.bench} | {r.model} | {r.metric} | {r.ours} | {r.baseline} | "
+                     f"{ratio} | {r.goal} | {r.status} |")
+    return lines
+
+
+# ---------------------------------------------------------------- plots
+
+
+def pyplot():
+    """matplotlib on the Agg backend (no display), imported only when a plot is drawn:
+    the benches themselves must run without the ``bench`` extra."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+    return path
+
+
+def plot_ttft_per_turn(label: str, d: dict, directory: Path) -> Path | None:
+    turns = d.get("turns") or []
+    series = {"ours (cache)": "ttft_ours", "ours (cache off)": "ttft_ours_cold",
+              "mlx_lm.server": "ttft_mlx_lm_server"}
+    if not turns:
+        return None
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
+    for name, key in series.items():
+        points = [(t.get("turn", i + 1), t[key]) for i, t in enumerate(turns)
+                  if t.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=name)
+    ax.set(title=f"TTFT per turn: {label}", xlabel="turn", ylabel="TTFT (s)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return save(fig, directory / f"ttft-per-turn-{label}.png")
+
+
+def throughput_points(d: dict) -> dict[str, list[tuple[int, float]]]:
+    """Tok/s by stream count for each server: the ``concurrency`` sweep, or the
+    aggregate run (and our single stream) of an older serving JSON."""
+    sweep = d.get("concurrency") or []
+    if not sweep:
+        n, agg = streams_entry(d)
+        sweep = [{"streams": n, **agg}] if n else []
+        single = first(d.get("single_stream") or {}, "ours_tps", "ours_http_tps")
+        if single is not None:
+            sweep.insert(0, {"streams": 1, "ours_tps": single})
+    out: dict[str, list[tuple[int, float]]] = {"ours": [], "mlx_lm.server": []}
+    for e in sweep:
+        for name, key in (("ours", "ours_tps"), ("mlx_lm.server", "mlx_lm_server_tps")):
+            if e.get("streams") is not None and e.get(key) is not None:
+                out[name].append((e["streams"], e[key]))
+    return out
+
+
+def plot_throughput(serving: dict[str, dict], directory: Path) -> Path | None:
+    curves = {label: throughput_points(d) for label, d in serving.items() if "_error" not in d}
+    if not any(p for c in curves.values() for p in c.values()):
+        return None
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
+    for i, (label, by_server) in enumerate(curves.items()):
+        for server, points in by_server.items():
+            if points:
+                ax.plot(*zip(*sorted(points), strict=True), marker="o", color=f"C{i}",
+                        linestyle="-" if server == "ours" else "--", label=f"{server}, {label}")
+    streams = sorted({n for c in curves.values() for p in c.values() for n, _ in p})
+    ax.set_xticks(streams)
+    ax.set(title="Aggregate throughput against concurrency", xlabel="concurrent streams",
+           ylabel="tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small")
+    return save(fig, directory / "throughput-vs-concurrency.png")
+
+
+def plot_restart(restart: dict[str, dict], directory: Path) -> Path | None:
+    bars = {"ours, restored from SSD": "ours_after_restart", "ours, cache off": "ours_cold",
+            "mlx_lm.server after restart": "mlx_lm_server_after_restart"}
+    labels = [lb for lb, d in restart.items() if d.get("last_turn_ttft")]
+    if not labels:
+        return None
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
+    width = 0.8 / len(bars)
+    for i, (name, key) in enumerate(bars.items()):
+        values = [restart[lb]["last_turn_ttft"].get(key) or 0 for lb in labels]
+        bars_drawn = ax.bar([x + i * width for x in range(len(labels))], values, width,
+                            label=name)
+        ax.bar_label(bars_drawn, fmt="%.2f", fontsize="small")
+    ax.set_xticks([x + width * (len(bars) - 1) / 2 for x in range(len(labels))], labels)
+    ax.set(title="Last-turn TTFT after a restart", ylabel="TTFT (s)")
+    ax.margins(y=0.4)  # headroom for the legend above the bars
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small", loc="upper left")
+    return save(fig, directory / "restart-ttft.png")
+
+
+def plot_cache_bytes(label: str, d: dict, directory: Path) -> Path | None:
+    timeline = d.get("cache_bytes_timeline") or []
+    if not timeline:
+        return None
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
+    t = [p.get("t", 0) for p in timeline]
+    for name, key in (("hot (RAM)", "hot_bytes"), ("SSD", "ssd_bytes"),
+                      ("write staging", "staging_bytes")):
+        ax.plot(t, [(p.get(key) or 0) / MIB for p in timeline], label=name)
+    ax.set(title=f"Cache bytes by tier during the agents run: {label}",
+           xlabel="seconds since our run started", ylabel="MiB")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return save(fig, directory / f"cache-bytes-{label}.png")
+
+
+def valid(by_label: dict[str, dict]) -> dict[str, dict]:
+    return {label: d for label, d in by_label.items() if "_error" not in d}
+
+
+def plots(results: dict[str, dict[str, dict]], directory: Path) -> list[tuple[str, Path]]:
+    """Every plot the results allow, as (section title, PNG path)."""
+    drawn: list[tuple[str, Path | None]] = []
+    for label, d in valid(results["multiturn"]).items():
+        drawn.append((f"TTFT per turn ({label})", plot_ttft_per_turn(label, d, directory)))
+    drawn.append(("Throughput against concurrency",
+                  plot_throughput(valid(results["serving"]), directory)))
+    drawn.append(("Restart TTFT", plot_restart(valid(results["restart"]), directory)))
+    for label, d in valid(results["agents"]).items():
+        drawn.append((f"Cache bytes by tier ({label})", plot_cache_bytes(label, d, directory)))
+    return [(title, path) for title, path in drawn if path is not None]
+
+
+# ---------------------------------------------------------------- other sections
+
+
+MEMORY_COLUMNS = (("idle_mib", None), ("peak_mib", "peak_phase"), ("pss_idle_mib", None),
+                  ("pss_peak_mib", "peak_phase"))
+
+
+def mib(value: object, phase: object = None) -> str:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return ""
+    return f"{value:,.0f} MiB" + (f" ({phase})" if phase else "")
+
+
+def serving_memory(label: str, rss: dict) -> list[str]:
+    """One row per server measured (``ours``, ``mlx_lm_server``, ``lean``, ...): each a
+    dict of MiB figures as bench/serving.py writes them; other shapes are left out."""
+    rows = []
+    for server, m in rss.items():
+        if isinstance(m, dict) and any(k in m for k, _ in MEMORY_COLUMNS):
+            cells = " | ".join(mib(m.get(k), m.get(ph) if ph else None)
+                               for k, ph in MEMORY_COLUMNS)
+            rows.append(f"| serving | {label} | {server} | {cells} |")
+    return rows
+
+
+def restart_memory(label: str, peaks: dict) -> list[str]:
+    return [f"| restart | {label} | replica + cache store, long session, snapshots "
+            f"{storage} |  | {mib(value / MIB)} |  |  |"
+            for storage, value in peaks.items() if isinstance(value, int | float)]
+
+
+def memory_rows(results: dict[str, dict[str, dict]]) -> list[str]:
+    """Resident memory: serving's ``rss`` (idle and under load, RSS and PSS) and restart's
+    peak RSS over a long session."""
+    rows = [row for label, d in valid(results["serving"]).items()
+            for row in serving_memory(label, d.get("rss") or {})]
+    rows += [row for label, d in valid(results["restart"]).items()
+             for row in restart_memory(label, d.get("peak_rss_bytes_long_session") or {})]
+    if not rows:
+        return []
+    return ["| bench | model | server / setting | idle RSS | peak RSS | idle PSS | peak PSS |",
+            "|---|---|---|---|---|---|---|", *rows, "",
+            "RSS counts shared pages in every process that maps them; PSS splits them among "
+            "the processes. Per-process figures are in the JSON."]
+
+
+def checkpoint_rows(results: dict[str, dict[str, dict]]) -> list[str]:
+    rows = []
+    for label, d in valid(results["checkpoints"]).items():
+        for interval, r in (d.get("intervals") or {}).items():
+            ttfts = sorted(r.get("ttft_seconds") or [])
+            median = f"{ttfts[len(ttfts) // 2]:.3f} s" if ttfts else "n/a"
+            rows.append(f"| {label} | {interval} | {r.get('checkpoints')} | "
+                        f"{r.get('checkpoint_bytes_per_1k_tokens')} | {median} |")
+    if not rows:
+        return []
+    return ["| model | interval | checkpoints | bytes per 1K tokens | cold TTFT (median) |",
+            "|---|---|---|---|---|", *rows]
+
+
+def machine_lines(machine: dict) -> list[str]:
+    if not machine:
+        return ["Not recorded (no `machine.json`)."]
+    lines = ["| | |", "|---|---|"]
+    for key, value in machine.items():
+        if key == "memory_bytes" and isinstance(value, int):
+            key, value = "memory", f"{value / (1 << 30):.1f} GiB"
+        lines.append(f"| {key} | {value} |")
+    return lines
+
+
+def runs_lines(runs: dict[str, dict]) -> list[str]:
+    if not runs:
+        return []
+    lines = ["| bench | model | status | seconds | command | log |", "|---|---|---|---|---|---|"]
+    for run in runs.values():
+        log = f"[log]({run['log']})" if run.get("log") else ""
+        seconds = run.get("seconds")
+        status = f"{run.get('status')}{' (quick)' if run.get('quick') else ''}"
+        lines.append(f"| {run['bench']} | {run['model']} | {status} | "
+                     f"{'' if seconds is None else f'{seconds:.0f}'} | "
+                     f"`{run.get('command', '')}` | {log} |")
+    return lines
+
+
+def failure_lines(runs: dict[str, dict]) -> list[str]:
+    lines = []
+    for run in runs.values():
+        if run.get("status") != "ok":
+            lines += [f"### {run['bench']} on {run['model']}: {run.get('status')} "
+                      f"(exit {run.get('returncode')})", "", "```",
+                      (run.get("log_tail") or "(no log)").rstrip("\n"), "```", ""]
+    return lines
+
+
+# ---------------------------------------------------------------- the report
+
+
+def header_lines(runs: dict[str, dict], machine: dict) -> list[str]:
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    out = ["# Benchmark report", "",
+           f"Rendered {now} from the JSON in this directory (`python -m bench.report`).", ""]
+    quick = [f"{r['bench']} on {r['model']}" for r in runs.values() if r.get("quick")]
+    if quick:
+        out += [f"**Quick run** ({', '.join(quick)}): smaller settings that check the "
+                "plumbing; their ratios say nothing about the goals.", ""]
+    return out + ["## How to read this", "", HOW_TO_READ, "## Machine", "",
+                  *machine_lines(machine), ""]
+
+
+def plot_lines(drawn: list[tuple[str, Path]]) -> list[str]:
+    """Relative image links: the report stays valid wherever its directory is embedded."""
+    out = []
+    for title, path in drawn:
+        out += [f"### {title}", "", f"![{title}]({path.name})", ""]
+    return out
+
+
+def render(directory: Path) -> str:
+    """The whole report as Markdown; draws the plots into ``directory`` on the way."""
+    results = load_results(directory)
+    runs = load_json(directory / RUNS, {}).get("runs", {})
+    sections = (("Summary", summary_table(summary_rows(results, runs))),
+                ("Runs", runs_lines(runs)),
+                ("Plots", plot_lines(plots(results, directory))),
+                ("Resident memory", memory_rows(results)),
+                ("Checkpoint interval (in-process, cold prefill)", checkpoint_rows(results)),
+                ("Failures", failure_lines(runs)))
+    out = header_lines(runs, load_json(directory / MACHINE, {}))
+    for title, lines in sections:
+        if lines:
+            out += [f"## {title}", "", *lines]
+            out += [] if lines[-1] == "" else [""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def write_report(directory: Path) -> Path:
+    """Render ``directory``'s results to ``directory/REPORT.md``; returns its path."""
+    path = directory / REPORT
+    path.write_text(render(directory))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory", type=Path, help="results directory of one run")
+    args = parser.parse_args(argv)
+    print(write_report(args.directory))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The benchmark report from small synthetic results: no server, no bench is run.
+
+The report judges every goal of issue 11 from the benches' JSON, so its table must
+say met/missed correctly, tolerate an older serving schema, a failed bench and an
+unreadable file, and write its plots as PNGs linked relatively.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from bench import report
+from bench.__main__ import main as bench_main
+from bench.__main__ import parse_args, plan, quick_flags, run_bench
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write(directory: Path, name: str, data: dict) -> None:
+    (directory / name).write_text(json.dumps(data))
+
+
+def outputs(identical: int, requests: int) -> dict:
+    return {"requests": requests, "identical": identical,
+            "all_identical": identical == requests, "mismatches": []}
+
+
+def multiturn() -> dict:
+    turns = [{"turn": i + 1, "ttft_ours": 1.0 if i == 0 else 0.1, "ttft_ours_cold": 1.0 + i,
+              "ttft_mlx_lm_server": 1.0 if i == 0 else 0.2} for i in range(6)]
+    return {"model": "tiny-hybrid", "turns": turns,
+            "ttft_sum_turns_2_on": {"ours": 0.5, "ours_cold": 20.0, "mlx_lm_server": 1.0},
+            "ratio_vs_mlx_lm_server": 0.5, "vs_mlx_lm_server_outputs": outputs(6, 6)}
+
+
+def agents() -> dict:
+    timeline = [{"t": 0.5 * i, "hot_bytes": i << 20, "ssd_bytes": (i // 2) << 20,
+                 "staging_bytes": (i % 2) << 19} for i in range(10)]
+    return {"model": "tiny-hybrid", "ttft_total": {"ours": 9.0, "mlx_lm_server": 10.0},
+            "ratio_vs_mlx_lm_server": 0.9,
+            "recomputed_within_new_plus_one_block": {"ours": 10, "mlx_lm_server": 8,
+                                                     "requests": 12},
+            "vs_mlx_lm_server_outputs": outputs(12, 12), "cache_bytes_timeline": timeline}
+
+
+def restart() -> dict:
+    return {"model": "tiny-hybrid",
+            "last_turn_ttft": {"ours_after_restart": 0.2, "ours_cold": 4.0,
+                               "mlx_lm_server_after_restart": 0.5},
+            "ratio_vs_cold": 0.05, "ratio_vs_mlx_lm_server": 0.4,
+            "vs_mlx_lm_server_outputs": outputs(6, 7),
+            "peak_rss_bytes_long_session": {"ssd_sidecar": 400 << 20}}
+
+
+def serving_new() -> dict:
+    """The schema the rewritten serving bench emits (sweep, cold TTFT, RSS)."""
+    sweep = [{"streams": n, "ours_tps": 100.0 * n, "mlx_lm_server_tps": 90.0 * n,
+              "ratio": 100 / 90} for n in (1, 2, 4)]
+    sweep.append({"streams": 8, "ours_tps": 1200.0, "mlx_lm_server_tps": 1000.0, "ratio": 1.2})
+    rss = {"idle_mib": 500.0, "peak_mib": 600.0, "peak_phase": "streams8",
+           "pss_idle_mib": 400.0, "pss_peak_mib": None, "processes": {"raylet": 50.0}}
+    return {"model": "tiny-hybrid", "concurrency": sweep,
+            "single_stream": {"ours_http_tps": 100.0, "mlx_lm_server_http_tps": 100.0,
+                              "mlx_lm_generate_tps": 150.0, "ratio": 1.0},
+            "aggregate": {"streams": 8, "ours_tps": 1200.0, "mlx_lm_server_tps": 1000.0,
+                          "ratio": 1.2},
+            "cold_ttft": {"prompt_tokens": 4096, "ours_s": 1.2, "mlx_lm_server_s": 1.0},
+            "rss": {"ours": rss, "mlx_lm_server": {"idle_mib": 300.0}, "note": "RSS ..."},
+            "outputs": {"single_stream_vs_mlx_lm_server": outputs(1, 1),
+                        "mlx_lm_server_vs_stream_generate": outputs(0, 1),
+                        "streams8_vs_mlx_lm_server": outputs(8, 8),
+                        "completion_tokens": {"single_stream": {"ours": 64}}}}
+
+
+def serving_old() -> dict:
+    """The schema before the rewrite: no sweep, no cold TTFT, no outputs."""
+    return {"model": "tiny-dense", "streams": 8,
+            "single_stream": {"ours_http_tps": 600.0, "mlx_lm_generate_tps": 1000.0,
+                              "ratio": 0.6},
+            "aggregate": {"ours_tps": 1100.0, "mlx_lm_server_tps": 1000.0, "ratio": 1.1}}
+
+
+def results_dir(tmp_path: Path) -> Path:
+    write(tmp_path, "multiturn-tiny-hybrid.json", multiturn())
+    write(tmp_path, "agents-tiny-hybrid.json", agents())
+    write(tmp_path, "restart-tiny-hybrid.json", restart())
+    write(tmp_path, "serving-tiny-hybrid.json", serving_new())
+    write(tmp_path, "serving-tiny-dense.json", serving_old())
+    (tmp_path / "multiturn-tiny-hybrid-bf16.json").write_text("{not json")
+    write(tmp_path, "runs.json", {"runs": {"agents-tiny-hybrid-bf16": {
+        "bench": "agents", "model": "tiny-hybrid-bf16", "status": "failed", "returncode": 1,
+        "seconds": 3.0, "command": "python -m bench.agents", "log": "logs/a.log",
+        "log_tail": "Traceback ...\nRuntimeError: replica died"}}})
+    write(tmp_path, "machine.json", {"cpu": "test CPU", "cores": 2, "memory_bytes": 8 << 30})
+    return tmp_path
+
+
+def table(markdown: str) -> dict[tuple[str, str, str], list[str]]:
+    """Summary rows by (bench, model, metric): [ours, mlx-lm, ratio, goal, status]."""
+    section = markdown.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines()[4:]:
+        if line.startswith("| "):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[tuple(cells[:3])] = cells[3:]
+    return rows
+
+
+def test_summary_rows_say_met_or_missed(tmp_path):
+    text = report.write_report(results_dir(tmp_path)).read_text()
+    rows = table(text)
+
+    def status(bench: str, model: str, metric: str) -> str:
+        return rows[(bench, model, metric)][-1]
+
+    assert rows[("multiturn", "tiny-hybrid", "TTFT sum, turns 2–6")] == [
+        "0.500 s", "1.000 s", "0.500×", "≤ 0.8×", "met"]
+    assert status("multiturn", "tiny-hybrid", "identical outputs") == "met"
+    assert status("agents", "tiny-hybrid", "total TTFT") == "**missed**"
+    bound = rows[("agents", "tiny-hybrid", "requests with recomputed ≤ new + one block")]
+    assert bound[0] == "10/12" and bound[1] == "8/12" and bound[-1] == "**missed**"
+    assert status("restart", "tiny-hybrid", "last-turn TTFT after restart vs our cold") == "met"
+    assert status("restart", "tiny-hybrid", "last-turn TTFT after restart") == "**missed**"
+    assert rows[("restart", "tiny-hybrid", "identical outputs")][0] == "6/7"
+    single = rows[("serving", "tiny-hybrid", "single-stream decode")]
+    assert single[1] == "100 tok/s" and single[-1] == "met"  # vs mlx_lm.server, not generate
+    assert status("serving", "tiny-hybrid", "8 streams, aggregate") == "met"
+    cold = rows[("serving", "tiny-hybrid", "cold 4096-token prompt TTFT")]
+    assert cold[2:] == ["1.200×", "≤ 1.05×", "**missed**"]
+    assert rows[("serving", "tiny-hybrid", "identical outputs")][0] == "9/9"
+
+
+def test_older_schema_failures_and_bad_files_do_not_stop_the_report(tmp_path):
+    text = report.write_report(results_dir(tmp_path)).read_text()
+    rows = table(text)
+    single = rows[("serving", "tiny-dense", "single-stream decode")]
+    assert "in-process stream_generate" in single[1] and single[-1] == "**missed**"
+    assert rows[("serving", "tiny-dense", "cold 4K-token prompt TTFT")][-1] == "n/a"
+    assert rows[("serving", "tiny-dense", "8 streams, aggregate")][-1] == "met"
+    failed = [k for k, v in rows.items() if v[-1] == "**FAILED**"]
+    assert {(b, m) for b, m, _ in failed} == {("agents", "tiny-hybrid-bf16"),
+                                              ("multiturn", "tiny-hybrid-bf16")}
+    assert "RuntimeError: replica died" in text.split("## Failures", 1)[1]
+    assert "| cpu | test CPU |" in text and "8.0 GiB" in text
+
+
+def test_plots_are_pngs_linked_relatively(tmp_path):
+    directory = results_dir(tmp_path)
+    text = report.write_report(directory).read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert set(links) == {"ttft-per-turn-tiny-hybrid.png", "throughput-vs-concurrency.png",
+                          "restart-ttft.png", "cache-bytes-tiny-hybrid.png"}
+    for name in links:
+        assert (directory / name).read_bytes().startswith(PNG_MAGIC)
+    memory = text.split("## Resident memory", 1)[1]
+    assert "| ours | 500 MiB | 600 MiB (streams8) | 400 MiB |  |" in memory
+    assert "| mlx_lm_server | 300 MiB |  |  |  |" in memory
+    assert "snapshots ssd_sidecar |  | 400 MiB |" in memory and "raylet" not in memory
+
+
+def test_runner_plans_quick_flags_and_records_a_failing_bench(tmp_path):
+    args = parse_args(["--only", "agents,serving", "--serving-models", "tiny-hybrid,tiny-dense",
+                       "--out", str(tmp_path)])
+    assert plan(args) == [("agents", "tiny-hybrid"), ("agents", "tiny-hybrid-bf16"),
+                          ("serving", "tiny-hybrid"), ("serving", "tiny-dense")]
+    assert quick_flags("serving", "  --tokens TOKENS\n  --quick  smaller") == ["--quick"]
+    assert quick_flags("restart", "[--turns TURNS] [--long-turns N]") == [
+        "--turns", "3", "--long-turns", "0"]
+
+    record = run_bench("no_such_bench", "tiny-hybrid", tmp_path, [], timeout=120)
+    assert record["status"] == "failed" and record["returncode"] != 0
+    assert "no_such_bench" in record["log_tail"]
+    assert record["log"] == "logs/no_such_bench-tiny-hybrid.log"
+
+
+def test_report_only_renders_an_existing_directory(tmp_path):
+    write(tmp_path, "multiturn-tiny-hybrid.json", multiturn())
+    assert bench_main(["--report-only", "--out", str(tmp_path)]) == 0
+    machine = json.loads((tmp_path / "machine.json").read_text())
+    assert machine["cores"] and machine["python"] and "git_commit" in machine
+    assert "ttft-per-turn-tiny-hybrid.png" in (tmp_path / "REPORT.md").read_text()
