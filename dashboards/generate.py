@@ -104,7 +104,9 @@ PREFIX_CACHE = (
         Query(rate("ray_serve_app_prefix_cache_misses_total", "model, reason"),
               "{{model}} {{reason}}"),)),
     PanelSpec("Lookups", "short", (
-        Query(rate("ray_serve_app_prefix_cache_lookups_total", "model"), "{{model}}"),)),
+        Query(rate("ray_serve_app_prefix_cache_lookups_total", "model"), "{{model}}"),
+        Query(rate("ray_serve_app_prefix_cache_trim_hits_total", "model"),
+              "cut to the common prefix {{model}}"))),
     PanelSpec("Walkbacks and checkpoint decode failures", "short", (
         Query(rate("ray_serve_app_prefix_cache_walkbacks_total", "model"),
               "walkbacks {{model}}"),

@@ -103,6 +103,9 @@ METRICS: tuple[MetricDef, ...] = (
        "Prompt tokens restored from the cache, by the tier each block came from.",
        ("model", "tier")),
     _c("serve_app_prefix_cache_missed_tokens", "replica", "Prompt tokens that were prefilled."),
+    _c("serve_app_prefix_cache_trim_hits", "replica",
+       "Restores that cut a stored block or tail to the tokens it shares with the prompt "
+       "(attention-only models: a request that diverges inside a block)."),
     _c("serve_app_prefix_cache_misses", "replica",
        "Lookups that restored less than the prompt's full blocks, by reason.",
        ("model", "reason")),
@@ -292,6 +295,7 @@ def replica_samples(model: str, engine: dict, cache: dict) -> list[Sample]:
         Sample("serve_app_rejected_requests", {**m, "reason": "queue_full"}, engine["rejected"]),
         Sample("serve_app_prefix_cache_lookups", m, cache["lookups"]),
         Sample("serve_app_prefix_cache_missed_tokens", m, cache["missed_tokens"]),
+        Sample("serve_app_prefix_cache_trim_hits", m, cache["trim_hits"]),
         Sample("serve_app_prefix_cache_walkbacks", m, cache["walkbacks"]),
         Sample("serve_app_prefix_cache_checkpoint_decode_failures", m,
                cache["checkpoint_rejects"]),

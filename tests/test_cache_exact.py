@@ -119,9 +119,12 @@ def test_prompt_diverging_mid_block(services):
     other = base[:split] + [(t + 1) % 250 for t in base[split:]]
     req = CompletionRequest(model="m", prompt=other, max_tokens=16, temperature=0)
     a = run(warm, req)
-    assert a["cached"] == 2 * BS
+    # An attention-only model cuts the stored third block to the tokens it shares;
+    # a hybrid one restores to the block boundary, where its checkpoint is.
+    restored = 2 * BS if warm.layout.hybrid else split
+    assert a["cached"] == restored
     assert a["text"] == run(cold, req)["text"]
-    assert warm.cache_stats.last_miss_reason == f"diverged at token {2 * BS}"
+    assert warm.cache_stats.last_miss_reason == f"diverged at token {restored}"
 
 
 def cached_prompt(warm: ModelService, prompt: list[int]):

@@ -96,9 +96,11 @@ class CacheStore:
 
     @ray.method(concurrency_group="puts")
     def put(self, model: str, block_id: str, parent_id: str, nbytes: int,
-            has_checkpoint: bool, refs: list, disk: DiskInfo | None) -> bool:
+            has_checkpoint: bool, refs: list, disk: DiskInfo | None,
+            token_ids: tuple[int, ...] = ()) -> bool:
         """Store a block; the reply is the replica's acknowledgement (False: dropped)."""
-        entry = HotEntry(block_id, parent_id, nbytes, has_checkpoint, handle=refs[0], model=model)
+        entry = HotEntry(block_id, parent_id, nbytes, has_checkpoint, handle=refs[0], model=model,
+                         token_ids=tuple(token_ids))
         return self.tiers.put(entry, disk)
 
     def count_dropped(self, reason: str, n: int) -> None:
@@ -193,7 +195,8 @@ class RayCacheClient(CacheClient):
             try:
                 ref = ray.put(block.payload)
                 ack = self.actor.put.remote(model, block.block_id, block.parent_id,
-                                            block.nbytes, block.has_checkpoint, [ref], disk)
+                                            block.nbytes, block.has_checkpoint, [ref], disk,
+                                            block.token_ids)
                 ack.future().add_done_callback(
                     lambda f, seq=seq, bid=block.block_id: self._acked(seq, bid, f))
             except Exception:

@@ -43,22 +43,18 @@ def capture_block(
 def build_cache(model, layout: Layout, plan: RestorePlan) -> list:
     """A fresh mlx-lm prompt cache holding ``plan.tokens`` restored tokens.
 
-    Checks every block against the layout first: a payload that does not fit
-    raises ``ValueError`` here, never inside the running batch.
+    Checks every block against the layout first, as stored: a payload that
+    does not fit raises ``ValueError`` here, never inside the running batch. A
+    cut last block (``plan.trimmed_from``, attention-only models: there is no
+    recurrent state to cut) keeps the KV of its first ``block_tokens[-1]`` tokens.
     """
-    if not plan.blocks or len(plan.blocks) != len(plan.block_tokens):
-        raise ValueError(f"{len(plan.blocks)} blocks for {len(plan.block_tokens)} token counts")
-    for n, (block, tokens) in enumerate(zip(plan.blocks, plan.block_tokens, strict=True)):
-        last = n == len(plan.blocks) - 1
-        reason = layout.check(block, tokens, need_state=layout.hybrid and last)
-        if reason is not None:
-            raise ValueError(f"restored block {n} does not fit the model: {reason}")
+    blocks = _checked_blocks(layout, plan)
     cache = make_prompt_cache(model)
-    checkpoint = plan.blocks[-1].state
+    checkpoint = blocks[-1].state
     for i, kind in enumerate(layout.kinds):
         if kind == KV:
-            keys = [b.kv[i][0].to_mlx() for b in plan.blocks]
-            values = [b.kv[i][1].to_mlx() for b in plan.blocks]
+            keys = [b.kv[i][0].to_mlx() for b in blocks]
+            values = [b.kv[i][1].to_mlx() for b in blocks]
             k = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
             v = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
             cache[i].state = (k, v, k.shape[2])
@@ -66,3 +62,25 @@ def build_cache(model, layout: Layout, plan: RestorePlan) -> list:
             cache[i].cache = [t.to_mlx() for t in checkpoint[i]]
     mx.eval([c.state for c in cache])
     return cache
+
+
+def _checked_blocks(layout: Layout, plan: RestorePlan) -> list[BlockPayload]:
+    """The plan's blocks checked against the layout, the last one cut where planned."""
+    if not plan.blocks or len(plan.blocks) != len(plan.block_tokens):
+        raise ValueError(f"{len(plan.blocks)} blocks for {len(plan.block_tokens)} token counts")
+    for n, (block, tokens) in enumerate(zip(plan.blocks, plan.stored_tokens, strict=True)):
+        last = n == len(plan.blocks) - 1
+        reason = layout.check(block, tokens, need_state=layout.hybrid and last)
+        if reason is not None:
+            raise ValueError(f"restored block {n} does not fit the model: {reason}")
+    if not plan.trimmed_from:
+        return list(plan.blocks)
+    keep = plan.block_tokens[-1]
+    if layout.hybrid or not 0 < keep < plan.trimmed_from:
+        raise ValueError(f"cannot cut a block of {plan.trimmed_from} tokens to {keep} "
+                         f"({'hybrid model' if layout.hybrid else 'out of range'})")
+    cut = plan.blocks[-1].cut(keep)
+    reason = layout.check(cut, keep, need_state=False)
+    if reason is not None:
+        raise ValueError(f"cut block does not fit the model: {reason}")
+    return [*plan.blocks[:-1], cut]

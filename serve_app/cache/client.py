@@ -30,7 +30,7 @@ from serve_app.cache.payload import (
     state_from_names,
 )
 from serve_app.cache.ssd import SSDError, read_file
-from serve_app.cache.tiers import DiskInfo, Source, TailQuery, TieredStore
+from serve_app.cache.tiers import DiskInfo, Source, TailQuery, TieredStore, Trim
 
 if TYPE_CHECKING:  # layout.py imports mlx-lm; this module (and the cache policy) need not
     from serve_app.cache.layout import Layout
@@ -56,6 +56,7 @@ class FetchedChain:
     sidecar_loads: int = 0
     ssd_bytes: int = 0
     ssd_seconds: float = 0.0
+    trim: Trim | None = None  # the last payload is cut to ``trim.common`` tokens on restore
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,20 @@ class FetchRequest:
         n = len(found["ids"])
         tail = found.get("tail_tokens", 0)
         return [self.block_size] * (n - bool(tail)) + ([tail] if tail else [])
+
+    def stored_tokens(self, found: dict) -> list[int]:
+        """Tokens each returned payload holds (a cut one holds more than it restores)."""
+        counts = self.block_tokens(found)
+        trim: Trim | None = found.get("trim")
+        return [*counts[:-1], trim.stored] if trim is not None else counts
+
+    def token_ids(self, index: int, count: int) -> tuple[int, ...]:
+        """The prompt tokens of payload ``index`` holding ``count`` tokens (full blocks
+        come first, so it starts at ``index * block_size``); () when unknown."""
+        if self.tails is None:
+            return ()
+        start = index * self.block_size
+        return tuple(self.tails.tokens[start : start + count])
 
 
 class BadFile(Exception):
@@ -140,7 +155,7 @@ class CacheClient:
                                 found["lease"], found["first_missing_evicted"], tiers, rejects,
                                 incompatible, reason, found["tail_tokens"],
                                 req.block_tokens(found), loads, ssd_bytes,
-                                (toc - tic) if ssd_bytes else 0.0)
+                                (toc - tic) if ssd_bytes else 0.0, found.get("trim"))
         return FetchedChain(0, 0, [], None, False, [], rejects, incompatible, reason)
 
     async def _pinned_lookup(self, req: FetchRequest) -> dict:
@@ -167,7 +182,7 @@ class CacheClient:
         loop = asyncio.get_running_loop()
         sources: list[Source] = found["sources"]
         block_ids, layout = found["ids"], req.layout
-        counts = req.block_tokens(found)
+        counts = req.stored_tokens(found)  # a cut payload is checked as stored
         # Read every SSD block file at once; the disk does better with queue depth.
         reads = await asyncio.gather(*(
             loop.run_in_executor(None, _read_or_none, s.handle, {**req.expect, "block_id": b})
@@ -214,7 +229,9 @@ class CacheClient:
             payloads.append(payload)
             if source.tier == "ssd":  # validated: promote to the hot tier (never lossy state)
                 promoted = payload.without_state() if lossy else payload
-                self.publish(req.model, CapturedBlock(bid, parent, promoted), None)
+                self.publish(req.model, CapturedBlock(bid, parent, promoted,
+                                                      token_ids=req.token_ids(i, counts[i])),
+                             None)
         return payloads, sidecar_loads
 
     async def _load_checkpoint(self, loop, req: FetchRequest, source: Source,
@@ -246,6 +263,7 @@ def entry_for(model: str, block: CapturedBlock, handle: Any) -> HotEntry:
         has_checkpoint=block.has_checkpoint,
         handle=handle,
         model=model,
+        token_ids=block.token_ids,
     )
 
 

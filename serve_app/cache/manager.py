@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from serve_app.cache import codecs
 from serve_app.cache.client import CacheClient, FetchedChain, FetchRequest
 from serve_app.cache.hashing import block_id, chain, model_identity, root_id, salted_root
+from serve_app.cache.hot import common_prefix
 from serve_app.cache.payload import BlockPayload, CapturedBlock, RestorePlan
 from serve_app.cache.tiers import DiskInfo, TailQuery
 from serve_app.embedded import default_home
@@ -56,6 +57,10 @@ class CacheStats:
     hit_tokens: int = 0
     missed_tokens: int = 0
     walkbacks: int = 0
+    # Attention-only models: restores that cut a stored block or tail to the tokens it
+    # shares with the prompt (a request that diverges inside it), and the tokens so kept.
+    trim_hits: int = 0
+    trim_hit_tokens: int = 0
     checkpoint_loads_by_tier: dict[str, int] = field(default_factory=dict)
     checkpoint_rejects: int = 0
     incompatible_payloads: int = 0  # cached payloads whose shapes/dtypes did not fit
@@ -86,7 +91,7 @@ def miss_reason(found: FetchedChain, restored: int, block_size: int) -> Miss:
     if found.present > restored:
         return Miss("no_checkpoint",
                     f"no valid recurrent checkpoint after token {restored * block_size}")
-    where = found.present * block_size
+    where = found.present * block_size + (found.trim.common if found.trim else 0)
     if found.first_missing_evicted:
         return Miss("evicted", f"evicted at token {where}")
     if found.present == 0:
@@ -122,15 +127,6 @@ def find_branch_points(messages: list[dict[str, str]], prompt: list[int],
     return tuple(sorted(points))
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @dataclass(frozen=True)
 class Capture:
     """One slice of a request's cache that is due: tokens ``[start, end)``."""
@@ -142,6 +138,7 @@ class Capture:
     with_state: bool  # carries the recurrent state at ``end`` (a checkpoint)
     hold: bool = False  # a decode-time checkpoint: held back until a newer one or the end
     tail: bool = False  # a partial block, keyed by its parent and its own tokens
+    token_ids: tuple[int, ...] = ()  # its own tokens: the store indexes children by them
 
     @property
     def tokens(self) -> int:
@@ -247,14 +244,16 @@ class RequestPlan:
             with_state = self.hybrid and state_valid and end == covered and (
                 decoding or self._is_checkpoint(end, len(prompt)))
             out.append(Capture(end - bs, end, self.block_ids[index], self._parent(index),
-                               with_state, hold=with_state and decoding))
+                               with_state, hold=with_state and decoding,
+                               token_ids=tuple(tokens[end - bs : end])))
             self.captured = end
         for position in tails:
             start = position // bs * bs
             self._extend(start // bs, tokens)
             parent = self._parent(start // bs)
-            out.append(Capture(start, position, block_id(parent, tokens[start:position]),
-                               parent, self.hybrid, tail=True))
+            own = tokens[start:position]
+            out.append(Capture(start, position, block_id(parent, own), parent, self.hybrid,
+                               tail=True, token_ids=tuple(own)))
         return out
 
     def publish(self, capture: Capture, payload: BlockPayload) -> list[Published]:
@@ -263,7 +262,8 @@ class RequestPlan:
         While decoding only the newest checkpoint keeps its state: the one it
         replaces is published as KV only.
         """
-        item = Published(CapturedBlock(capture.block_id, capture.parent_id, payload),
+        item = Published(CapturedBlock(capture.block_id, capture.parent_id, payload,
+                                       token_ids=capture.token_ids),
                          capture.tokens, capture.tail)
         if not capture.hold:
             return self._send([item])
@@ -271,8 +271,8 @@ class RequestPlan:
         if previous is None:
             return []
         old = previous.block
-        return self._send([replace(previous, block=CapturedBlock(
-            old.block_id, old.parent_id, old.payload.without_state()))])
+        return self._send([replace(previous, block=replace(
+            old, payload=old.payload.without_state()))])
 
     def publish_held(self) -> list[Published]:
         """A request that ends publishes its newest decode-time checkpoint."""
@@ -434,7 +434,10 @@ class CacheManager:
         if self.layout.hybrid:
             loads = stats.checkpoint_loads_by_tier
             loads[found.tiers[-1]] = loads.get(found.tiers[-1], 0) + 1
-        return RestorePlan(counts, found.payloads)
+        if found.trim is not None:
+            stats.trim_hits += 1
+            stats.trim_hit_tokens += found.trim.common
+        return RestorePlan(counts, found.payloads, found.trim.stored if found.trim else 0)
 
     def restore_failed(self, planned: int) -> None:
         """The engine could not build a planned restore: those tokens were missed."""

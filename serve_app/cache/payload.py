@@ -113,8 +113,25 @@ class BlockPayload:
     def without_state(self) -> BlockPayload:
         return BlockPayload(self.kv)
 
+    def cut(self, tokens: int) -> BlockPayload:
+        """The KV of its first ``tokens`` tokens, no state (the state is at its end).
+
+        KV is position-wise: the first tokens' keys and values do not depend on
+        the tokens after them, so an attention-only model can restore a stored
+        block up to where a prompt leaves it.
+        """
+        if not 0 < tokens <= self.tokens:
+            raise PayloadError(f"cannot cut a block of {self.tokens} tokens to {tokens}")
+        return BlockPayload({layer: (_first(k, tokens), _first(v, tokens))
+                             for layer, (k, v) in self.kv.items()})
+
     def with_state(self, state: dict[int, tuple[Tensor, ...]]) -> BlockPayload:
         return BlockPayload(self.kv, state)
+
+
+def _first(t: Tensor, tokens: int) -> Tensor:
+    """The first ``tokens`` positions of a KV array ``(1, heads, T, dim)``, C-ordered."""
+    return Tensor(np.ascontiguousarray(t.data[..., :tokens, :]), t.dtype)
 
 
 @dataclass
@@ -125,6 +142,7 @@ class CapturedBlock:
     parent_id: str
     payload: BlockPayload
     lossy: bool = False  # its checkpoint was decoded from a lossy sidecar codec
+    token_ids: tuple[int, ...] = ()  # its own tokens, for the store's children index
 
     @property
     def has_checkpoint(self) -> bool:
@@ -140,15 +158,26 @@ class RestorePlan:
     """What a request starts from: the KV of its first blocks, the last one's checkpoint.
 
     Every block holds ``block_size`` tokens but the last, which may be a tail
-    (a partial block captured where a conversation branches).
+    (a partial block captured where a conversation branches). For an
+    attention-only model the last may also be a stored block or tail that
+    shares only its first tokens with the prompt: it holds ``trimmed_from``
+    tokens and only its first ``block_tokens[-1]`` are restored.
     """
 
     block_tokens: list[int]
     blocks: list[BlockPayload]
+    trimmed_from: int = 0  # tokens the last block holds when it is cut (0: not cut)
 
     @property
     def tokens(self) -> int:
         return sum(self.block_tokens)
+
+    @property
+    def stored_tokens(self) -> list[int]:
+        """Tokens each block holds as stored (what its payload is checked against)."""
+        if not self.trimmed_from or not self.block_tokens:
+            return list(self.block_tokens)
+        return [*self.block_tokens[:-1], self.trimmed_from]
 
     @property
     def nbytes(self) -> int:

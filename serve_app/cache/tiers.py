@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 BACKPRESSURE_WAIT_S = 0.5
 GONE = "gone"  # the token of a file evicted before a lookup could capture it: matches no file
 LEASE_TTL_S = 120.0  # a restore copies its blocks in well under this
+MIN_TRIM_TOKENS = 1  # the fewest tokens worth cutting a stored block to
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,30 @@ class Source:
     checkpoint: str | None = None  # ssd: sidecar path, "embedded", or None
     token: str | None = None  # ssd: the block file's sha256 when looked up (see drop)
     checkpoint_token: str | None = None  # ssd: the sidecar file's sha256 when looked up
+
+
+@dataclass(frozen=True)
+class Trim:
+    """A lookup's last payload is cut: a stored block or tail that shares only its
+    first ``common`` tokens with the rest of the prompt (attention-only models)."""
+
+    block_id: str
+    stored: int  # tokens the payload holds
+    common: int  # of those, the tokens restored
+
+
+@dataclass(frozen=True)
+class PartialHit:
+    """A position inside the block after the last full block restored."""
+
+    block_id: str
+    tokens: int  # tokens restored from it
+    source: Source
+    stored: int = 0  # tokens it holds when more than ``tokens`` (a trim); 0: all restored
+
+    @property
+    def trim(self) -> Trim | None:
+        return Trim(self.block_id, self.stored, self.tokens) if self.stored else None
 
 
 class TieredStore:
@@ -209,7 +234,9 @@ class TieredStore:
 
         ``exact``: a checkpoint in a lossy-codec sidecar does not count.
         ``tails``: also look for a tail (a partial block captured where a
-        conversation branches) past the last usable full block.
+        conversation branches) past the last usable full block and, without
+        ``need_checkpoint`` (attention-only models), a stored block or tail to
+        cut to the tokens it shares with the prompt (``trim`` in the result).
         """
         if self.ssd is not None:
             self.ssd.ready.wait(timeout=2.0)  # a restart's index rebuild, briefly
@@ -231,8 +258,8 @@ class TieredStore:
             sources = sources[:restore]
             ids = block_ids[:restore]
             if tail is not None:  # a partial block past the last full one
-                ids.append(tail[0])
-                sources.append(tail[2])
+                ids.append(tail.block_id)
+                sources.append(tail.source)
             sidecar = None
             if need_checkpoint and sources and not self._inline_checkpoint(ids[-1], sources[-1]):
                 disk = self._disk_checkpoint(ids[-1], layout, exact)
@@ -257,36 +284,51 @@ class TieredStore:
             self.hot.stats.lookups += 1
             self.hot.stats.hit_blocks += restore
             self.hot.stats.walkbacks += present - restore
+            self.hot.stats.trim_hits += tail is not None and tail.trim is not None
         for disk_entry in touched if self.ssd is not None else ():
             self.ssd.touch(disk_entry)  # file mtimes: outside the lock
         return {"present": present, "walkbacks": present - restore, "lease": lease,
                 "sources": sources, "first_missing_evicted": evicted, "ids": ids,
-                "tail_tokens": tail[1] if tail is not None else 0}
+                "tail_tokens": tail.tokens if tail is not None else 0,
+                "trim": tail.trim if tail is not None else None}
 
     def _restore_point(self, block_ids: list[str], sources: list[Source], need_checkpoint: bool,
                        layout: str, exact: bool, tails: TailQuery | None,
-                       seen: dict[str, DiskEntry]) -> tuple[int, tuple | None]:
-        """(full blocks, tail or None) of the deepest position a request can start from.
+                       seen: dict[str, DiskEntry]) -> tuple[int, PartialHit | None]:
+        """(full blocks, partial hit or None) of the deepest position a request can start from.
 
-        Positions in order, deepest first: the longest tail under the last
-        present block, that block's own end, the longest tail under the block
+        Positions in order, deepest first: the deepest partial position under
+        the last present block, that block's own end, the same under the block
         before it, ... A hybrid model needs a recurrent checkpoint exactly there
         (a tail carries its own; a tail needs none at its parent's end).
         """
         for i in range(len(sources), -1, -1):
             if tails is not None:
-                tail = self._longest_tail(tails, block_ids, i, need_checkpoint, layout, exact,
-                                          seen)
-                if tail is not None:
-                    return i, tail
+                partial = self._partial(tails, block_ids, i, need_checkpoint, layout, exact,
+                                        seen)
+                if partial is not None:
+                    return i, partial
             if i and (not need_checkpoint or self._has_checkpoint(
                     block_ids[i - 1], sources[i - 1], layout, exact)):
                 return i, None
         return 0, None
 
+    def _partial(self, q: TailQuery, block_ids: list[str], i: int, need_checkpoint: bool,
+                 layout: str, exact: bool, seen: dict[str, DiskEntry]) -> PartialHit | None:
+        """The deepest partial position under full block ``i``: the longest tail whose
+        tokens are a prefix of the rest, or, for a model without recurrent state, a
+        stored child cut deeper than that."""
+        tail = self._longest_tail(q, block_ids, i, need_checkpoint, layout, exact, seen)
+        if need_checkpoint:  # a recurrent state exists only at a child's end: no cut
+            return tail
+        trim = self._trim(q, block_ids, i)
+        if trim is not None and trim.tokens > (tail.tokens if tail is not None else 0):
+            return trim
+        return tail
+
     def _longest_tail(self, q: TailQuery, block_ids: list[str], i: int, need_checkpoint: bool,
-                      layout: str, exact: bool, seen: dict[str, DiskEntry]) -> tuple | None:
-        """(tail id, tokens, source) of the longest stored tail under full block ``i``."""
+                      layout: str, exact: bool, seen: dict[str, DiskEntry]) -> PartialHit | None:
+        """The longest stored tail under full block ``i`` (in any tier)."""
         start = i * q.block_size
         parent = block_ids[i - 1] if i else q.root
         for k in range(min(q.block_size - 1, len(q.tokens) - start), 0, -1):
@@ -296,8 +338,20 @@ class TieredStore:
                 continue
             if need_checkpoint and not self._has_checkpoint(tid, source, layout, exact):
                 continue
-            return tid, k, source
+            return PartialHit(tid, k, source)
         return None
+
+    def _trim(self, q: TailQuery, block_ids: list[str], i: int) -> PartialHit | None:
+        """The hot child of full block ``i - 1`` (a block or a tail) sharing the most
+        tokens with the rest of the prompt, to be cut to them; None if none shares
+        at least ``MIN_TRIM_TOKENS`` or it matches whole (a plain hit)."""
+        start = i * q.block_size
+        parent = block_ids[i - 1] if i else q.root
+        match = self.hot.best_child(parent, q.tokens[start : start + q.block_size])
+        if match is None or match.whole or match.common < MIN_TRIM_TOKENS:
+            return None
+        return PartialHit(match.block_id, match.common,
+                          Source("hot", self.hot.entry(match.block_id).handle), match.stored)
 
     def _expire_leases(self) -> None:
         """Leases of clients that vanished mid-restore must not pin blocks for ever."""
