@@ -15,9 +15,11 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -245,3 +247,130 @@ def emit(result: dict, out: Path | None) -> None:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
+
+
+# ---- resident memory of a server's whole process tree (through /proc, no psutil) ----
+
+MIB = 1 << 20
+
+
+def process_name(pid: int) -> str:
+    """A readable name for a process: Ray's worker title (``ray::ServeReplica:...``),
+    a Python script or ``-m`` module (``ray/dashboard/agent.py``, ``mlx_lm.server``),
+    or the executable (``raylet``, ``gcs_server``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        argv = []
+    if not argv:
+        try:
+            return Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            return f"pid {pid}"
+    if argv[0].startswith("ray::"):  # less the method it runs now (".listen_for_change")
+        return re.sub(r"\.[A-Za-z_]\w*$", "", argv[0].split()[0])
+    exe = os.path.basename(argv[0].split()[0])
+    if not exe.startswith("python"):
+        return exe
+    return _python_target(argv[1:]) or exe
+
+
+def _python_target(args: list[str]) -> str | None:
+    """What a Python command line runs: ``-m`` module, or the script (shortened)."""
+    for i, arg in enumerate(args):
+        if arg == "-m" and i + 1 < len(args):
+            return args[i + 1]
+        if arg == "-c":  # e.g. multiprocessing's resource tracker
+            code = args[i + 1].split(";")[0] if i + 1 < len(args) else ""
+            return f"python -c {code[:60]}".strip()
+        if not arg.startswith("-"):
+            script = arg.split("site-packages/", 1)[-1] if "site-packages/" in arg \
+                else os.path.basename(arg)
+            if script.endswith(".py"):
+                return script
+            rest = [a for a in args[i + 1:] if not a.startswith("-")]
+            return f"{script} {rest[0]}" if rest else script  # `serve run`, `ray start`
+    return None
+
+
+def process_memory(pid: int) -> tuple[int, int | None] | None:
+    """(RSS, PSS) bytes of one process, or None if it is gone. PSS (from smaps_rollup)
+    splits shared pages among their users, so it sums without double counting."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            rss = next((int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("VmRSS:")), 0)
+    except (OSError, ValueError):
+        return None
+    pss = None
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            pss = next((int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("Pss:")), None)
+    except (OSError, ValueError):
+        pass
+    return rss, pss
+
+
+def tree_memory(roots: list[int]) -> dict[int, tuple[str, int, int | None]]:
+    """pid -> (name, RSS, PSS) for every live process in the trees under ``roots``."""
+    out: dict[int, tuple[str, int, int | None]] = {}
+    for pid in {p for root in roots for p in (root, *descendants(root))}:
+        mem = process_memory(pid)
+        if mem is not None:  # kernel threads and exited processes have no VmRSS
+            out[pid] = (process_name(pid), *mem)
+    return out
+
+
+def memory_sample(roots: list[int]) -> dict:
+    """Totals (MiB) and a per-name breakdown (same-name processes summed) right now."""
+    procs = tree_memory(roots)
+    by_name: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for name, rss, _ in procs.values():
+        by_name[name] = by_name.get(name, 0.0) + rss / MIB
+        counts[name] = counts.get(name, 0) + 1
+    pss = [p for _, _, p in procs.values()]
+    return {"rss_mib": sum(r for _, r, _ in procs.values()) / MIB,
+            "pss_mib": sum(pss) / MIB if pss and None not in pss else None,
+            "processes": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
+            "process_counts": counts}
+
+
+class MemorySampler:
+    """Samples the memory of whole process trees every ``interval`` s on a thread,
+    tagging each sample with the current phase ("idle", "streams8", ...), so one
+    sampler gives both the idle footprint and the peak under load."""
+
+    def __init__(self, roots: list[int], interval: float = 0.2) -> None:
+        self.roots = roots
+        self.interval = interval
+        self.phase = "start"
+        self.samples: list[tuple[str, dict]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((self.phase, memory_sample(self.roots)))
+            self._stop.wait(self.interval)
+
+    def peak(self, phase: str | None = None) -> dict | None:
+        """The sample with the largest total RSS (in ``phase``, or in any phase)."""
+        chosen = [s for p, s in self.samples if phase is None or p == phase]
+        return max(chosen, key=lambda s: s["rss_mib"]) if chosen else None
+
+    def median(self, phase: str) -> dict | None:
+        """The sample with the median total RSS in ``phase`` (a steady, idle figure)."""
+        chosen = sorted((s for p, s in self.samples if p == phase),
+                        key=lambda s: s["rss_mib"])
+        return chosen[len(chosen) // 2] if chosen else None

@@ -1,143 +1,588 @@
-"""Serving throughput, side by side in one run on the same embedded model.
+"""Serving throughput, latency and memory: our HTTP server against ``mlx_lm.server``.
 
-(a) single-stream decode tokens/s through our HTTP API vs in-process
-    ``mlx_lm.stream_generate`` (goal >= 0.9x);
-(b) aggregate tokens/s of N concurrent streams vs ``mlx_lm.server
-    --decode-concurrency N`` (goal >= 1.0x).
+Both servers get the same weights (``mlx_lm.server --model <materialized dir>``) and
+are driven over HTTP the same way, one at a time (the other is stopped, so they never
+share the CPU). Reported, ratios always ours / mlx_lm.server, each with its goal next
+to it (goals are reported, never asserted):
 
-Each server runs alone (the other is stopped) so they do not share the CPU.
-Outputs (temperature 0) are compared: our single stream with ``stream_generate``'s
-text, and each of our concurrent streams with mlx_lm.server's stream of the same index.
-Usage: python -m bench.serving --model tiny-dense|tiny-hybrid|tiny-hybrid-bf16|...
-       [--tokens 256] [--streams 8]
+- single-stream decode tokens/s, median of several requests after a warm-up
+  (goal >= 0.95x); for reference also our ``Engine`` driven in-process (no Ray, no
+  HTTP) and in-process ``mlx_lm.stream_generate``;
+- aggregate tokens/s at 1, 2, 4, ... N concurrent streams (goal at N=8: >= 1.1x;
+  mlx_lm.server runs with ``--decode-concurrency N``, which makes it batch);
+- time to first token of a cold ~4K-token prompt, a unique one per request so no
+  prefix cache helps (median of 3; goal <= 1.05x); ours runs its default profile, cache
+  enabled (the cold prompt misses anyway); the lean run below has the cache disabled;
+- resident memory of each whole server: ``serve run`` and every process Ray started
+  (RSS, with PSS beside it), idle after warm-up and at peak during the N-stream run,
+  per process for ours; plus a "lean" start of ours (``ray start`` without dashboard
+  modules, log monitor and autoscaler monitor, then ``serve run -a``;
+  prefix cache disabled), each knob checked by the processes that really ran.
+
+Neither server has ``ignore_eos`` (mlx_lm.server's ``logit_bias`` could imitate it,
+ours rejects ``logit_bias``), so both get the same prompts and ``max_tokens`` and the
+outputs (temperature 0) are compared request by request, with token counts.
+
+Usage: python -m bench.serving --model tiny-hybrid [--tokens 256] [--streams 8]
+       [--out PATH] [--quick] [--no-lean]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
+import shutil
+import statistics
 import sys
+import tempfile
+import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.common import (
+    MemorySampler,
+    ServerProcess,
     add_model_option,
     compare_outputs,
     emit,
+    free_port,
     start_mlx_lm_server,
     start_ours,
     stream_chat,
     workdir,
+    write_config,
 )
 from serve_app.embedded import materialize
+from serve_app.profile import ModelProfile
 
 PROMPT = "Once upon a time, in a land far away, there lived a"
+GOALS = {"single_stream": 0.95, "aggregate": 1.1, "cold_ttft": 1.05}
+FILLER = ("The archive keeps letters, ledgers and maps from the old harbour town; "
+          "each page is numbered, dated and copied by hand before it is shelved. ")
 
 
-def in_process_decode_tps(model_dir: Path, tokens: int, repeats: int) -> tuple[float, str]:
-    """Best decode tokens/s of ``mlx_lm.stream_generate`` (greedy), and its text."""
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure: the full run, or ``--quick`` for a smoke run."""
+
+    tokens: int
+    streams: int
+    repeats: int  # single-stream requests after the warm-up (median)
+    rounds: int  # rounds per concurrency level (median)
+    cold_tokens: int
+    cold_repeats: int
+
+    @property
+    def levels(self) -> list[int]:
+        return [n for n in (1, 2, 4, 8) if n < self.streams] + [self.streams]
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    if args.quick:
+        return Plan(tokens=args.tokens or 32, streams=args.streams, repeats=2, rounds=1,
+                    cold_tokens=1024, cold_repeats=1)
+    return Plan(tokens=args.tokens or 256, streams=args.streams, repeats=5, rounds=3,
+                cold_tokens=4096, cold_repeats=3)
+
+
+def prompt_text(i: int) -> str:
+    """Stream ``i``'s prompt: distinct per stream, the same for both servers."""
+    return PROMPT if i == 0 else f"{PROMPT} (story {i})"
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours and theirs else None
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+# ---- in-process references: mlx_lm.stream_generate and our Engine (no Ray, no HTTP) ----
+
+def chat_tokens(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=True))
+
+
+def generate_in_process(model, tokenizer, plan: Plan) -> dict:
+    """Median decode tokens/s of ``mlx_lm.stream_generate`` (greedy) and its text."""
+    import mlx_lm
+
+    prompt = chat_tokens(tokenizer, prompt_text(0))
+    runs, text = [], ""
+    for i in range(plan.repeats + 1):  # the first run warms up
+        responses = list(mlx_lm.stream_generate(model, tokenizer, prompt,
+                                                max_tokens=plan.tokens))
+        text = "".join(r.text for r in responses)
+        if i:
+            runs.append(responses[-1].generation_tps)
+    return {"tps": median(runs), "runs": runs, "text": text}
+
+
+def engine_round(engine, tokenizer, n: int, tokens: int) -> tuple[float, list[dict]]:
+    """``n`` requests submitted at once; aggregate tokens/s and each one's text.
+
+    One request's tokens/s counts from its first token to its last, like the
+    HTTP measure; several count from submission to the last token of any.
+    """
+    from serve_app.engine import SamplingParams
+
+    done = [threading.Event() for _ in range(n)]
+    events: list[list] = [[] for _ in range(n)]
+
+    def sink(i: int):
+        def put(event) -> None:
+            events[i].append(event)
+            if event.finish_reason or event.error:
+                done[i].set()
+        return put
+
+    start = time.perf_counter()
+    for i in range(n):
+        engine.submit(chat_tokens(tokenizer, prompt_text(i)),
+                      SamplingParams(max_tokens=tokens), sink(i))
+    for d in done:
+        d.wait(600)
+    token_events = [[e for e in ev if e.token is not None] for ev in events]
+    outputs = [{"text": tokenizer.decode([e.token for e in ev]), "tokens": len(ev)}
+               for ev in token_events]
+    if n == 1:
+        ev = token_events[0]
+        span = ev[-1].at - ev[0].at if len(ev) > 1 else 0.0
+        return ((len(ev) - 1) / span if span else 0.0), outputs
+    end = max(ev[-1].at for ev in token_events if ev)
+    return sum(o["tokens"] for o in outputs) / (end - start), outputs
+
+
+def engine_in_process(model, tokenizer, plan: Plan) -> dict:
+    """Our ``Engine`` with the default profile's batching settings, driven directly."""
+    from serve_app.engine import Engine
+
+    defaults = ModelProfile.model_fields
+    engine = Engine(model, stop_tokens=set(tokenizer.eos_token_ids),
+                    max_batch_size=plan.streams,
+                    max_queued_requests=defaults["max_queued_requests"].default,
+                    prefill_step_size=defaults["prefill_step_size"].default, name="bench")
+    try:
+        engine.wait_ready(300)
+        engine_round(engine, tokenizer, 1, plan.tokens)  # warm up
+        engine_round(engine, tokenizer, plan.streams, 8)
+        single = [engine_round(engine, tokenizer, 1, plan.tokens) for _ in range(plan.repeats)]
+        levels = {n: [engine_round(engine, tokenizer, n, plan.tokens)[0]
+                      for _ in range(plan.rounds)] for n in plan.levels}
+    finally:
+        engine.shutdown()
+    return {"tps": median([tps for tps, _ in single]), "runs": [tps for tps, _ in single],
+            "outputs": single[0][1], "concurrency": {n: median(v) for n, v in levels.items()}}
+
+
+def in_process(model_dir: Path, plan: Plan) -> dict:
+    """Both in-process references, run before any server so nothing shares the CPU."""
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(str(model_dir))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                           add_generation_prompt=True)
-    best, text = 0.0, ""
-    for _ in range(repeats + 1):  # the first run warms up
-        responses = list(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=tokens))
-        best = max(best, responses[-1].generation_tps)
-        text = "".join(r.text for r in responses)
-    return best, text
+    return {"generate": generate_in_process(model, tokenizer, plan),
+            "engine": engine_in_process(model, tokenizer, plan), "tokenizer": tokenizer}
 
 
-def stream_once(base_url: str, model: str, tokens: int) -> dict:
-    """One streaming chat request: token count, time to first token, decode time."""
+# ---- over HTTP: the same requests to either server ----
+
+def chat(base_url: str, model: str, text: str, tokens: int) -> dict:
     return stream_chat(base_url, {"model": model, "max_tokens": tokens, "temperature": 0,
-                                  "messages": [{"role": "user", "content": PROMPT}]})
+                                  "messages": [{"role": "user", "content": text}]})
 
 
-def http_decode_tps(base_url: str, model: str, tokens: int, repeats: int) -> tuple[float, dict]:
-    best, last = 0.0, {}
-    for _ in range(repeats + 1):
-        last = stream_once(base_url, model, tokens)
-        if last["decode_s"] > 0:
-            best = max(best, (last["tokens"] - 1) / last["decode_s"])
-    return best, last
+def decode_tps(result: dict) -> float:
+    """Tokens after the first over the time from the first to the last content chunk
+    (our server sends its first token at once, then coalesces per stream interval)."""
+    return (result["tokens"] - 1) / result["decode_s"] if result["decode_s"] > 0 else 0.0
 
 
-def aggregate_tps(base_url: str, model: str, tokens: int,
-                  streams: int) -> tuple[float, list[dict]]:
-    stream_once(base_url, model, 8)  # warm up
+def single_stream(base_url: str, model: str, plan: Plan) -> dict:
+    """Decode tokens/s (median), and end to end (all tokens over the whole request),
+    which no chunking of the stream can skew."""
+    runs = [chat(base_url, model, prompt_text(0), plan.tokens) for _ in range(plan.repeats)]
+    tps = [decode_tps(r) for r in runs]
+    return {"tps": median(tps), "runs": tps, "tokens": [r["tokens"] for r in runs],
+            "e2e_tps": median([r["tokens"] / r["total_s"] for r in runs]),
+            "timings": [{k: r[k] for k in ("tokens", "ttft", "decode_s", "total_s")}
+                        for r in runs],
+            "outputs": runs[:1]}
+
+
+def concurrent_round(base_url: str, model: str, n: int, tokens: int) -> tuple[float, list]:
+    """``n`` streams at once (stream ``i`` gets prompt ``i``); aggregate tokens/s."""
     start = time.perf_counter()
-    with ThreadPoolExecutor(streams) as pool:
-        results = list(pool.map(lambda _: stream_once(base_url, model, tokens), range(streams)))
-    wall = time.perf_counter() - start
-    return sum(r["tokens"] for r in results) / wall, results
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda i: chat(base_url, model, prompt_text(i), tokens),
+                                range(n)))
+    return sum(r["tokens"] for r in results) / (time.perf_counter() - start), results
 
 
-def run_ours(name: str, tokens: int, streams: int, repeats: int, tmp: Path) -> dict:
-    server = start_ours(tmp, "ours", name, cache=None, max_tokens=tokens,
-                        context_length=8192, max_batch_size=streams, max_queued_requests=64)
+def concurrency_sweep(base_url: str, model: str, plan: Plan,
+                      sampler: MemorySampler) -> dict[int, dict]:
+    out = {}
+    for n in plan.levels:
+        sampler.phase = f"streams{n}"
+        rounds = [concurrent_round(base_url, model, n, plan.tokens) for _ in range(plan.rounds)]
+        out[n] = {"tps": median([tps for tps, _ in rounds]), "runs": [tps for tps, _ in rounds],
+                  "outputs": rounds[0][1]}
+    sampler.phase = "after"
+    return out
+
+
+def cold_prompt(tokenizer, target: int) -> str:
+    """About ``target`` prompt tokens (chat template included) starting with a fresh
+    nonce, so no prefix cache of either server has seen any of it."""
+    head = f"[{uuid.uuid4().hex}] Summarize this archive record. "
+    more = FILLER * (1 + 4 * target // len(FILLER))  # ~4 characters a token, or fewer
+    text = head + more
+    for _ in range(4):  # converge on the target through the real tokenizer
+        n = len(chat_tokens(tokenizer, text))
+        if abs(n - target) <= 2:
+            break
+        text = (text + more)[:max(len(head), int(len(text) * target / n))]
+    return text
+
+
+def cold_ttft(base_url: str, model: str, tokenizer, plan: Plan) -> dict:
+    runs = [chat(base_url, model, cold_prompt(tokenizer, plan.cold_tokens), 4)
+            for _ in range(plan.cold_repeats)]
+    return {"s": median([r["ttft"] for r in runs]), "runs": [r["ttft"] for r in runs],
+            "prompt_tokens": runs[0]["prompt_tokens"]}
+
+
+def warm_up(base_url: str, model: str, plan: Plan) -> None:
+    """One full-length stream and one short round at full concurrency, not measured."""
+    chat(base_url, model, "Warm up: " + PROMPT, plan.tokens)
+    concurrent_round(base_url, model, plan.streams, 8)
+
+
+def measure(server: ServerProcess, model: str, tokenizer, plan: Plan,
+            roots: list[int]) -> dict:
+    """Everything over HTTP for one running server, memory sampled throughout."""
+    with MemorySampler(roots) as sampler:
+        sampler.phase = "warm-up"
+        warm_up(server.base_url, model, plan)
+        sampler.phase = "idle"
+        time.sleep(1.5)
+        sampler.phase = "single"
+        single = single_stream(server.base_url, model, plan)
+        sweep = concurrency_sweep(server.base_url, model, plan, sampler)
+        sampler.phase = "cold"
+        cold = cold_ttft(server.base_url, model, tokenizer, plan)
+    return {"single": single, "sweep": sweep, "cold": cold,
+            "rss": rss_summary(sampler, f"streams{plan.streams}")}
+
+
+def rss_summary(sampler: MemorySampler, peak_phase: str) -> dict:
+    idle, peak, overall = sampler.median("idle"), sampler.peak(peak_phase), sampler.peak()
+    return {"idle_mib": idle and idle["rss_mib"], "peak_mib": peak and peak["rss_mib"],
+            "peak_phase": peak_phase,
+            "pss_idle_mib": idle and idle["pss_mib"], "pss_peak_mib": peak and peak["pss_mib"],
+            "peak_any_phase_mib": overall and overall["rss_mib"],
+            "processes": peak and peak["processes"],
+            "processes_idle": idle and idle["processes"],
+            "process_counts": peak and peak["process_counts"],
+            "samples": len(sampler.samples)}
+
+
+# ---- the servers, one at a time ----
+
+def our_profile(plan: Plan) -> dict:
+    return {"context_length": 8192, "max_batch_size": plan.streams, "max_queued_requests": 64}
+
+
+def run_ours(model: str, tokenizer, plan: Plan, tmp: Path) -> dict:
+    server = start_ours(tmp, "ours", model, cache=None,
+                        max_tokens=max(plan.tokens, 16), **our_profile(plan))
     try:
-        single, single_out = http_decode_tps(server.base_url, name, tokens, repeats)
-        agg, agg_out = aggregate_tps(server.base_url, name, tokens, streams)
+        return measure(server, model, tokenizer, plan, [server.proc.pid])
     finally:
         server.stop()
-    return {"single_stream_tps": single, "aggregate_tps": agg, "single_output": single_out,
-            "aggregate_outputs": agg_out}
 
 
-def run_mlx_lm_server(model_dir: Path, tokens: int, streams: int,
-                      tmp: Path) -> tuple[float, list[dict]]:
-    server = start_mlx_lm_server(tmp, "mlx_lm_server", model_dir, tokens,
-                                 "--decode-concurrency", str(streams))
+def run_mlx_lm_server(model_dir: Path, tokenizer, plan: Plan, tmp: Path) -> dict:
+    server = start_mlx_lm_server(tmp, "mlx_lm_server", model_dir, max(plan.tokens, 16),
+                                 "--decode-concurrency", str(plan.streams))
     try:
-        return aggregate_tps(server.base_url, str(model_dir), tokens, streams)
+        return measure(server, str(model_dir), tokenizer, plan, [server.proc.pid])
     finally:
         server.stop()
+
+
+LEAN_KNOBS = [
+    {"knob": "no Ray dashboard",
+     "how": "`ray start --head --block --include-dashboard=false`, then `serve run -a ADDR`",
+     "gives_up": "the dashboard UI and its modules (jobs, state API `ray list ...`, "
+                 "`serve status`/`serve deploy` over REST); a minimal dashboard head "
+                 "(dashboard.py) still starts, and the dashboard agent (metrics export, "
+                 "which our /metrics reads) stays",
+     "processes": ("ray-dashboard-", "multiprocessing")},
+    {"knob": "no log monitor",
+     "how": "`ray start ... --include-log-monitor=false`",
+     "gives_up": "replica and worker logs streamed to the `serve run` console "
+                 "(they stay in the session's log files)",
+     "processes": ("log_monitor.py",)},
+    {"knob": "no autoscaler monitor",
+     "how": "`ray start ... --no-monitor` (a hidden flag)",
+     "gives_up": "the autoscaler and the demand/usage part of `ray status` "
+                 "(a one-node server never scales)",
+     "processes": ("autoscaler/_private/monitor.py",)},
+    {"knob": "prefix cache disabled",
+     "how": "profile `cache: {enabled: false}`",
+     "gives_up": "every prefix-cache hit (multi-turn, agents, restarts) and the "
+                 "cache-store actor",
+     "processes": ("CacheStore",)},
+]
+# ``ray start --head`` also starts a Ray Client server (port 10001) that a plain
+# ``serve run`` has not; it cannot be turned off (``--ray-client-server-port`` must be
+# 1024-65535), so the lean start pays for it and for the ``ray start`` process.
+LEAN_RAY_FLAGS = ["--include-dashboard=false", "--include-log-monitor=false", "--no-monitor",
+                  "--disable-usage-stats"]
+
+
+def lean_env() -> dict:
+    """Token authentication stays on, as in a plain ``serve run``: ``ray start`` turns it
+    on when ``~/.ray/auth_token`` exists, but a driver that connects to the cluster
+    (``serve run -a``) only sends the token when told to."""
+    return {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+
+
+def start_ray_head(tmp: Path, temp_dir: Path) -> tuple[ServerProcess, str]:
+    """``ray start --head --block`` with ``LEAN_RAY_FLAGS``; it and its GCS address.
+
+    Its own ``--temp-dir``, so the ``ray_current_cluster`` file it leaves never makes a
+    later plain ``serve run`` connect to this (stopped) cluster.
+    """
+    port = free_port()
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    argv = [ray_bin, "start", "--head", "--block", f"--port={port}",
+            "--node-ip-address=127.0.0.1", *LEAN_RAY_FLAGS, f"--temp-dir={temp_dir}",
+            # the minimal dashboard head still starts; a busy 8265 must not stop it
+            f"--dashboard-port={free_port()}"]
+    head = ServerProcess(argv, port, tmp / "lean-ray.log", env=lean_env())
+    deadline = time.monotonic() + 180
+    while "Ray runtime started" not in head.log_path.read_text(errors="replace"):
+        if head.proc.poll() is not None or time.monotonic() > deadline:
+            head.stop()
+            raise RuntimeError(f"ray start failed; log:\n{head.log_tail()}")
+        time.sleep(0.5)
+    return head, f"127.0.0.1:{port}"
+
+
+def start_lean_serve(tmp: Path, model: str, plan: Plan, address: str) -> ServerProcess:
+    port = free_port()
+    config = write_config(tmp / "lean.yaml", port, [{
+        "name": model, "source": f"embedded:{model}", "max_tokens": max(plan.tokens, 16),
+        "cache": {"enabled": False}, **our_profile(plan)}])
+    serve_bin = str(Path(sys.executable).with_name("serve"))
+    server = ServerProcess([serve_bin, "run", "-a", address, str(config)], port,
+                           tmp / "lean-serve.log", env=lean_env())
+    try:
+        server.wait_ready([model])
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def run_lean(model: str, tokenizer, plan: Plan, tmp: Path) -> dict:
+    """Ours started lean: ``LEAN_RAY_FLAGS``, then ``serve run -a`` with the cache off.
+    Its memory covers both process trees; ``knob_checks`` says which knobs took effect."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="rl-", dir=os.environ.get("RAY_TMPDIR")))
+    head, address = start_ray_head(tmp, temp_dir)
+    try:
+        server = start_lean_serve(tmp, model, plan, address)
+        try:
+            out = measure(server, model, tokenizer, plan, [head.proc.pid, server.proc.pid])
+        finally:
+            server.stop()
+    finally:
+        head.stop()
+        time.sleep(1.0)  # Ray's last processes may still be writing their session
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    return out
+
+
+def process_names(rss: dict) -> set[str]:
+    return set(rss["processes"] or {}) | set(rss["processes_idle"] or {})
+
+
+def knob_checks(default_rss: dict, lean_rss: dict) -> list[dict]:
+    """A knob works if its processes ran in the default start and none in the lean one."""
+    default, lean = process_names(default_rss), process_names(lean_rss)
+    out = []
+    for knob in LEAN_KNOBS:
+        was = sorted(n for n in default if any(p in n for p in knob["processes"]))
+        left = sorted(n for n in lean if any(p in n for p in knob["processes"]))
+        works = bool(was) and not left
+        out.append({k: knob[k] for k in ("knob", "how", "gives_up")}
+                   | {"default_processes": was, "lean_processes": left, "effective": works})
+    return out
+
+
+# ---- the report ----
+
+def machine() -> dict:
+    import mlx.core as mx
+    import mlx_lm
+    import ray
+
+    return {"platform": platform.platform(), "machine": platform.machine(),
+            "processor": platform.processor(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__, "ray": ray.__version__,
+            "load_avg_at_start": os.getloadavg()}
+
+
+def concurrency_rows(ours: dict, theirs: dict, engine: dict, plan: Plan) -> list[dict]:
+    return [{"streams": n, "ours_tps": ours["sweep"][n]["tps"],
+             "mlx_lm_server_tps": theirs["sweep"][n]["tps"],
+             "ours_in_process_engine_tps": engine["concurrency"][n],
+             "ratio": ratio(ours["sweep"][n]["tps"], theirs["sweep"][n]["tps"]),
+             "ours_runs": ours["sweep"][n]["runs"],
+             "mlx_lm_server_runs": theirs["sweep"][n]["runs"]} for n in plan.levels]
+
+
+def output_checks(ours: dict, theirs: dict, ref: dict, plan: Plan) -> dict:
+    """Text equality request by request (temperature 0), with token counts."""
+    n = plan.streams
+    labels = [f"stream {i}" for i in range(n)]
+    return {
+        "single_stream_vs_mlx_lm_server": compare_outputs(
+            ours["single"]["outputs"], theirs["single"]["outputs"], ["single stream"]),
+        "mlx_lm_server_vs_stream_generate": compare_outputs(
+            theirs["single"]["outputs"], [{"text": ref["generate"]["text"]}],
+            ["single stream"]),
+        "engine_in_process_vs_mlx_lm_server": compare_outputs(
+            ref["engine"]["outputs"], theirs["single"]["outputs"], ["single stream"]),
+        f"streams{n}_vs_mlx_lm_server": compare_outputs(
+            ours["sweep"][n]["outputs"], theirs["sweep"][n]["outputs"], labels),
+        "completion_tokens": {
+            "single_stream": {"ours": ours["single"]["tokens"],
+                              "mlx_lm_server": theirs["single"]["tokens"]},
+            f"streams{n}": {"ours": [r["tokens"] for r in ours["sweep"][n]["outputs"]],
+                            "mlx_lm_server": [r["tokens"] for r in theirs["sweep"][n]["outputs"]]},
+        },
+    }
+
+
+def build_result(model: str, host: dict, plan: Plan, ref: dict, ours: dict, theirs: dict,
+                 lean: dict | None) -> dict:
+    rows = concurrency_rows(ours, theirs, ref["engine"], plan)
+    top = rows[-1]
+    rss = {"ours": ours["rss"], "mlx_lm_server": theirs["rss"],
+           "note": "RSS counts shared pages (libraries, Ray's shared-memory object store) "
+                   "in every process that maps them; pss_* splits them among processes"}
+    if lean:
+        rss["lean"] = {**lean["rss"], "knobs": knob_checks(ours["rss"], lean["rss"]),
+                       "ray_start_flags": LEAN_RAY_FLAGS,
+                       "only_in_lean": sorted(process_names(lean["rss"])
+                                              - process_names(ours["rss"])),
+                       "ours_tps_streams": lean["sweep"][plan.streams]["tps"],
+                       "single_stream_tps": lean["single"]["tps"],
+                       "cold_ttft_s": lean["cold"]["s"]}
+    return {
+        "model": model,
+        "machine": host,
+        "settings": {**asdict(plan), "levels": plan.levels,
+                     "ours_profile": {**our_profile(plan), "cache": "default (enabled)"},
+                     "mlx_lm_server_args": ["--decode-concurrency", str(plan.streams)]},
+        "single_stream": {
+            "ours_http_tps": ours["single"]["tps"],
+            "mlx_lm_server_http_tps": theirs["single"]["tps"],
+            "ours_in_process_engine_tps": ref["engine"]["tps"],
+            "mlx_lm_generate_tps": ref["generate"]["tps"],
+            "ratio": ratio(ours["single"]["tps"], theirs["single"]["tps"]),
+            "goal": GOALS["single_stream"],
+            "ours_http_e2e_tps": ours["single"]["e2e_tps"],
+            "mlx_lm_server_http_e2e_tps": theirs["single"]["e2e_tps"],
+            "e2e_ratio": ratio(ours["single"]["e2e_tps"], theirs["single"]["e2e_tps"]),
+            "timings": {"ours": ours["single"]["timings"],
+                        "mlx_lm_server": theirs["single"]["timings"]},
+            "runs": {"ours": ours["single"]["runs"], "mlx_lm_server": theirs["single"]["runs"],
+                     "engine": ref["engine"]["runs"], "generate": ref["generate"]["runs"]}},
+        "concurrency": rows,
+        "aggregate": {"streams": plan.streams, "ours_tps": top["ours_tps"],
+                      "mlx_lm_server_tps": top["mlx_lm_server_tps"], "ratio": top["ratio"],
+                      "goal": GOALS["aggregate"]},
+        "cold_ttft": {
+            "prompt_tokens": ours["cold"]["prompt_tokens"],
+            "mlx_lm_server_prompt_tokens": theirs["cold"]["prompt_tokens"],
+            "ours_s": ours["cold"]["s"], "mlx_lm_server_s": theirs["cold"]["s"],
+            "ratio": ratio(ours["cold"]["s"], theirs["cold"]["s"]),
+            "goal": GOALS["cold_ttft"],
+            "ours_cache": "enabled (default profile); the unique prompt misses",
+            "ours_cache_disabled_s": lean["cold"]["s"] if lean else None,
+            "runs": {"ours": ours["cold"]["runs"], "mlx_lm_server": theirs["cold"]["runs"]}},
+        "rss": rss,
+        "outputs": output_checks(ours, theirs, ref, plan),
+    }
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def summary(result: dict) -> str:
+    s, a, c = result["single_stream"], result["aggregate"], result["cold_ttft"]
+    r, o = result["rss"], result["outputs"]
+    n = a["streams"]
+    agg = o[f"streams{n}_vs_mlx_lm_server"]
+    lines = [
+        f"single stream: ours {fmt(s['ours_http_tps'], '.0f')} / mlx_lm.server "
+        f"{fmt(s['mlx_lm_server_http_tps'], '.0f')} tok/s = {fmt(s['ratio'])}x "
+        f"(goal >= {s['goal']}; end to end {fmt(s['e2e_ratio'])}x); engine in-process "
+        f"{fmt(s['ours_in_process_engine_tps'], '.0f')}, "
+        f"stream_generate {fmt(s['mlx_lm_generate_tps'], '.0f')}",
+        *(f"{row['streams']} streams: ours {fmt(row['ours_tps'], '.0f')} / mlx_lm.server "
+          f"{fmt(row['mlx_lm_server_tps'], '.0f')} tok/s = {fmt(row['ratio'])}x"
+          for row in result["concurrency"]),
+        f"aggregate goal at {n} streams: >= {a['goal']}x (got {fmt(a['ratio'])}x)",
+        f"cold TTFT ({c['prompt_tokens']} tokens): ours {fmt(c['ours_s'], '.3f')} s / "
+        f"mlx_lm.server {fmt(c['mlx_lm_server_s'], '.3f')} s = {fmt(c['ratio'])}x "
+        f"(goal <= {c['goal']})",
+        f"RSS idle/peak MiB: ours {fmt(r['ours']['idle_mib'], '.0f')}/"
+        f"{fmt(r['ours']['peak_mib'], '.0f')}, mlx_lm.server "
+        f"{fmt(r['mlx_lm_server']['idle_mib'], '.0f')}/{fmt(r['mlx_lm_server']['peak_mib'], '.0f')}"
+        + (f", lean {fmt(r['lean']['idle_mib'], '.0f')}/{fmt(r['lean']['peak_mib'], '.0f')}"
+           if "lean" in r else ""),
+        f"identical outputs: single {o['single_stream_vs_mlx_lm_server']['all_identical']}, "
+        f"{n} streams {agg['identical']}/{agg['requests']}",
+    ]
+    return "\n".join(lines)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    add_model_option(parser, "tiny-dense")
-    parser.add_argument("--tokens", type=int, default=256)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_option(parser, "tiny-hybrid")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="max_tokens per request (default 256; 32 with --quick)")
     parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: fewer repeats and tokens, a 1K cold prompt")
+    parser.add_argument("--no-lean", action="store_true", help="skip the lean start of ours")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    plan = make_plan(args)
+    host = machine()  # the load average before this bench adds to it
 
     model_dir = materialize(args.model)
+    ref = in_process(model_dir, plan)
+    tokenizer = ref["tokenizer"]
     with workdir() as tmp:
-        baseline_single, baseline_text = in_process_decode_tps(model_dir, args.tokens,
-                                                               args.repeats)
-        ours = run_ours(args.model, args.tokens, args.streams, args.repeats, tmp)
-        baseline_agg, baseline_outs = run_mlx_lm_server(model_dir, args.tokens, args.streams,
-                                                        tmp)
-
-    result = {
-        "model": args.model,
-        "tokens": args.tokens,
-        "streams": args.streams,
-        "single_stream": {"ours_http_tps": ours["single_stream_tps"],
-                          "mlx_lm_generate_tps": baseline_single,
-                          "ratio": ours["single_stream_tps"] / baseline_single,
-                          "goal": 0.9},
-        "aggregate": {"ours_tps": ours["aggregate_tps"], "mlx_lm_server_tps": baseline_agg,
-                      "ratio": ours["aggregate_tps"] / baseline_agg, "goal": 1.0},
-        "outputs": {
-            "single_stream_vs_stream_generate": compare_outputs(
-                [ours["single_output"]], [{"text": baseline_text}], ["single stream"]),
-            "aggregate_vs_mlx_lm_server": compare_outputs(
-                ours["aggregate_outputs"], baseline_outs,
-                [f"stream {i}" for i in range(args.streams)]),
-        },
-    }
+        ours = run_ours(args.model, tokenizer, plan, tmp)
+        theirs = run_mlx_lm_server(model_dir, tokenizer, plan, tmp)
+        lean = None if args.no_lean else run_lean(args.model, tokenizer, plan, tmp)
+    result = build_result(args.model, host, plan, ref, ours, theirs, lean)
     emit(result, args.out)
-    o = result["outputs"]
-    s, a = o["single_stream_vs_stream_generate"], o["aggregate_vs_mlx_lm_server"]
-    print(f"single stream: {result['single_stream']['ratio']:.2f}x stream_generate "
-          f"(identical: {s['all_identical']}); {args.streams} streams: "
-          f"{result['aggregate']['ratio']:.2f}x mlx_lm.server "
-          f"(identical: {a['identical']}/{a['requests']})")
+    print(summary(result))
     return 0
 
 
