@@ -151,6 +151,8 @@ def main() -> int:
         "vs_mlx_lm_server_outputs": compare_outputs(
             warm, baseline, [f"turn {i + 1}" for i in range(len(warm))]),
         "checkpoint_memory": checkpoint_memory(stats),
+        # Where our time to first token went (means over every request, turn 1 included).
+        "phases": stats.get("phases"),
         "hot_restore": {"bytes": engine["restored_bytes"],
                         "copy_seconds": engine["restore_seconds"],
                         "lookup_and_fetch_seconds": cache["fetch_seconds"],

@@ -188,3 +188,55 @@ def test_a_block_that_cannot_be_published_is_counted(local_ray):
                if s.name == "serve_app_cache_dropped_blocks"}
     assert samples == {**dict.fromkeys(DROP_REASONS, 0), "publish": 1}
     ray.kill(actor)
+
+
+def test_a_hot_payload_lost_with_its_owner_is_a_shorter_restore_not_an_error(tmp_path):
+    """Hot payloads are resolved together; one whose owner died (``LookupError``) is
+    dropped from the index and the lookup retried: the request restores the blocks
+    before it and produces exactly the cold tokens."""
+    import mlx_lm
+
+    from serve_app.cache.client import LocalCacheClient
+    from serve_app.cache.hashing import chain, salted_root
+    from serve_app.cache.tiers import TieredStore
+    from serve_app.embedded import materialize
+    from serve_app.openai_api import CompletionRequest
+    from serve_app.profile import ModelProfile
+    from serve_app.service import ModelService
+    from tests.test_cache_exact import run
+
+    class LosingClient(LocalCacheClient):
+        lost: set[int] = set()
+
+        async def _resolve(self, handle):
+            if id(handle) in self.lost:
+                raise LookupError("hot block lost with its owner")
+            return handle
+
+    bs = 16
+    path = materialize("tiny-dense", tmp_path)
+    model, tokenizer = mlx_lm.load(str(path))
+    store = TieredStore(1 << 30)
+    client = LosingClient(store)
+    services = [ModelService(ModelProfile(name=n, source="embedded:tiny-dense", cache=c),
+                             model, tokenizer, path, client if n == "warm" else None)
+                for n, c in (("warm", {"block_size": bs}), ("cold", {"enabled": False}))]
+    warm, cold = services
+    try:
+        prompt = [5 + (i * 7) % 240 for i in range(3 * bs + 5)]
+
+        def ask(service):
+            return run(service, CompletionRequest(model="m", prompt=prompt, max_tokens=6,
+                                                  temperature=0))
+
+        first = ask(warm)
+        ids = chain(salted_root(warm.cache.root, None, None), prompt, bs)
+        second_block = store.hot.entry(ids[1])
+        client.lost.add(id(second_block.handle))
+        again = ask(warm)
+        assert again["cached"] == bs  # the first block only: the second was lost
+        assert again["text"] == first["text"] == ask(cold)["text"]
+        assert warm.cache_stats.summary()["hit_tokens"] >= bs
+    finally:
+        for s in services:
+            s.shutdown()

@@ -188,15 +188,20 @@ class CacheClient:
             loop.run_in_executor(None, _read_or_none, s.handle, {**req.expect, "block_id": b})
             for b, s in zip(block_ids, sources, strict=False) if s.tier == "ssd"))
         files = iter(reads)
+        # Hot payloads at once too: one await each would cost a round trip per block.
+        resolved = iter(await asyncio.gather(
+            *(self._resolve(s.handle) for s in sources if s.tier != "ssd"),
+            return_exceptions=True))
         for i, source in enumerate(sources):
             last = i == len(sources) - 1
             bid = block_ids[i]
             parent = ""
             if source.tier != "ssd":
-                try:
-                    payload = await self._resolve(source.handle)
-                except LookupError:
+                payload = next(resolved)
+                if isinstance(payload, LookupError):
                     raise BadFile("lost", bid) from None
+                if isinstance(payload, BaseException):
+                    raise payload
                 bad_kind = "lost"  # a hot payload that does not fit: drop it from RAM
             else:
                 read = next(files)
