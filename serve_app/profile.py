@@ -83,6 +83,10 @@ class ModelProfile(_Strict):
     max_tokens: PositiveInt = 512
     prefill_step_size: PositiveInt = 512
     stream_interval_ms: Annotated[float, Field(ge=0.0, le=1000.0)] = 25.0
+    # All of a replica's streams together send at most this many chunks a second:
+    # with many streams running each one's interval stretches (up to 1 s). Every
+    # chunk costs CPU in the replica, the ingress and the proxy, taken from decoding.
+    stream_chunks_per_second: Annotated[float, Field(gt=0.0)] = 160.0
     sampling: SamplingDefaults = SamplingDefaults()
     num_replicas: PositiveInt = 1
     num_cpus: Annotated[float, Field(ge=0.0)] = 0.0

@@ -230,7 +230,6 @@ class ModelService:
             return
 
         started = time.monotonic()
-        interval = self.profile.stream_interval_ms / 1000.0
         decoder = _TextDecoder(self.tokenizer, self.eos_ids, prepared.stops)
         done = False
         last_token_at: float | None = None
@@ -241,7 +240,7 @@ class ModelService:
             while not done:
                 # Coalesce: at most one yield per stream interval after the first.
                 # Each yield costs a Ray streaming hop on the same cores that decode.
-                wait = last_yield + interval - time.monotonic()
+                wait = last_yield + self.stream_interval() - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
                 batch = await events.take()
@@ -301,6 +300,13 @@ class ModelService:
                 await self.cache.release(lease)
             self.metrics.observe("serve_app_request_duration_seconds",
                                  time.perf_counter() - arrived, self._labels)
+
+    def stream_interval(self) -> float:
+        """Seconds between one stream's chunks: the profile's interval, stretched so that
+        the running streams together stay within ``stream_chunks_per_second``."""
+        running = self.engine.stats.running_batch_size
+        return min(1.0, max(self.profile.stream_interval_ms / 1000.0,
+                            running / self.profile.stream_chunks_per_second))
 
     def _phase(self, phase: str, seconds: float) -> None:
         self.phases.seconds[phase] += seconds

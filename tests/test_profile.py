@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from serve_app.app import build_app
-from serve_app.profile import ProfileError, load_serve_config, parse_profile
+from serve_app.profile import ModelProfile, ProfileError, load_serve_config, parse_profile
 
 REPO = Path(__file__).resolve().parent.parent
 GOOD_MODEL = {"name": "m", "source": "embedded:tiny-dense"}
@@ -117,3 +117,17 @@ def test_check_command(tmp_path):
                          cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2
     assert "applications[0].args.models[0].max_tokens" in bad.stderr
+
+
+@pytest.mark.parametrize("running, interval_ms", [(0, 25), (1, 25), (4, 25), (8, 50),
+                                                  (16, 100), (400, 1000)])
+def test_stream_interval_stretches_with_running_streams(running, interval_ms):
+    """Chunks of all streams together stay within stream_chunks_per_second (160)."""
+    from types import SimpleNamespace
+
+    from serve_app.service import ModelService
+
+    profile = ModelProfile(name="m", source="embedded:tiny-dense")
+    service = SimpleNamespace(profile=profile, engine=SimpleNamespace(
+        stats=SimpleNamespace(running_batch_size=running)))
+    assert ModelService.stream_interval(service) == pytest.approx(interval_ms / 1000)
