@@ -219,7 +219,22 @@ def serving_rows(model: str, d: dict) -> list[Row]:
                       first(cold, "ours", "ours_s", "ttft_ours"),
                       first(cold, "mlx_lm_server", "mlx_lm_server_s", "ttft_mlx_lm_server"),
                       "s", "serving_cold_ttft", cold.get("ratio")),
+            *control_rows(model, d),
             identical_row("serving", model, d)]
+
+
+def control_rows(model: str, d: dict) -> list[Row]:
+    """The single stream's controls: where the gap to mlx_lm.server comes from."""
+    single = d.get("single_stream") or {}
+    lean = (d.get("rss") or {}).get("lean") or {}
+    values = [single.get("ours_in_process_engine_tps"),
+              single.get("ours_in_process_engine_beside_idle_server_tps"),
+              lean.get("single_stream_tps")]
+    if all(v is None for v in values):
+        return []
+    text = " / ".join("n/a" if v is None else f"{v:.0f}" for v in values)
+    return [Row("serving", model, "single stream controls (tok/s): in-process engine alone / "
+                "beside our idle server / lean server over HTTP", ours=text, status="info")]
 
 
 ROWS: dict[str, Callable[[str, dict], list[Row]]] = {

@@ -187,7 +187,29 @@ def in_process(model_dir: Path, plan: Plan) -> dict:
 
     model, tokenizer = mlx_lm.load(str(model_dir))
     return {"generate": generate_in_process(model, tokenizer, plan),
-            "engine": engine_in_process(model, tokenizer, plan), "tokenizer": tokenizer}
+            "engine": engine_in_process(model, tokenizer, plan), "tokenizer": tokenizer,
+            "model": model}
+
+
+def engine_beside_idle_server(model, tokenizer, plan: Plan) -> dict:
+    """The in-process engine's single stream while our server idles beside it.
+
+    The control for the single-stream gap: this process has no Ray in it, so
+    whatever it loses against ``engine_in_process`` is the cost of Ray's idle
+    processes sharing the machine, not of our replica.
+    """
+    from serve_app.engine import Engine
+
+    engine = Engine(model, stop_tokens=set(tokenizer.eos_token_ids), max_batch_size=1,
+                    name="beside")
+    try:
+        engine.wait_ready(300)
+        engine_round(engine, tokenizer, 1, plan.tokens)  # warm up
+        runs = [engine_round(engine, tokenizer, 1, plan.tokens)[0]
+                for _ in range(plan.repeats)]
+    finally:
+        engine.shutdown()
+    return {"tps": median(runs), "runs": runs}
 
 
 # ---- over HTTP: the same requests to either server ----
@@ -298,11 +320,13 @@ def our_profile(plan: Plan) -> dict:
     return {"context_length": 8192, "max_batch_size": plan.streams, "max_queued_requests": 64}
 
 
-def run_ours(model: str, tokenizer, plan: Plan, tmp: Path) -> dict:
+def run_ours(model: str, ref: dict, plan: Plan, tmp: Path) -> dict:
     server = start_ours(tmp, "ours", model, cache=None,
                         max_tokens=max(plan.tokens, 16), **our_profile(plan))
     try:
-        return measure(server, model, tokenizer, plan, [server.proc.pid])
+        beside = engine_beside_idle_server(ref["model"], ref["tokenizer"], plan)
+        return {**measure(server, model, ref["tokenizer"], plan, [server.proc.pid]),
+                "engine_beside_idle_server": beside}
     finally:
         server.stop()
 
@@ -498,6 +522,9 @@ def build_result(model: str, host: dict, plan: Plan, ref: dict, ours: dict, thei
             "ours_http_tps": ours["single"]["tps"],
             "mlx_lm_server_http_tps": theirs["single"]["tps"],
             "ours_in_process_engine_tps": ref["engine"]["tps"],
+            # the same engine, no Ray in its process, while our server idles beside it
+            "ours_in_process_engine_beside_idle_server_tps":
+                ours["engine_beside_idle_server"]["tps"],
             "mlx_lm_generate_tps": ref["generate"]["tps"],
             "ratio": ratio(ours["single"]["tps"], theirs["single"]["tps"]),
             "goal": GOALS["single_stream"],
@@ -539,7 +566,8 @@ def summary(result: dict) -> str:
         f"single stream: ours {fmt(s['ours_http_tps'], '.0f')} / mlx_lm.server "
         f"{fmt(s['mlx_lm_server_http_tps'], '.0f')} tok/s = {fmt(s['ratio'])}x "
         f"(goal >= {s['goal']}; end to end {fmt(s['e2e_ratio'])}x); engine in-process "
-        f"{fmt(s['ours_in_process_engine_tps'], '.0f')}, "
+        f"{fmt(s['ours_in_process_engine_tps'], '.0f')} (beside our idle server "
+        f"{fmt(s['ours_in_process_engine_beside_idle_server_tps'], '.0f')}), "
         f"stream_generate {fmt(s['mlx_lm_generate_tps'], '.0f')}",
         *(f"{row['streams']} streams: ours {fmt(row['ours_tps'], '.0f')} / mlx_lm.server "
           f"{fmt(row['mlx_lm_server_tps'], '.0f')} tok/s = {fmt(row['ratio'])}x"
@@ -577,7 +605,7 @@ def main() -> int:
     ref = in_process(model_dir, plan)
     tokenizer = ref["tokenizer"]
     with workdir() as tmp:
-        ours = run_ours(args.model, tokenizer, plan, tmp)
+        ours = run_ours(args.model, ref, plan, tmp)
         theirs = run_mlx_lm_server(model_dir, tokenizer, plan, tmp)
         lean = None if args.no_lean else run_lean(args.model, tokenizer, plan, tmp)
     result = build_result(args.model, host, plan, ref, ours, theirs, lean)
