@@ -86,7 +86,7 @@ class ModelProfile(_Strict):
     # All of a replica's streams together send at most this many chunks a second:
     # with many streams running each one's interval stretches (up to 1 s). Every
     # chunk costs CPU in the replica, the ingress and the proxy, taken from decoding.
-    stream_chunks_per_second: Annotated[float, Field(gt=0.0)] = 160.0
+    stream_chunks_per_second: Annotated[float, Field(gt=0.0)] = 80.0
     sampling: SamplingDefaults = SamplingDefaults()
     num_replicas: PositiveInt = 1
     num_cpus: Annotated[float, Field(ge=0.0)] = 0.0
