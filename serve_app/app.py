@@ -54,14 +54,15 @@ class ModelReplica:
         client = actor = None
         if self.profile.cache.enabled:
             store = CacheStoreProfile.model_validate(cache_store)
+            # Waits for the actor (and replaces one of older code), here, not in the
+            # first request; a store that never starts fails this replica with a reason.
             actor = get_or_create_actor(int(store.hot_budget), store.model_dump())
-            ray.get(actor.stats.remote())  # wait for it here, not in the first request
             client = RayCacheClient(actor)
         recorder = RayRecorder("replica", serve=True)
         self.service = ModelService(self.profile, model, tokenizer, model_dir, client, recorder)
         if self.service.cache.enabled:
             ray.get(actor.activate.remote(self.profile.name, self.service.cache.identity,
-                                          self.service.layout.digest))
+                                          self.service.layout.digest), timeout=120)
         # Serve routes nothing here before __init__ returns: warming up now keeps
         # MLX's first-use cost out of the first user request.
         seconds = self.service.warm_up()
@@ -219,7 +220,8 @@ async def gather_node_metrics() -> str:
     urls = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
             for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
     texts = await asyncio.gather(*(asyncio.to_thread(_fetch, url) for url in urls))
-    return merge_exposition(t for t in texts if t)
+    # Parsing every node's text is CPU work: not on the ingress's event loop.
+    return await asyncio.to_thread(merge_exposition, [t for t in texts if t])
 
 
 def _fetch(url: str) -> str | None:

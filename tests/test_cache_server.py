@@ -93,7 +93,9 @@ def test_a_body_cannot_choose_the_api_key_salt(client, server):
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    assert anonymous(x_api_key_digest=digest) == 0  # not key-one's blocks
+    # Not key-one's blocks: at most the chat template's opening, which this attention-only
+    # model shares (exact common prefix) with earlier prompts under the unsalted root.
+    assert anonymous(x_api_key_digest=digest) < BS
     assert anonymous(cache_salt=f"|key:{digest}") == 0  # nor through a crafted cache_salt
     assert anonymous(x_api_key_digest="another") > 0  # ignored: the unsalted blocks again
 
@@ -102,7 +104,9 @@ def test_models_never_share_blocks(client):
     messages = [{"role": "user", "content": "Same words, another model. " * 3}]
     ask(client, HYBRID, messages)
     assert ask(client, HYBRID, messages).usage.prompt_tokens_details.cached_tokens > 0
-    assert ask(client, DENSE, messages).usage.prompt_tokens_details.cached_tokens == 0
+    # Not the hybrid's blocks: at most the chat template's opening, which the dense model
+    # shares (exact common prefix) with its own earlier prompts.
+    assert ask(client, DENSE, messages).usage.prompt_tokens_details.cached_tokens < BS
 
 
 def test_concurrent_conversations_share_a_system_prompt(client):

@@ -348,3 +348,19 @@ def test_hybrid_models_restore_to_block_ends_as_before(home):
     ids = chain(salted_root(server.service.cache.root, None), prompt, BS)
     assert server.store.hot.children(ids[0])  # indexed all the same; a hybrid lookup never cuts
     server.close()
+
+
+def test_best_child_compares_only_the_newest_candidates():
+    """Below a parent shared by many sessions the scan is bounded: the oldest children
+    beyond MAX_TRIM_CANDIDATES are not compared (a slower cache, never a long lock)."""
+    from serve_app.cache.hot import MAX_TRIM_CANDIDATES
+
+    hot = HotStore(1 << 30)
+    target = [7, 8, 9, 10]
+    hot.put(HotEntry("old", "p", 10, False, handle="old", token_ids=tuple(target)))
+    for i in range(MAX_TRIM_CANDIDATES):
+        hot.put(HotEntry(f"c{i}", "p", 10, False, handle=i, token_ids=(7, 100 + i)))
+    assert hot.best_child("p", target).block_id != "old"  # out of reach: 65th newest
+    hot.put(HotEntry("new", "p", 10, False, handle="new", token_ids=tuple(target[:3])))
+    best = hot.best_child("p", target)
+    assert (best.block_id, best.common) == ("new", 3)

@@ -240,3 +240,53 @@ def test_a_hot_payload_lost_with_its_owner_is_a_shorter_restore_not_an_error(tmp
     finally:
         for s in services:
             s.shutdown()
+
+
+class OldProtocolStore(CacheStore):
+    """A store actor left running by older code: its methods no longer match."""
+
+    PROTOCOL = 1
+
+
+class NoProtocolStore:
+    """Older still: no ``protocol`` method at all."""
+
+    def __init__(self, hot_budget: int, config: dict) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize("old_cls", [OldProtocolStore, NoProtocolStore])
+def test_an_outdated_store_actor_is_replaced(local_ray, old_cls):
+    from serve_app.cache.actor import NAMESPACE, get_or_create_actor
+
+    name = f"cache-store-{ray.get_runtime_context().get_node_id()}"
+    remote = ray.remote(**ACTOR_OPTIONS) if issubclass(old_cls, CacheStore) else ray.remote
+    old = remote(old_cls).options(
+        name=name, namespace=NAMESPACE, lifetime="detached").remote(1 << 20, {"ssd": False})
+    ray.get(old.stats.remote(), timeout=60)
+    actor = get_or_create_actor(1 << 20, {"ssd": False}, timeout=60)
+    assert ray.get(actor.protocol.remote(), timeout=30) == CacheStore.PROTOCOL
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(old.stats.remote(), timeout=30)  # the old one is gone
+    assert get_or_create_actor(1 << 20, {"ssd": False}) is not None  # and kept from now on
+    ray.kill(actor)
+
+
+def test_a_promotion_never_blocks_the_event_loop_on_a_full_publish_queue():
+    """``publish(wait=False)`` (SSD promotions, on the replica's event loop) drops and
+    counts a block the publish queue cannot take now; the engine's publishes wait."""
+    import queue
+    import threading
+
+    client = object.__new__(RayCacheClient)  # no actor and no publisher thread: a full queue
+    client._queue = queue.Queue(maxsize=1)
+    client._queue.put("taken")
+    client._cv = threading.Condition()
+    client._seq, client._unacked, client.dropped, client._unreported = 0, set(), 0, 0
+    tic = time.monotonic()
+    client.publish("m", block(1), None, wait=False)
+    assert time.monotonic() - tic < 1.0
+    assert client.dropped == 1 and client._unreported == 1 and not client._unacked

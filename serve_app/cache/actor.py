@@ -18,6 +18,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,10 @@ class CacheStore:
     can subclass it. Calls run concurrently; replicas make their own puts visible to
     their own lookups (``RayCacheClient``)."""
 
+    # Bumped whenever a method's signature changes: the actor is detached and outlives
+    # a redeploy, so replicas of new code may find one running the old code.
+    PROTOCOL = 2  # 2: put carries the block's token ids
+
     def __init__(self, hot_budget: int, config: dict) -> None:
         ssd, self.ssd_disabled = make_ssd(config)
         self.tiers = TieredStore(
@@ -128,6 +133,9 @@ class CacheStore:
     def stats(self) -> dict:
         return self._snapshot()
 
+    def protocol(self) -> int:
+        return self.PROTOCOL
+
     def _snapshot(self) -> dict:
         out = self.tiers.snapshot()
         with self._lock:
@@ -140,16 +148,38 @@ class CacheStore:
 CacheStoreActor = ray.remote(**ACTOR_OPTIONS)(CacheStore)
 
 
-def get_or_create_actor(hot_budget: int, config: dict):
-    """The cache-store actor of this node, created by the first replica that asks."""
+def get_or_create_actor(hot_budget: int, config: dict, timeout: float = 120.0):
+    """The cache-store actor of this node, created by the first replica that asks.
+
+    One left running by older code (another ``CacheStore.PROTOCOL``) is replaced: its
+    methods no longer match, so every put would fail. Its hot tier is lost; its SSD
+    files stay and are found again by the new one.
+    """
     node_id = ray.get_runtime_context().get_node_id()
-    return CacheStoreActor.options(
-        name=f"cache-store-{node_id}",
-        namespace=NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(hot_budget, config)
+    deadline = time.monotonic() + timeout
+    while True:
+        actor = CacheStoreActor.options(
+            name=f"cache-store-{node_id}",
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(hot_budget, config)
+        left = max(1.0, deadline - time.monotonic())
+        try:
+            if ray.get(actor.protocol.remote(), timeout=left) == CacheStore.PROTOCOL:
+                return actor
+        except AttributeError:  # older code: no protocol method at all
+            pass
+        except ray.exceptions.RayActorError:  # one being replaced died meanwhile: retry
+            continue
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"could not replace the outdated cache-store actor on node "
+                               f"{node_id} within {timeout:.0f} s")
+        logger.warning("replacing a cache-store actor of an older protocol on node %s",
+                       node_id)
+        ray.kill(actor, no_restart=True)
+        time.sleep(0.5)
 
 
 class RayCacheClient(CacheClient):
@@ -175,12 +205,19 @@ class RayCacheClient(CacheClient):
                                         daemon=True)
         self._thread.start()
 
-    def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None) -> None:
+    def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None,
+                wait: bool = True) -> None:
         with self._cv:
             self._seq += 1
             seq = self._seq
             self._unacked.add(seq)
-        self._queue.put((seq, model, block, disk))
+        try:
+            self._queue.put((seq, model, block, disk), block=wait)
+        except queue.Full:  # only without ``wait``: a promotion, never the engine's blocks
+            with self._cv:
+                self._unacked.discard(seq)
+                self.dropped += 1
+                self._unreported += 1
 
     def _publisher(self) -> None:
         while True:

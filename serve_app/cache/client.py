@@ -107,7 +107,10 @@ class BadFile(Exception):
 class CacheClient:
     """Shared fetch logic; subclasses say how to reach the store."""
 
-    def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None) -> None:
+    def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None,
+                wait: bool = True) -> None:
+        """Hand a block to the store. ``wait=False`` (from an event loop): never block;
+        a block that does not fit the publish queue now is dropped and counted."""
         raise NotImplementedError
 
     async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
@@ -236,7 +239,7 @@ class CacheClient:
                 promoted = payload.without_state() if lossy else payload
                 self.publish(req.model, CapturedBlock(bid, parent, promoted,
                                                       token_ids=req.token_ids(i, counts[i])),
-                             None)
+                             None, wait=False)  # on the event loop: a promotion never waits
         return payloads, sidecar_loads
 
     async def _load_checkpoint(self, loop, req: FetchRequest, source: Source,
@@ -279,7 +282,8 @@ class LocalCacheClient(CacheClient):
         self.store = store
         self._lock = threading.Lock()
 
-    def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None) -> None:
+    def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None,
+                wait: bool = True) -> None:
         self.store.put(entry_for(model, block, block.payload), disk)
 
     async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,

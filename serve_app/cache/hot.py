@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+MAX_TRIM_CANDIDATES = 64  # a trim lookup compares at most this many children of a parent
+
 
 @dataclass
 class HotEntry:
@@ -94,6 +96,7 @@ class HotStore:
                 old.token_ids = entry.token_ids
                 self._adopt(old)
             if entry.has_checkpoint and not old.has_checkpoint and old.pins == 0:
+                entry.token_ids = entry.token_ids or old.token_ids  # stays a trim candidate
                 self._evict(old, count=False)  # a fresh checkpoint replaces a dropped one
             else:
                 return True
@@ -120,11 +123,13 @@ class HotStore:
         """The child of ``parent_id`` whose tokens share the longest common prefix with
         ``tokens`` (at least one token); on a tie one that matches whole (no cut needed).
 
-        A scan of that parent's children, each compared up to its first differing
-        token: no hashing, and a parent has few children besides a shared root.
+        A scan of that parent's newest ``MAX_TRIM_CANDIDATES`` children, each compared
+        up to its first differing token: no hashing, and a bounded time under the store's
+        lock even below a system prompt shared by thousands of sessions.
         """
         best: ChildMatch | None = None
-        for child, own in self._children.get(parent_id, {}).items():
+        newest = reversed(self._children.get(parent_id, {}).items())
+        for child, own in itertools.islice(newest, MAX_TRIM_CANDIDATES):
             common = common_prefix(own, tokens)
             match = ChildMatch(child, len(own), common)
             if common and (best is None or (common, match.whole) > (best.common, best.whole)):
