@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
+from bench.devserver import descendants
 from bench.report import BENCHES, MACHINE, RUNS, write_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,13 +122,20 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 def stop_group(proc: subprocess.Popen) -> None:
     """Stop a bench that ran too long: SIGINT first, so its ``finally`` blocks stop the
-    servers it started; then SIGKILL its process group (only what this run started)."""
+    servers it started; then SIGKILL its process group and those of its descendants
+    (only what this run started)."""
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # its own group: start_new_session
+        # Its servers run in sessions of their own (ServerProcess): find them first.
+        groups = {proc.pid}
+        for pid in descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(pid))
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
         proc.wait()
 
 

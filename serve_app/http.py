@@ -41,6 +41,7 @@ api = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
 # JSON deeper than this is refused before validation: no request needs it, and
 # nesting costs recursion in every layer that walks the body.
 MAX_JSON_DEPTH = 64
+INLINE_PARSE_BYTES = 256 * 1024  # larger bodies are parsed off the event loop
 NOT_READY_RETRY_AFTER_S = 2
 
 
@@ -121,8 +122,19 @@ def parse_json(raw: bytes) -> Any:
 
 
 async def _parse(request: Request, cls: type[OpenAIRequest], max_bytes: int) -> OpenAIRequest:
-    """The body validated once, here: the replica gets this object, not the raw JSON."""
-    body = parse_json(await read_body(request, max_bytes))
+    """The body validated once, here: the replica gets this object, not the raw JSON.
+
+    A large body is parsed and validated on a worker thread: the ingress's event loop
+    also carries every other request's stream.
+    """
+    raw = await read_body(request, max_bytes)
+    if len(raw) > INLINE_PARSE_BYTES:
+        return await asyncio.to_thread(_validated, raw, cls)
+    return _validated(raw, cls)
+
+
+def _validated(raw: bytes, cls: type[OpenAIRequest]) -> OpenAIRequest:
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     try:

@@ -52,15 +52,20 @@ class PreparedRequest:
 
 @dataclass
 class PhaseTimes:
-    """Seconds spent in each phase before the first token, summed over requests."""
+    """Seconds spent in each phase before the first token, summed per phase, and how
+    many requests reached each (a rejected or cancelled one stops early)."""
 
-    requests: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+        self.counts[phase] += 1
 
     def summary(self) -> dict:
-        n = max(self.requests, 1)
-        return {"requests": self.requests,
-                "mean_ms": {k: round(v * 1000 / n, 3) for k, v in self.seconds.items()}}
+        return {"requests": self.counts[PHASES[0]],
+                "mean_ms": {k: round(v * 1000 / max(self.counts[k], 1), 3)
+                            for k, v in self.seconds.items()}}
 
 
 def resolve_source(profile: ModelProfile, home: Path | None = None) -> str:
@@ -218,8 +223,7 @@ class ModelService:
         planned = time.perf_counter()
         self._phase("prepare", prepared.prepare_seconds)
         self._phase("plan", planned - arrived)
-        self.phases.requests += 1
-        started: float | None = None
+        joined: float | None = None  # when the engine took the request into its batch
         lease = plan.lease if plan is not None else None
         cached = plan.restore_tokens if plan is not None else 0
         try:
@@ -250,8 +254,8 @@ class ModelService:
                 out: list[dict] = []
                 for event in batch:
                     if event.restored is not None:  # the engine took it out of the queue
-                        started = event.at
-                        self._phase("queue", started - planned)
+                        joined = event.at
+                        self._phase("queue", joined - planned)
                     if event.restored is not None and event.restored < cached:
                         self.cache.restore_failed(cached)  # the engine prefilled it cold
                         cached = event.restored
@@ -260,8 +264,8 @@ class ModelService:
                         done = True
                         break
                     if event.token is not None:
-                        if last_token_at is None and started is not None:
-                            self._phase("prefill", event.at - started)
+                        if last_token_at is None and joined is not None:
+                            self._phase("prefill", event.at - joined)
                         self._observe_token(arrived, last_token_at, event.at)
                         last_token_at = event.at
                         text, stopped = decoder.add(event.token)
@@ -309,7 +313,7 @@ class ModelService:
                             running / self.profile.stream_chunks_per_second))
 
     def _phase(self, phase: str, seconds: float) -> None:
-        self.phases.seconds[phase] += seconds
+        self.phases.add(phase, seconds)
         self.metrics.observe("serve_app_request_phase_seconds", seconds,
                              {**self._labels, "phase": phase})
 
