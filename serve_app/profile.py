@@ -69,6 +69,9 @@ class CacheStoreProfile(_Strict):
     ssd_cache_max_size: ByteSize | Literal["auto"] = "auto"
     ssd_min_free: ByteSize = ByteSize(1 << 30)
     gdn_ssd_pending_max_size: ByteSize = ByteSize(512 * 1000 * 1000)
+    # Report this node's blocks to the cluster's block directory: "auto" once the
+    # cluster has a second node (a one-node server pays nothing for it).
+    directory: Literal["auto", "on", "off"] = "auto"
 
 
 class ModelProfile(_Strict):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from serve_app.cache.directory import BlockDirectory, BlockEvent, EventBatch
+from tests.test_store_faults import local_ray  # noqa: F401 (a fixture)
 
 
 def batch(node: str, seq: int, *events: tuple[str, str | None], epoch: str = "e1",
@@ -84,3 +87,79 @@ def test_followers_replay_deltas_and_reset_when_too_far_behind():
     assert state(far) == state(near) == state(leader) == {
         "b0": {"B": "ssd"}, "b1": {}, "b2": {}, "b3": {}, "x": {}}
     assert leader.changes_since(leader.version).changes == ()
+
+
+# ---- the feed: a node's tiers as directory events ------------------------------------
+
+
+def test_tiers_report_each_blocks_best_tier_as_it_changes(tmp_path):
+    from serve_app.cache.ssd import SSDStore
+    from serve_app.cache.tiers import TieredStore
+    from tests.test_ssd import bid
+    from tests.test_tiers import DISK, entry, wait
+
+    ssd = SSDStore(tmp_path, 1 << 30)
+    store = TieredStore(hot_budget=3 * 4096, ssd=ssd)
+    for i in range(5):  # the two oldest fall out of RAM; all five reach the SSD
+        store.put(entry(i), DISK)
+    wait(lambda: store.snapshot()["staging"]["pending_bytes"] == 0 and len(ssd.block_ids()) == 5)
+    tiers = {e.block_id: e.tier for e in store.directory_events()}
+    assert tiers == {bid(0): "ssd", bid(1): "ssd", bid(2): "hot", bid(3): "hot",
+                     bid(4): "hot"}
+    assert store.directory_events() == []  # nothing changed since
+    ssd.remove(ssd.block_entry(bid(0)))
+    assert [(e.block_id, e.tier) for e in store.directory_events()] == [(bid(0), None)]
+    full = {e.block_id: e.tier for e in store.directory_events(full=True)}
+    assert full == {bid(1): "ssd", bid(2): "hot", bid(3): "hot", bid(4): "hot"}
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_store_actor_feeds_the_directory_and_a_restarted_one_starts_over():
+    import asyncio
+    import time
+
+    import ray
+
+    from serve_app.cache.actor import CacheStoreActor, RayCacheClient, get_or_create_directory
+    from tests.test_ssd import bid
+    from tests.test_store_faults import block
+
+    directory = get_or_create_directory()
+    node = ray.get_runtime_context().get_node_id()
+
+    def until(predicate, timeout: float = 20.0):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+    store = CacheStoreActor.remote(1 << 24, {"ssd": False, "directory": "on", "directory_feed_s": 0.1})
+    client = RayCacheClient(store)
+    for i in range(3):
+        client.publish("m", block(i), None)
+    until(lambda: all(ray.get(directory.holders.remote(bid(i))) == {node: "hot"}
+                      for i in range(3)))
+    feed = asyncio.run(client.stats())["directory_feed"]
+    assert feed["snapshots"] >= 1 and feed["last_error"] is None
+    ray.kill(store)
+    # A new store on the node (a restart: its RAM is empty) replaces the node's entries.
+    store = CacheStoreActor.remote(1 << 24, {"ssd": False, "directory": "on", "directory_feed_s": 0.1})
+    ray.get(store.stats.remote(), timeout=60)
+    until(lambda: ray.get(directory.holders.remote(bid(0))) == {})
+    assert ray.get(directory.nodes.remote()) == {node: 0}
+    ray.kill(store)
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_one_node_server_does_not_feed_a_directory_by_default():
+    import time
+
+    import ray
+
+    from serve_app.cache.actor import CacheStoreActor
+
+    store = CacheStoreActor.remote(1 << 24, {"ssd": False, "directory_feed_s": 0.1})
+    time.sleep(1.0)
+    feed = ray.get(store.stats.remote(), timeout=60)["directory_feed"]
+    assert not feed["active"] and feed["batches"] == 0
+    ray.kill(store)

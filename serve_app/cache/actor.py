@@ -15,10 +15,12 @@ The ``TieredStore`` is lock-protected and holds its locks only briefly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from serve_app.cache.client import CacheClient
+from serve_app.cache.directory import BlockDirectory, Changes, EventBatch
 from serve_app.cache.hot import HotEntry
 from serve_app.cache.payload import BlockPayload, CapturedBlock
 from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir
@@ -39,6 +42,10 @@ PUBLISH_QUEUE_BLOCKS = 256
 MAX_UNACKED_PUTS = 8  # puts one replica has in flight to the store; then its publisher waits
 ACK_WAIT_S = 30.0  # a lookup waits at most this long for the replica's earlier puts
 REPORT_DROPS_S = 1.0
+FEED_INTERVAL_S = 0.5  # how often a store tells the block directory what changed
+FEED_TIMEOUT_S = 10.0
+NODE_CHECK_S = 5.0  # how often the directory looks for nodes that died
+DIRECTORY_NAME = "block-directory"
 # Options of the actor (and of test subclasses): threaded, puts in a group of their own.
 ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 16,
                                  "concurrency_groups": {"puts": 8}}
@@ -93,6 +100,12 @@ class CacheStore:
         self.publish_dropped = 0  # blocks replicas could not hand over (they report them)
         recorder = RayRecorder("store", serve=False)
         self.pump = MetricsPump(recorder, self._metric_samples, name="cache-metrics").start()
+        mode = config.get("directory", "auto")
+        self.feed = DirectoryFeed(self.tiers, float(config.get("directory_feed_s",
+                                                               FEED_INTERVAL_S)),
+                                  always=mode == "on")
+        if mode != "off" and ray.is_initialized():
+            self.feed.start()
 
     def _metric_samples(self) -> list:
         with self._lock:
@@ -142,10 +155,124 @@ class CacheStore:
             out["dropped"]["publish"] = self.publish_dropped
         if self.ssd_disabled is not None:
             out["ssd"] = {"disabled": self.ssd_disabled}
+        out["directory_feed"] = self.feed.snapshot()
         return out
 
 
 CacheStoreActor = ray.remote(**ACTOR_OPTIONS)(CacheStore)
+
+
+class DirectoryFeed:
+    """Tells the cluster's block directory what this node's tiers hold, in ordered
+    batches from a thread of the store actor. A new feed (a restarted store) is a new
+    epoch and starts with a full snapshot; so does one the directory refused (a gap) or
+    could not reach: the directory's view of this node is always rebuilt, never patched
+    over a hole."""
+
+    def __init__(self, tiers: TieredStore, interval: float, always: bool = False) -> None:
+        self.tiers = tiers
+        self.interval = interval
+        self.always = always  # else only while the cluster has more than one node
+        self.active = False
+        self.epoch = uuid.uuid4().hex
+        self.seq = 0
+        self.batches = 0
+        self.snapshots = 0
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> DirectoryFeed:
+        threading.Thread(target=self._run, name="directory-feed", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def snapshot(self) -> dict:
+        return {"active": self.active, "epoch": self.epoch, "seq": self.seq,
+                "batches": self.batches,
+                "snapshots": self.snapshots, "last_error": self.last_error}
+
+    def _run(self) -> None:
+        node_id = ray.get_runtime_context().get_node_id()
+        directory, full = None, True
+        next_check = 0.0
+        while not self._stop.wait(self.interval):
+            if not self.always and time.monotonic() >= next_check:
+                next_check = time.monotonic() + NODE_CHECK_S
+                with contextlib.suppress(Exception):  # the GCS busy: keep the last answer
+                    self.active = sum(bool(n.get("Alive")) for n in ray.nodes()) > 1
+            if not (self.always or self.active):
+                directory, full = None, True  # a later second node gets a full snapshot
+                continue
+            self.active = True
+            try:
+                if directory is None:
+                    directory = get_or_create_directory()
+                events = self.tiers.directory_events(full=full)
+                if not events and not full:
+                    continue
+                seq = 1 if full else self.seq + 1
+                batch = EventBatch(node_id, self.epoch, seq, tuple(events), full)
+                accepted = ray.get(directory.apply.remote(batch), timeout=FEED_TIMEOUT_S)
+                self.seq = seq
+                self.batches += 1
+                self.snapshots += full
+                full = not accepted
+                self.last_error = None
+            except Exception as exc:  # the directory is gone or slow: start over later
+                self.last_error = repr(exc)
+                logger.warning("telling the block directory failed: %r", exc)
+                directory, full = None, True
+
+
+class BlockDirectoryService:
+    """The cluster's one ``BlockDirectory``, as a threaded actor; forgets nodes that
+    died (a restarted node's store starts over with a full snapshot)."""
+
+    def __init__(self, check_nodes_s: float = NODE_CHECK_S) -> None:
+        self.directory = BlockDirectory()
+        self._lock = threading.Lock()
+        self._check_nodes_s = check_nodes_s
+        threading.Thread(target=self._watch_nodes, name="node-watch", daemon=True).start()
+
+    def apply(self, batch: EventBatch) -> bool:
+        with self._lock:
+            return self.directory.apply(batch)
+
+    def changes_since(self, version: int) -> Changes:
+        with self._lock:
+            return self.directory.changes_since(version)
+
+    def nodes(self) -> dict[str, int]:
+        with self._lock:
+            return self.directory.nodes()
+
+    def holders(self, block_id: str) -> dict[str, str]:
+        with self._lock:
+            return self.directory.holders(block_id)
+
+    def _watch_nodes(self) -> None:
+        while True:
+            time.sleep(self._check_nodes_s)
+            try:
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            except Exception:  # the GCS is briefly unreachable: look again later
+                continue
+            with self._lock:
+                for node_id in set(self.directory.nodes()) - alive:
+                    logger.warning("node %s is gone: forgetting its blocks", node_id)
+                    self.directory.forget(node_id)
+
+
+BlockDirectoryActor = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=8)(
+    BlockDirectoryService)
+
+
+def get_or_create_directory():
+    """The cluster's block directory actor, created by the first store that asks."""
+    return BlockDirectoryActor.options(name=DIRECTORY_NAME, namespace=NAMESPACE,
+                                       lifetime="detached", get_if_exists=True).remote()
 
 
 def get_or_create_actor(hot_budget: int, config: dict, timeout: float = 120.0):

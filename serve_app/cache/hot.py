@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,8 @@ class HotStore:
         self._evicted: OrderedDict[str, None] = OrderedDict()
         self._remember_evicted = remember_evicted
         self._children: dict[str, dict[str, tuple[int, ...]]] = {}  # parent -> child -> tokens
+        # Told the id of every block that enters or leaves (the block directory's feed).
+        self.on_change: Callable[[str], None] = lambda block_id: None
 
     def __contains__(self, block_id: str) -> bool:
         return block_id in self._entries
@@ -104,6 +106,7 @@ class HotStore:
             self.stats.rejected_puts += 1
             return False
         self._entries[entry.block_id] = entry
+        self.on_change(entry.block_id)
         self._adopt(entry)
         self._evicted.pop(entry.block_id, None)
         self.bytes += entry.nbytes
@@ -220,8 +223,12 @@ class HotStore:
             if not siblings:
                 del self._children[entry.parent_id]
 
+    def ids(self) -> list[str]:
+        return list(self._entries)
+
     def _evict(self, entry: HotEntry, count: bool = True) -> None:
         del self._entries[entry.block_id]
+        self.on_change(entry.block_id)
         self._disown(entry)
         self.bytes -= entry.nbytes
         m = self._model_stats(entry.model)

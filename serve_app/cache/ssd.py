@@ -38,7 +38,7 @@ import shutil
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,6 +213,8 @@ class SSDStore:
         self._lock = threading.RLock()
         self._lock_fd: int | None = None
         self.ready = threading.Event()
+        # Told the id of every block file indexed or unindexed (the block directory's feed).
+        self.on_block_change: Callable[[str], None] = lambda block_id: None
 
     # ---- opening ---------------------------------------------------------------------
 
@@ -414,6 +416,10 @@ class SSDStore:
 
     # ---- reading -------------------------------------------------------------------------
 
+    def block_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._blocks)
+
     def has_block(self, block_id: str) -> bool:
         with self._lock:
             return block_id in self._blocks
@@ -517,6 +523,7 @@ class SSDStore:
                 self._unindex(old)
             self._blocks[entry.block_id] = entry
             self._orphans -= len(self._layouts_of.get(entry.block_id, ()))
+            self.on_block_change(entry.block_id)
         else:
             old = self._sidecars.get((entry.layout, entry.block_id))
             if old is not None:
@@ -531,6 +538,7 @@ class SSDStore:
         if entry.kind == "block":
             del self._blocks[entry.block_id]
             self._orphans += len(self._layouts_of.get(entry.block_id, ()))
+            self.on_block_change(entry.block_id)
         else:
             del self._sidecars[(entry.layout, entry.block_id)]
             layouts = self._layouts_of[entry.block_id]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.cache import codecs
+from serve_app.cache.directory import BlockEvent
 from serve_app.cache.hashing import block_id
 from serve_app.cache.hot import HotEntry, HotStore
 from serve_app.cache.payload import BlockPayload, state_tensors, to_tensors
@@ -129,6 +130,12 @@ class TieredStore:
         self._leases: dict[int, tuple[int | None, list[str], float]] = {}
         self._lease_ids = itertools.count(1)
         self.decode_failures = 0
+        # Blocks that entered or left a tier since the directory was last told.
+        self._changed: set[str] = set()
+        self._changed_lock = threading.Lock()  # a leaf: taken under the tier locks
+        self.hot.on_change = self._mark_changed
+        if ssd is not None:
+            ssd.on_block_change = self._mark_changed
         if ssd is not None:
             threading.Thread(target=self._open_ssd, name="ssd-open", daemon=True).start()
             threading.Thread(target=self._writer, name="ssd-writer", daemon=True).start()
@@ -225,6 +232,30 @@ class TieredStore:
                 self.staging.writes_done += 1
             elif result is WriteResult.FAILED:
                 self.staging.writes_failed += 1
+
+    # ---- the block directory's feed --------------------------------------------------
+
+    def _mark_changed(self, bid: str) -> None:
+        with self._changed_lock:
+            self._changed.add(bid)
+
+    def directory_events(self, full: bool = False) -> list[BlockEvent]:
+        """Each block that changed since the last call, with the best tier holding it now
+        (None: gone); ``full``: every block held, for a directory that must start over."""
+        with self._changed_lock:
+            changed, self._changed = self._changed, set()
+        with self._lock:
+            if full:
+                held = set(self.hot.ids()) | set(self.ssd.block_ids() if self.ssd else ())
+                return [BlockEvent(b, self._best_tier(b)) for b in sorted(held)]
+            return [BlockEvent(b, self._best_tier(b)) for b in sorted(changed)]
+
+    def _best_tier(self, bid: str) -> str | None:
+        if bid in self.hot:
+            return "hot"
+        if self.ssd is not None and self.ssd.has_block(bid):
+            return "ssd"
+        return None
 
     # ---- lookups ------------------------------------------------------------------------
 
