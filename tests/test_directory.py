@@ -126,6 +126,7 @@ def test_a_store_actor_feeds_the_directory_and_a_restarted_one_starts_over():
 
     directory = get_or_create_directory()
     node = ray.get_runtime_context().get_node_id()
+    feeding = {"ssd": False, "directory": "on", "directory_feed_s": 0.1}
 
     def until(predicate, timeout: float = 20.0):
         deadline = time.monotonic() + timeout
@@ -133,7 +134,7 @@ def test_a_store_actor_feeds_the_directory_and_a_restarted_one_starts_over():
             assert time.monotonic() < deadline
             time.sleep(0.1)
 
-    store = CacheStoreActor.remote(1 << 24, {"ssd": False, "directory": "on", "directory_feed_s": 0.1})
+    store = CacheStoreActor.remote(1 << 24, feeding)
     client = RayCacheClient(store)
     for i in range(3):
         client.publish("m", block(i), None)
@@ -143,7 +144,7 @@ def test_a_store_actor_feeds_the_directory_and_a_restarted_one_starts_over():
     assert feed["snapshots"] >= 1 and feed["last_error"] is None
     ray.kill(store)
     # A new store on the node (a restart: its RAM is empty) replaces the node's entries.
-    store = CacheStoreActor.remote(1 << 24, {"ssd": False, "directory": "on", "directory_feed_s": 0.1})
+    store = CacheStoreActor.remote(1 << 24, feeding)
     ray.get(store.stats.remote(), timeout=60)
     until(lambda: ray.get(directory.holders.remote(bid(0))) == {})
     assert ray.get(directory.nodes.remote()) == {node: 0}
