@@ -364,3 +364,14 @@ def test_best_child_compares_only_the_newest_candidates():
     hot.put(HotEntry("new", "p", 10, False, handle="new", token_ids=tuple(target[:3])))
     best = hot.best_child("p", target)
     assert (best.block_id, best.common) == ("new", 3)
+
+
+def test_a_restored_cut_child_counts_as_recently_used():
+    """The child a lookup cuts was just used: the LRU evicts an older block first."""
+    store = TieredStore(1 << 30)
+    prompt = tokens_of(47, 2 * BS + 2)
+    ids = publish(store, prompt)  # ids[0], then ids[1]: ids[0] is the oldest
+    other = diverge(prompt, BS + 6, BS)
+    assert look(store, other)["trim"].block_id == ids[1]
+    order = store.hot.ids()
+    assert order.index(ids[1]) == len(order) - 1  # the newest now

@@ -310,6 +310,8 @@ class TieredStore:
                     self.ssd.pin(ssd_ids)
             for bid in block_ids[:present]:
                 self.hot.touch(bid)
+            if tail is not None:  # a restored tail or cut child is as recently used
+                self.hot.touch(tail.block_id)
             touched = [seen.get(bid) for bid in ssd_ids] + [sidecar]
             evicted = present < len(block_ids) and self.hot.was_evicted(block_ids[present])
             self.hot.stats.lookups += 1
