@@ -13,28 +13,20 @@ embedded dense model, against a cold prefill at temperature 0.
 
 from __future__ import annotations
 
-import mlx_lm
 import numpy as np
 import pytest
 
 from serve_app.cache.blocks import _checked_blocks
-from serve_app.cache.client import LocalCacheClient
-from serve_app.cache.hashing import block_id, chain, salted_root
+from serve_app.cache.hashing import block_id, chain
 from serve_app.cache.hot import HotEntry, HotStore
 from serve_app.cache.layout import KV, RECURRENT, ArraySpec, Layout
 from serve_app.cache.manager import RequestPlan
 from serve_app.cache.payload import BlockPayload, PayloadError, RestorePlan, Tensor
-from serve_app.cache.ssd import SSDStore
 from serve_app.cache.tiers import TailQuery, TieredStore, Trim
-from serve_app.embedded import FORMATS, materialize
-from serve_app.openai_api import CompletionRequest
-from serve_app.profile import ModelProfile
-from serve_app.service import ModelService
-from tests.test_cache_exact import run
+from tests.test_formats import DENSES, Server, close_loaded
 
 BS = 16
 ROOT = "root"
-DENSES = [f"tiny-dense-{f}" if f != "fp32" else "tiny-dense" for f in FORMATS]
 
 
 def tokens_of(seed: int, n: int, offset: int = 0) -> list[int]:
@@ -237,55 +229,10 @@ def test_a_request_restored_to_a_cut_captures_its_own_chain():
 # ---- exactness on the real engine, every dense format -------------------------------------
 
 
-_loaded: dict[str, tuple] = {}
-
-
-def load(name: str, home) -> tuple:
-    """(path, model, tokenizer, cold service), once per model for the module."""
-    if name not in _loaded:
-        path = materialize(name, home)
-        model, tokenizer = mlx_lm.load(str(path))
-        cold = ModelService(ModelProfile(name="cold", source=f"embedded:{name}",
-                                         cache={"enabled": False}), model, tokenizer, path)
-        _loaded[name] = (path, model, tokenizer, cold)
-    return _loaded[name]
-
-
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     yield tmp_path_factory.mktemp("common-prefix")
-    for *_, cold in _loaded.values():
-        cold.shutdown()
-    _loaded.clear()
-
-
-class Server:
-    """A warm service with its own store, and the model's cold twin."""
-
-    def __init__(self, name: str, home, directory=None) -> None:
-        path, model, tokenizer, self.cold = load(name, home)
-        self.ssd = SSDStore(directory, 1 << 30) if directory is not None else None
-        self.store = TieredStore(1 << 30, self.ssd)
-        profile = ModelProfile(name="warm", source=f"embedded:{name}", cache={"block_size": BS})
-        self.service = ModelService(profile, model, tokenizer, path, LocalCacheClient(self.store))
-
-    def ask(self, prompt: list[int], n: int = 10) -> dict:
-        return run(self.service, CompletionRequest(model="m", prompt=prompt, max_tokens=n,
-                                                   temperature=0))
-
-    def cold_text(self, prompt: list[int], n: int = 10) -> str:
-        return run(self.cold, CompletionRequest(model="m", prompt=prompt, max_tokens=n,
-                                                temperature=0))["text"]
-
-    def drain(self) -> None:
-        import time
-
-        deadline = time.monotonic() + 30
-        while self.store.snapshot()["staging"]["pending_bytes"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        self.service.shutdown()
+    close_loaded()
 
 
 @pytest.mark.parametrize("name", DENSES)
@@ -345,8 +292,8 @@ def test_hybrid_models_restore_to_block_ends_as_before(home):
     stats = server.service.cache_stats
     assert stats.trim_hits == 0 and stats.restore_failures == 0
     assert server.store.snapshot()["trim_hits"] == 0
-    ids = chain(salted_root(server.service.cache.root, None), prompt, BS)
-    assert server.store.hot.children(ids[0])  # indexed all the same; a hybrid lookup never cuts
+    # indexed all the same; a hybrid lookup never cuts
+    assert server.store.hot.children(server.ids(prompt)[0])
     server.close()
 
 

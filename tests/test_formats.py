@@ -53,12 +53,17 @@ def load(name: str, home) -> tuple:
     return _loaded[name]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _shutdown():
-    yield
+def close_loaded() -> None:
+    """Shut the cold services of ``load`` down (a module that loaded models calls it)."""
     for *_, cold in _loaded.values():
         cold.shutdown()
     _loaded.clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shutdown():
+    yield
+    close_loaded()
 
 
 class Server:
