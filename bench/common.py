@@ -139,9 +139,13 @@ def start_ours(tmp: Path, tag: str, model: str, *, cache: dict | None, max_token
         "max_tokens": max_tokens, **({"cache": cache} if cache is not None else {}),
         **profile}],
         cache_store={"ssd_dir": str(ssd_dir or tmp / f"kv-{tag}")})
-    server = ServerProcess.serve_run(config, port, tmp / f"{tag}.log")
+    return ready(ServerProcess.serve_run(config, port, tmp / f"{tag}.log"), [model])
+
+
+def ready(server: ServerProcess, models: list[str]) -> ServerProcess:
+    """The server once it serves ``models``; stopped (everything it started) if it never does."""
     try:
-        server.wait_ready([model])
+        server.wait_ready(models)
     except BaseException:
         server.stop()
         raise
@@ -154,13 +158,7 @@ def start_mlx_lm_server(tmp: Path, tag: str, model_dir: Path, max_tokens: int,
     port = free_port()
     argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port",
             str(port), "--max-tokens", str(max_tokens), *extra]
-    server = ServerProcess(argv, port, tmp / f"{tag}.log")
-    try:
-        server.wait_ready([str(model_dir)])
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return ready(ServerProcess(argv, port, tmp / f"{tag}.log"), [str(model_dir)])
 
 
 def model_stats(server: ServerProcess, model: str) -> dict:

@@ -50,6 +50,7 @@ from bench.common import (
     compare_outputs,
     emit,
     free_port,
+    ready,
     start_mlx_lm_server,
     start_ours,
     stream_chat,
@@ -406,14 +407,8 @@ def start_lean_serve(tmp: Path, model: str, plan: Plan, address: str) -> ServerP
         "name": model, "source": f"embedded:{model}", "max_tokens": max(plan.tokens, 16),
         "cache": {"enabled": False}, **our_profile(plan)}])
     serve_bin = str(Path(sys.executable).with_name("serve"))
-    server = ServerProcess([serve_bin, "run", "-a", address, str(config)], port,
-                           tmp / "lean-serve.log", env=lean_env())
-    try:
-        server.wait_ready([model])
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return ready(ServerProcess([serve_bin, "run", "-a", address, str(config)], port,
+                               tmp / "lean-serve.log", env=lean_env()), [model])
 
 
 def run_lean(model: str, tokenizer, plan: Plan, tmp: Path) -> dict:
