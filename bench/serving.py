@@ -30,6 +30,7 @@ Usage: python -m bench.serving --model tiny-hybrid [--tokens 256] [--streams 8]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shutil
@@ -39,6 +40,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -160,8 +162,9 @@ def engine_round(engine, tokenizer, n: int, tokens: int) -> tuple[float, list[di
     return sum(o["tokens"] for o in outputs) / (end - start), outputs
 
 
-def engine_in_process(model, tokenizer, plan: Plan) -> dict:
-    """Our ``Engine`` with the default profile's batching settings, driven directly."""
+@contextlib.contextmanager
+def running_engine(model, tokenizer, plan: Plan) -> Iterator:
+    """Our ``Engine`` with the default profile's batching settings, ready and warmed up."""
     from serve_app.engine import Engine
 
     defaults = ModelProfile.model_fields
@@ -172,12 +175,18 @@ def engine_in_process(model, tokenizer, plan: Plan) -> dict:
     try:
         engine.wait_ready(300)
         engine_round(engine, tokenizer, 1, plan.tokens)  # warm up
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def engine_in_process(model, tokenizer, plan: Plan) -> dict:
+    """Our ``Engine`` driven directly: single stream and every concurrency level."""
+    with running_engine(model, tokenizer, plan) as engine:
         engine_round(engine, tokenizer, plan.streams, 8)
         single = [engine_round(engine, tokenizer, 1, plan.tokens) for _ in range(plan.repeats)]
         levels = {n: [engine_round(engine, tokenizer, n, plan.tokens)[0]
                       for _ in range(plan.rounds)] for n in plan.levels}
-    finally:
-        engine.shutdown()
     return {"tps": median([tps for tps, _ in single]), "runs": [tps for tps, _ in single],
             "outputs": single[0][1], "concurrency": {n: median(v) for n, v in levels.items()}}
 
@@ -199,17 +208,9 @@ def engine_beside_idle_server(model, tokenizer, plan: Plan) -> dict:
     whatever it loses against ``engine_in_process`` is the cost of Ray's idle
     processes sharing the machine, not of our replica.
     """
-    from serve_app.engine import Engine
-
-    engine = Engine(model, stop_tokens=set(tokenizer.eos_token_ids), max_batch_size=1,
-                    name="beside")
-    try:
-        engine.wait_ready(300)
-        engine_round(engine, tokenizer, 1, plan.tokens)  # warm up
+    with running_engine(model, tokenizer, plan) as engine:
         runs = [engine_round(engine, tokenizer, 1, plan.tokens)[0]
                 for _ in range(plan.repeats)]
-    finally:
-        engine.shutdown()
     return {"tps": median(runs), "runs": runs}
 
 
