@@ -201,7 +201,7 @@ class DirectoryFeed:
             if not self.always and time.monotonic() >= next_check:
                 next_check = time.monotonic() + NODE_CHECK_S
                 with contextlib.suppress(Exception):  # the GCS busy: keep the last answer
-                    self.active = sum(bool(n.get("Alive")) for n in ray.nodes()) > 1
+                    self.active = len(alive_node_ids()) > 1
             if not (self.always or self.active):
                 directory, full = None, True  # a later second node gets a full snapshot
                 continue
@@ -256,13 +256,17 @@ class BlockDirectoryService:
         while True:
             time.sleep(self._check_nodes_s)
             try:
-                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+                alive = alive_node_ids()
             except Exception:  # the GCS is briefly unreachable: look again later
                 continue
             with self._lock:
                 for node_id in set(self.directory.nodes()) - alive:
                     logger.warning("node %s is gone: forgetting its blocks", node_id)
                     self.directory.forget(node_id)
+
+
+def alive_node_ids() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
 BlockDirectoryActor = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=8)(
