@@ -256,9 +256,9 @@ class ModelService:
                     if event.restored is not None:  # the engine took it out of the queue
                         joined = event.at
                         self._phase("queue", joined - planned)
-                    if event.restored is not None and event.restored < cached:
-                        self.cache.restore_failed(cached)  # the engine prefilled it cold
-                        cached = event.restored
+                        if event.restored < cached:  # the engine prefilled it cold
+                            self.cache.restore_failed(cached)
+                            cached = event.restored
                     if event.error is not None:
                         out.append(ApiError(500, event.error, type="server_error").to_event())
                         done = True
