@@ -264,8 +264,8 @@ def test_a_prompt_diverging_mid_block_restores_the_common_prefix_exactly(name, h
     server.close()
 
 
-def test_blocks_promoted_from_ssd_are_cut_too(home, tmp_path):
-    name = "tiny-dense-bf16"
+@pytest.mark.parametrize("name", DENSES)
+def test_blocks_promoted_from_ssd_are_cut_too(name, home, tmp_path):
     prompt = tokens_of(17, 3 * BS + 3)
     first = Server(name, home, tmp_path)
     first.ask(prompt)
