@@ -136,6 +136,22 @@ PREFIX_CACHE = (
     PanelSpec("Evictions by tier", "short", (
         Query(rate("ray_serve_app_cache_evictions_total", "model, tier"),
               "{{model}} {{tier}}"),)),
+    PanelSpec("Routing decisions by reason", "short", (
+        Query(rate("ray_serve_app_routing_decisions_total", "model, reason"),
+              "{{model}} {{reason}}"),),
+        "Prefix-affinity routing (several replicas): to the replica with the least to "
+        "prefill (`prefix`), elsewhere for load (`load_fallback`), or no node held any of the "
+        "prompt (`no_prefix`)."),
+    PanelSpec("Blocks fetched from other nodes", "short", (
+        Query(rate("ray_serve_app_remote_fetch_blocks_total", "model"), "blocks {{model}}"),
+        Query(rate("ray_serve_app_remote_fetch_failures_total", "model"),
+              "failed fetches {{model}}"),
+        Query(rate("ray_serve_app_remote_fetch_skipped_total", "model"),
+              "skipped (prefill cheaper) {{model}}"))),
+    PanelSpec("Cross-node fetch bandwidth", "Bps", (
+        Query(ratio(rate("ray_serve_app_remote_fetch_bytes_total", "model"),
+                    rate("ray_serve_app_remote_fetch_seconds_total", "model")), "{{model}}"),),
+        "Bytes per second of fetch time: what the replicas weigh against their prefill rate."),
 )
 
 STAGING_SSD = (

@@ -20,13 +20,15 @@ from typing import Any
 import ray
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.compat import serve_replica_env
+from serve_app.compat import download_model, serve_replica_env
 from serve_app.http import OpenAIIngress, api
 from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition
 from serve_app.openai_api import ApiError, Caller, OpenAIRequest
+from serve_app.prepare import PreparedRequest, Preparer
 from serve_app.profile import (
     CacheStoreProfile,
     ModelProfile,
@@ -39,13 +41,14 @@ logger = logging.getLogger("ray.serve")
 
 METRICS_FETCH_TIMEOUT_S = 5.0
 READY_PROBE_TIMEOUT_S = 0.5  # how long /health or a request waits on a model's probe
+ROUTING_STATS_PERIOD_S = 2.0  # how often Serve polls a replica's record_routing_stats
 
 
 class ModelReplica:
     """Loads one model and serves it through a ``ModelService``."""
 
     def __init__(self, profile: dict, model_home: str | None, cache_store: dict) -> None:
-        from serve_app.cache.actor import RayCacheClient, get_or_create_actor
+        from serve_app.cache.actor import DirectoryFollower, RayCacheClient, get_or_create_actor
         from serve_app.service import ModelService, load_model
 
         self.profile = ModelProfile.model_validate(profile)
@@ -57,7 +60,10 @@ class ModelReplica:
             # Waits for the actor (and replaces one of older code), here, not in the
             # first request; a store that never starts fails this replica with a reason.
             actor = get_or_create_actor(int(store.hot_budget), store.model_dump())
-            client = RayCacheClient(actor)
+            # The replica's copy of the cluster's block directory: which other node holds
+            # more of a prompt (then it fetches those blocks instead of prefilling them).
+            follower = DirectoryFollower().start() if store.directory != "off" else None
+            client = RayCacheClient(actor, follower)
         recorder = RayRecorder("replica", serve=True)
         self.service = ModelService(self.profile, model, tokenizer, model_dir, client, recorder)
         if self.service.cache.enabled:
@@ -76,17 +82,33 @@ class ModelReplica:
         """Answered only once __init__ (load and warm-up) is done: the ingress's probe."""
         return True
 
-    async def generate(self, request: OpenAIRequest, caller: Caller) -> AsyncIterator[list[dict]]:
-        """Event batches for one request, which the ingress has already validated."""
-        loop = asyncio.get_running_loop()
-        try:
-            prepared = await loop.run_in_executor(self.prepare_pool, self.service.prepare,
-                                                  request, caller)
-        except ApiError as exc:
-            yield [exc.to_event()]
-            return
+    async def generate(self, request: OpenAIRequest | PreparedRequest,
+                       caller: Caller) -> AsyncIterator[list[dict]]:
+        """Event batches for one request, which the ingress has already validated (and,
+        where replicas are routed on prefixes, prepared: the router needed its tokens)."""
+        prepared = request
+        if not isinstance(request, PreparedRequest):
+            loop = asyncio.get_running_loop()
+            try:
+                prepared = await loop.run_in_executor(self.prepare_pool, self.service.prepare,
+                                                      request, caller)
+            except ApiError as exc:
+                yield [exc.to_event()]
+                return
         async for events in self.service.stream(prepared):
             yield events
+
+    def record_routing_stats(self) -> dict:
+        """What the prefix-affinity router needs of this replica (polled by Serve)."""
+        from serve_app.routing import ReplicaInfo
+
+        cache, engine = self.service.cache, self.service.engine.stats
+        if not cache.enabled:
+            return {}
+        return ReplicaInfo(ray.get_runtime_context().get_node_id(), cache.root,
+                           cache.settings.block_size, self.profile.max_batch_size,
+                           engine.running_batch_size,
+                           max(0, engine.in_flight - engine.running_batch_size)).to_stats()
 
     async def stats(self) -> dict:
         out = await self.service.stats()
@@ -107,6 +129,17 @@ class ModelReplica:
             service.shutdown()
 
 
+def load_preparer(profile: ModelProfile, model_home: str | None) -> Preparer:
+    """A model's request preparer with its tokenizer only (no weights)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from serve_app.service import resolve_source
+
+    home = Path(model_home).expanduser() if model_home else None
+    model_dir = download_model(resolve_source(profile, home), profile.revision)
+    return Preparer(profile, load_tokenizer(model_dir), branch_points=profile.cache.enabled)
+
+
 def deployment_name(model_name: str) -> str:
     """A Serve deployment name for a model name (which may contain '/')."""
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in model_name)
@@ -124,12 +157,22 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     handles: dict[str, Any] = {}
     for m in profile.models:
         threads = m.cpu_threads or os.cpu_count() or 1
+        options: dict[str, Any] = {}
+        if m.max_replicas_per_node is not None:
+            options["max_replicas_per_node"] = m.max_replicas_per_node
+        if m.prefix_routing:
+            options["request_router_config"] = RequestRouterConfig(
+                request_router_class="serve_app.routing:PrefixAffinityRouter",
+                request_router_kwargs={"model": m.name,
+                                       "load_cost_tokens": m.routing.load_cost_tokens},
+                request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
         replica = serve.deployment(
             ModelReplica,
             name=deployment_name(m.name),
             num_replicas=m.num_replicas,
             ray_actor_options={
                 "num_cpus": m.num_cpus,
+                "resources": dict(m.resources),
                 # Ray forces OMP_NUM_THREADS=1 in actors without whole CPUs, which
                 # halves MLX's CPU backend; the engine thread wants the machine.
                 "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads),
@@ -138,6 +181,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             # Our own queue answers 429 before Serve would start queueing.
             max_ongoing_requests=m.max_batch_size + m.max_queued_requests + 8,
             health_check_period_s=10,
+            **options,
         )
         handles[m.name] = replica.bind(
             m.model_dump(), profile.model_home, profile.cache_store.model_dump()
@@ -162,13 +206,23 @@ class Ingress(OpenAIIngress):
     def __init__(self, profile: dict, handles: dict[str, DeploymentHandle]) -> None:
         self.profile = Profile.model_validate(profile)
         self.handles = handles
+        # Models routed on cached prefixes: the router needs each prompt's tokens, so
+        # requests are prepared here (the replica takes them as they are).
+        self.preparers = {m.name: load_preparer(m, self.profile.model_home)
+                          for m in self.profile.models if m.prefix_routing}
+        self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
         self.recorder = RayRecorder("ingress", serve=True)
         for m in self.profile.models:  # known series exist before the first request
             self.recorder.zero("serve_app_requests", {"model": m.name, "status": "200"})
         self.ready_models: set[str] = set()
         self.probes: dict[str, asyncio.Future] = {}
 
-    def stream_events(self, name: str, request: OpenAIRequest, caller: Caller):
+    async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller):
+        preparer = self.preparers.get(name)
+        if preparer is not None:
+            loop = asyncio.get_running_loop()
+            request = await loop.run_in_executor(self.prepare_pool, preparer.prepare,
+                                                 request, caller)
         return self.handles[name].options(stream=True).generate.remote(request, caller)
 
     async def model_ready(self, name: str) -> bool:

@@ -175,7 +175,8 @@ class OpenAIIngress:
     profile: Any
     recorder: Recorder = Recorder()
 
-    def stream_events(self, name: str, request: OpenAIRequest, caller: Caller) -> Any:
+    async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller) -> Any:
+        """The model's event batches for ``request`` (an async iterator)."""
         raise NotImplementedError
 
     async def model_stats(self) -> dict:
@@ -266,7 +267,7 @@ class OpenAIIngress:
         check_prompt_size(parsed, m.prompt_char_limit(), m.context_length)
         if not await self.model_ready(m.name):
             raise not_ready_error([m.name])
-        events = self.stream_events(parsed.model, parsed, caller_of(request))
+        events = await self.stream_events(parsed.model, parsed, caller_of(request))
         try:
             first = await events.__anext__()
         except StopAsyncIteration:

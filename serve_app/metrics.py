@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 EXPORT_PREFIX = "ray_"  # what Ray's exporter puts in front of every name
 PUMP_INTERVAL_S = 1.0
 
-TIERS = ("hot", "pending", "ssd")
+TIERS = ("hot", "pending", "ssd", "remote")
 MISS_REASONS = ("new_prefix", "diverged", "evicted", "no_checkpoint", "incompatible",
                 "restore_failed", "disabled")
 WRITE_RESULTS = ("done", "failed", "dropped")
@@ -36,7 +36,7 @@ PHASES = ("prepare", "plan", "queue", "prefill")
 DROP_REASONS = ("publish", "hot_full", "ssd_low_space", "ssd_budget")
 
 Kind = Literal["counter", "gauge", "histogram"]
-Where = Literal["ingress", "replica", "store"]
+Where = Literal["ingress", "router", "replica", "store"]
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
@@ -131,6 +131,23 @@ METRICS: tuple[MetricDef, ...] = (
        "Bytes of SSD block files read for restores."),
     _c("serve_app_prefix_cache_ssd_read_seconds", "replica",
        "Seconds spent reading SSD block files for restores."),
+    # ---- the cluster: routing on cached prefixes, blocks fetched from other nodes
+    _c("serve_app_routing_decisions", "router",
+       "Requests routed by the prefix-affinity router, by reason: `prefix` (to the replica with "
+       "the least to prefill, whose node holds part of the prompt), `load_fallback` (another "
+       "replica, for load), `no_prefix` (no node holds any of the prompt: least loaded).",
+       ("model", "reason")),
+    _c("serve_app_remote_fetch_blocks", "replica",
+       "Blocks fetched from another node's cache store instead of prefilled."),
+    _c("serve_app_remote_fetch_bytes", "replica", "Bytes of blocks fetched from other nodes."),
+    _c("serve_app_remote_fetch_seconds", "replica",
+       "Seconds spent fetching blocks from other nodes."),
+    _c("serve_app_remote_fetch_failures", "replica",
+       "Fetches from another node that brought nothing usable (the node died, answered late, "
+       "or sent blocks that did not fit): the request prefilled those tokens instead."),
+    _c("serve_app_remote_fetch_skipped", "replica",
+       "Times another node held more of a prompt but prefilling was cheaper than fetching, by "
+       "measured bandwidth and prefill rate."),
     # ---- capacity (the node's cache store)
     _g("serve_app_cache_bytes", "store",
        "Bytes held, by tier and kind (`block`: KV, with the recurrent state in the hot tier; "
@@ -307,6 +324,11 @@ def replica_samples(model: str, engine: dict, cache: dict) -> list[Sample]:
         Sample("serve_app_prefix_cache_restore_failures", m, cache["restore_failures"]),
         Sample("serve_app_prefix_cache_ssd_read_bytes", m, cache["ssd_read_bytes"]),
         Sample("serve_app_prefix_cache_ssd_read_seconds", m, cache["ssd_read_seconds"]),
+        Sample("serve_app_remote_fetch_blocks", m, cache["remote_fetch_blocks"]),
+        Sample("serve_app_remote_fetch_bytes", m, cache["remote_fetch_bytes"]),
+        Sample("serve_app_remote_fetch_seconds", m, cache["remote_fetch_seconds"]),
+        Sample("serve_app_remote_fetch_failures", m, cache["remote_fetch_failures"]),
+        Sample("serve_app_remote_fetch_skipped", m, cache["remote_fetch_skipped"]),
     ]
     for tier in TIERS:
         out.append(Sample("serve_app_prefix_cache_hit_tokens", {**m, "tier": tier},

@@ -65,6 +65,8 @@ class CacheStoreProfile(_Strict):
 
     hot_budget: ByteSize = ByteSize(1 << 30)
     ssd: bool = True
+    # Default: ~/.cache/serve_app/kv. "{node_id}" in it becomes the Ray node's id:
+    # for several Ray nodes on one machine (each needs a directory of its own).
     ssd_dir: str | None = None
     ssd_cache_max_size: ByteSize | Literal["auto"] = "auto"
     ssd_min_free: ByteSize = ByteSize(1 << 30)
@@ -72,6 +74,18 @@ class CacheStoreProfile(_Strict):
     # Report this node's blocks to the cluster's block directory: "auto" once the
     # cluster has a second node (a one-node server pays nothing for it).
     directory: Literal["auto", "on", "off"] = "auto"
+
+
+class RoutingProfile(_Strict):
+    """How requests pick one of a model's replicas."""
+
+    # "prefix": the replica that has the least to prefill, by the cluster's block
+    # directory (the ingress tokenizes each request for it); "default": Ray Serve's
+    # own router; "auto": "prefix" when the model has more than one replica.
+    mode: Literal["auto", "prefix", "default"] = "auto"
+    # What one request a replica is already serving counts for, in prompt tokens to
+    # prefill: higher spreads load sooner, lower follows cached prefixes harder.
+    load_cost_tokens: Annotated[float, Field(ge=0.0)] = 512.0
 
 
 class ModelProfile(_Strict):
@@ -92,6 +106,12 @@ class ModelProfile(_Strict):
     stream_chunks_per_second: Annotated[float, Field(gt=0.0)] = 80.0
     sampling: SamplingDefaults = SamplingDefaults()
     num_replicas: PositiveInt = 1
+    # At most this many replicas on one node: 1 for one replica per Mac of a cluster.
+    max_replicas_per_node: PositiveInt | None = None
+    # Custom Ray resources each replica needs (to pin replicas to nodes started with
+    # ``ray start --resources``).
+    resources: dict[str, Annotated[float, Field(gt=0.0)]] = {}
+    routing: RoutingProfile = RoutingProfile()
     num_cpus: Annotated[float, Field(ge=0.0)] = 0.0
     cpu_threads: Annotated[int, Field(ge=1)] | None = None
     # Bound on a prompt's characters, checked before tokenizing so a huge
@@ -114,6 +134,12 @@ class ModelProfile(_Strict):
     def _check_source(cls, value: str) -> str:
         source_kind(value)
         return value
+
+    @property
+    def prefix_routing(self) -> bool:
+        """Whether requests are routed on cached prefixes (see ``RoutingProfile``)."""
+        mode = self.routing.mode
+        return mode == "prefix" or (mode == "auto" and self.num_replicas > 1)
 
     def prompt_char_limit(self) -> int:
         """``max_prompt_chars``, or 32 characters per token of context when unset."""

@@ -17,37 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serve_app.cache.client import CacheClient
-from serve_app.cache.manager import CacheManager, CacheStats, find_branch_points
+from serve_app.cache.manager import CacheManager, CacheStats
 from serve_app.compat import download_model
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.engine import Engine, EngineEvent, QueueFullError, SamplingParams
 from serve_app.metrics import PHASES, Recorder, replica_samples
-from serve_app.openai_api import (
-    ApiError,
-    Caller,
-    ChatCompletionRequest,
-    CompletionRequest,
-    check_prompt_size,
-)
+from serve_app.openai_api import ApiError, Caller, ChatCompletionRequest, CompletionRequest
+from serve_app.prepare import PreparedRequest, Preparer
 from serve_app.profile import ModelProfile, source_kind
 from serve_app.stops import StopStringMatcher
 
 RETRY_AFTER_SECONDS = 1
-
-
-@dataclass
-class PreparedRequest:
-    """What the engine needs for one request, after validation."""
-
-    prompt: list[int]
-    params: SamplingParams
-    stops: list[str]
-    salt: str | None = None
-    api_key_digest: str | None = None  # set only when the profile isolates by API key
-    # Where the conversation may branch: the end of the system prompt, the start of
-    # the last message (prompt positions; a tail of the cache is captured there).
-    branch_points: tuple[int, ...] = ()
-    prepare_seconds: float = 0.0  # templating and tokenizing, for the phase metrics
 
 
 @dataclass
@@ -118,6 +98,7 @@ class ModelService:
         self.phases = PhaseTimes()
         self.cache = CacheManager.for_model(profile, self.layout, cache_client, model_dir,
                                             tokenizer.chat_template)
+        self.preparer = Preparer(profile, tokenizer, branch_points=self.cache.enabled)
 
     @property
     def cache_stats(self) -> CacheStats:
@@ -129,79 +110,16 @@ class ModelService:
     # ---- request preparation ---------------------------------------------------
 
     def prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
-        if isinstance(request, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-            try:
-                tokens = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True
-                )
-            except Exception as exc:  # templates raise on bad role orders etc.
-                raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
-            return list(tokens)
-        prompt = request.prompt
-        if isinstance(prompt, list):
-            prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        vocab = self.tokenizer.vocab_size
-        bad = [t for t in prompt if not 0 <= t < max(vocab, len(self.tokenizer))]
-        if bad:
-            raise ApiError(400, f"prompt has token ids outside the vocabulary: {bad[:5]}",
-                           param="prompt")
-        return list(prompt)
+        return self.preparer.prompt_tokens(request)
 
     def prepare(self, request: ChatCompletionRequest | CompletionRequest,
                 caller: Caller | None = None) -> PreparedRequest:
-        """Prompt tokens and sampling for a request the ingress validated.
-
-        Runs on a replica worker thread: templating and tokenizing a long prompt
-        must not stall the event loop. ``caller`` comes from the ingress's view
-        of the headers, never from the body.
-        """
-        tic = time.perf_counter()
-        check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length)
-        prompt = self.prompt_tokens(request)
-        if not prompt:
-            raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
-        limit = self.profile.context_length
-        if len(prompt) >= limit:
-            raise ApiError(
-                400,
-                f"this model's maximum context length is {limit} tokens, but the prompt "
-                f"has {len(prompt)} tokens (at least one token must remain to generate)",
-                param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
-                code="context_length_exceeded",
-            )
-        wanted = request.requested_max_tokens() or self.profile.max_tokens
-        max_tokens = min(wanted, self.profile.max_tokens, limit - len(prompt))
-        defaults = self.profile.sampling
-        temperature = request.temperature
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=defaults.temperature if temperature is None else temperature,
-            top_p=defaults.top_p if request.top_p is None else request.top_p,
-            seed=request.seed,
-        )
-        isolate = self.profile.cache.isolate_by_api_key and caller is not None
-        return PreparedRequest(prompt=prompt, params=params, stops=request.stop_list(),
-                               salt=request.cache_salt,
-                               api_key_digest=caller.api_key_digest if isolate else None,
-                               branch_points=self.branch_points(request, prompt),
-                               prepare_seconds=time.perf_counter() - tic)
+        """See ``Preparer.prepare``: runs on a replica worker thread."""
+        return self.preparer.prepare(request, caller)
 
     def branch_points(self, request: ChatCompletionRequest | CompletionRequest,
                       prompt: list[int]) -> tuple[int, ...]:
-        """Prompt positions where another conversation is likely to branch off this one
-        (see ``find_branch_points``). Only chat requests have them."""
-        if not self.cache.enabled or not isinstance(request, ChatCompletionRequest):
-            return ()
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-
-        def render(conversation: list[dict[str, str]]) -> list[int]:
-            return self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=False, tokenize=True)
-
-        return find_branch_points(messages, prompt, render)
+        return self.preparer.branch_points(request, prompt)
 
     # ---- streaming ----------------------------------------------------------------
 
@@ -266,6 +184,7 @@ class ModelService:
                     if event.token is not None:
                         if last_token_at is None and joined is not None:
                             self._phase("prefill", event.at - joined)
+                            self._prefilled(len(prepared.prompt) - cached, event.at - joined)
                         self._observe_token(arrived, last_token_at, event.at)
                         last_token_at = event.at
                         text, stopped = decoder.add(event.token)
@@ -316,6 +235,12 @@ class ModelService:
         self.phases.add(phase, seconds)
         self.metrics.observe("serve_app_request_phase_seconds", seconds,
                              {**self._labels, "phase": phase})
+
+    def _prefilled(self, tokens: int, seconds: float) -> None:
+        """A measured prefill rate, for deciding whether fetching from another node pays;
+        only prefills of at least a block measure it (short ones are all overhead)."""
+        if self.cache.enabled and tokens >= self.cache.settings.block_size:
+            self.cache.remote.prefilled(tokens, seconds)
 
     def _observe_token(self, arrived: float, previous: float | None, at: float) -> None:
         if previous is None:

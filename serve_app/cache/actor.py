@@ -21,13 +21,14 @@ import queue
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from serve_app.cache.client import CacheClient
+from serve_app.cache.client import CacheClient, FetchedChain, FetchRequest, RemotePrefix
 from serve_app.cache.directory import BlockDirectory, Changes, EventBatch
 from serve_app.cache.hot import HotEntry
 from serve_app.cache.payload import BlockPayload, CapturedBlock
@@ -43,6 +44,7 @@ MAX_UNACKED_PUTS = 8  # puts one replica has in flight to the store; then its pu
 ACK_WAIT_S = 30.0  # a lookup waits at most this long for the replica's earlier puts
 REPORT_DROPS_S = 1.0
 FEED_INTERVAL_S = 0.5  # how often a store tells the block directory what changed
+FOLLOW_INTERVAL_S = 0.25  # how often a router or replica pulls the directory's changes
 FEED_TIMEOUT_S = 10.0
 NODE_CHECK_S = 5.0  # how often the directory looks for nodes that died
 DIRECTORY_NAME = "block-directory"
@@ -59,7 +61,7 @@ def make_ssd(config: dict) -> tuple[SSDStore | None, str | None]:
     """
     if not config.get("ssd"):
         return None, None
-    root = Path(config.get("ssd_dir") or default_cache_dir()).expanduser()
+    root = Path(ssd_dir_of(config.get("ssd_dir"))).expanduser()
     try:
         budget = config.get("ssd_cache_max_size", "auto")
         if budget == "auto":
@@ -78,6 +80,16 @@ def make_ssd(config: dict) -> tuple[SSDStore | None, str | None]:
     return store, None
 
 
+def ssd_dir_of(configured: str | None) -> str:
+    """The SSD directory of this node: ``{node_id}`` in the profile's ``ssd_dir`` becomes
+    the Ray node's id (several nodes on one machine each get their own directory)."""
+    if not configured:
+        return str(default_cache_dir())
+    if "{node_id}" in configured:
+        return configured.replace("{node_id}", ray.get_runtime_context().get_node_id())
+    return configured
+
+
 class CacheStore:
     """The per-node cache store: the actor's body (``CacheStoreActor``), plain so tests
     can subclass it. Calls run concurrently; replicas make their own puts visible to
@@ -85,7 +97,7 @@ class CacheStore:
 
     # Bumped whenever a method's signature changes: the actor is detached and outlives
     # a redeploy, so replicas of new code may find one running the old code.
-    PROTOCOL = 2  # 2: put carries the block's token ids
+    PROTOCOL = 3  # 2: put carries the block's token ids; 3: export to other nodes
 
     def __init__(self, hot_budget: int, config: dict) -> None:
         ssd, self.ssd_disabled = make_ssd(config)
@@ -98,14 +110,14 @@ class CacheStore:
         self.names: dict[str, str] = {}  # model identity[:16] -> a name it is served under
         self._lock = threading.Lock()
         self.publish_dropped = 0  # blocks replicas could not hand over (they report them)
-        recorder = RayRecorder("store", serve=False)
-        self.pump = MetricsPump(recorder, self._metric_samples, name="cache-metrics").start()
         mode = config.get("directory", "auto")
         self.feed = DirectoryFeed(self.tiers, float(config.get("directory_feed_s",
                                                                FEED_INTERVAL_S)),
                                   always=mode == "on")
         if mode != "off" and ray.is_initialized():
             self.feed.start()
+        recorder = RayRecorder("store", serve=False)
+        self.pump = MetricsPump(recorder, self._metric_samples, name="cache-metrics").start()
 
     def _metric_samples(self) -> list:
         with self._lock:
@@ -140,6 +152,14 @@ class CacheStore:
     def release(self, lease: int | None) -> None:
         self.tiers.release(lease)
 
+    def export(self, req: FetchRequest) -> FetchedChain:
+        """A replica on another node asks for blocks ``req.first`` on of a chain: loaded
+        and checked here like a local restore (SSD files read on this node), returned
+        through the object store. Nothing stays pinned: the payloads travel in the reply."""
+        found = asyncio.run(ExportClient(self.tiers).fetch(req))
+        self.tiers.release(found.lease)
+        return replace(found, lease=None)
+
     def drop(self, kind: str, layout: str, block_id: str, token: str | None = None) -> None:
         self.tiers.drop(kind, layout, block_id, token)
 
@@ -160,6 +180,102 @@ class CacheStore:
 
 
 CacheStoreActor = ray.remote(**ACTOR_OPTIONS)(CacheStore)
+
+
+class ExportClient(CacheClient):
+    """A store's own tiers seen as a cache client, to load what another node asks for.
+    Hot payloads are resolved from the object store; nothing is promoted."""
+
+    def __init__(self, tiers: TieredStore) -> None:
+        self.tiers = tiers
+
+    def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None,
+                wait: bool = True) -> None:
+        pass
+
+    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
+                      exact: bool, tails: TailQuery | None) -> dict:
+        return self.tiers.lookup(block_ids, need_checkpoint, layout, exact, tails)
+
+    async def _resolve(self, handle: Any) -> BlockPayload:
+        return await resolve_hot(handle)
+
+    async def _drop(self, kind: str, layout: str, block_id: str,
+                    token: str | None = None) -> None:
+        self.tiers.drop(kind, layout, block_id, token)
+
+    async def release(self, lease: int | None) -> None:
+        self.tiers.release(lease)
+
+
+async def resolve_hot(handle: Any) -> BlockPayload:
+    """A hot block's payload from the object store."""
+    try:
+        return await handle
+    except ray.exceptions.RayError:  # its owner died: those bytes are gone
+        raise LookupError("hot block lost with its owner") from None
+
+
+class DirectoryFollower:
+    """This process's copy of the cluster's block directory, kept current by a thread
+    that pulls ``changes_since`` deltas; a router or a replica's planner reads memory
+    only. Without a directory (one node) it looks for one now and then."""
+
+    def __init__(self, interval: float = FOLLOW_INTERVAL_S) -> None:
+        self.interval = interval
+        self.copy = BlockDirectory(log_limit=1)
+        self.connected = False
+        self.last_error: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def start(self) -> DirectoryFollower:
+        threading.Thread(target=self._run, name="directory-follow", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def prefix_by_node(self, block_ids: list[str]) -> dict[str, list[str]]:
+        with self._lock:
+            return self.copy.prefix_by_node(block_ids)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"connected": self.connected, "version": self.copy.version,
+                    "nodes": self.copy.nodes(), "last_error": self.last_error}
+
+    def _run(self) -> None:
+        directory = None
+        while not self._stop.is_set():
+            if not ray.is_initialized():  # shut down: never auto-start a Ray of our own
+                return
+            try:
+                if directory is None:
+                    directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
+                with self._lock:
+                    version = self.copy.version
+                changes: Changes = ray.get(directory.changes_since.remote(version),
+                                           timeout=FEED_TIMEOUT_S)
+                with self._lock:
+                    if changes.version < version and not changes.reset:
+                        # The directory restarted and counts from 0 again: start over.
+                        self.copy = BlockDirectory(log_limit=1)
+                        continue
+                    self.copy.follow(changes)
+                    self.connected = True
+                    self.last_error = None
+            except ValueError:  # no directory (yet): one node, or none fed it so far
+                with self._lock:
+                    self.connected = False
+                self._stop.wait(NODE_CHECK_S)
+                continue
+            except Exception as exc:  # the directory died or is slow: look it up again
+                with self._lock:
+                    self.connected = False
+                    self.last_error = repr(exc)
+                directory = None
+            self._stop.wait(self.interval)
 
 
 class DirectoryFeed:
@@ -323,8 +439,11 @@ class RayCacheClient(CacheClient):
     then the bounded queue fills and the engine waits: backpressure, not memory.
     """
 
-    def __init__(self, actor) -> None:
+    def __init__(self, actor, follower: DirectoryFollower | None = None) -> None:
         self.actor = actor
+        self.follower = follower
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._stores: dict[str, Any] = {}  # node id -> that node's store actor
         self._queue: queue.Queue = queue.Queue(maxsize=PUBLISH_QUEUE_BLOCKS)
         self._cv = threading.Condition()
         self._seq = 0
@@ -415,22 +534,48 @@ class RayCacheClient(CacheClient):
                                               tails)
 
     async def _resolve(self, handle: Any) -> BlockPayload:
-        try:
-            return await handle
-        except ray.exceptions.RayError:  # its owner died: those bytes are gone
-            raise LookupError("hot block lost with its owner") from None
+        return await resolve_hot(handle)
 
     async def _drop(self, kind: str, layout: str, block_id: str,
                     token: str | None = None) -> None:
         await self.actor.drop.remote(kind, layout, block_id, token)
+
+    def remote_prefix(self, block_ids: list[str]) -> RemotePrefix | None:
+        if self.follower is None:
+            return None
+        runs = self.follower.prefix_by_node(block_ids)
+        runs.pop(self.node_id, None)
+        if not runs:
+            return None
+        # The longest run; between equals, the one with more of it in RAM.
+        node_id, tiers = max(runs.items(), key=lambda kv: (len(kv[1]), kv[1].count("hot")))
+        return RemotePrefix(node_id, len(tiers))
+
+    async def _export(self, node_id: str, req: FetchRequest,
+                      timeout: float) -> FetchedChain | None:
+        loop = asyncio.get_running_loop()
+        try:
+            store = self._stores.get(node_id)
+            if store is None:  # a GCS lookup: off the event loop, once per node
+                store = await loop.run_in_executor(None, lambda: ray.get_actor(
+                    f"cache-store-{node_id}", namespace=NAMESPACE))
+                self._stores[node_id] = store
+            return await asyncio.wait_for(store.export.remote(req), timeout)
+        except Exception as exc:  # the node died, its store is gone, or it answered late
+            logger.warning("fetching blocks from node %s failed: %r", node_id, exc)
+            self._stores.pop(node_id, None)
+            return None
 
     async def release(self, lease: int | None) -> None:
         if lease is not None:
             await self.actor.release.remote(lease)
 
     async def stats(self) -> dict:
-        """The store's stats, and this replica's publisher (drops, puts not acked yet)."""
+        """The store's stats, this replica's publisher (drops, puts not acked yet) and
+        its copy of the block directory."""
         out = await self.actor.stats.remote()
         with self._cv:
             out["publisher"] = {"dropped": self.dropped, "unacknowledged": len(self._unacked)}
+        if self.follower is not None:
+            out["directory"] = self.follower.snapshot()
         return out

@@ -15,9 +15,10 @@ promoted into the hot tier.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from serve_app.cache import codecs
@@ -34,6 +35,8 @@ from serve_app.cache.tiers import DiskInfo, Source, TailQuery, TieredStore, Trim
 
 if TYPE_CHECKING:  # layout.py imports mlx-lm; this module (and the cache policy) need not
     from serve_app.cache.layout import Layout
+
+logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 8
 
@@ -70,6 +73,8 @@ class FetchRequest:
     expect: dict[str, str]  # metadata every SSD file of this model must carry
     exact: bool = True  # only exact checkpoints (no lossy sidecar codec)
     tails: TailQuery | None = None  # also look for a tail past the last full block
+    first: int = 0  # payloads of the blocks before this one are not loaded (another
+    # node's store exporting what the asking replica lacks)
 
     def block_tokens(self, found: dict) -> list[int]:
         """Tokens of each block a lookup returned (the last may be a tail)."""
@@ -90,6 +95,26 @@ class FetchRequest:
             return ()
         start = index * self.block_size
         return tuple(self.tails.tokens[start : start + count])
+
+
+@dataclass(frozen=True)
+class RemotePrefix:
+    """Another node holds the leading ``blocks`` blocks of a chain (per the directory)."""
+
+    node_id: str
+    blocks: int
+
+
+@dataclass(frozen=True)
+class RemoteChain:
+    """Blocks ``start`` on of a chain, fetched from another node's store and validated
+    here; the last carries its recurrent checkpoint on a hybrid model."""
+
+    node_id: str
+    start: int
+    payloads: list[BlockPayload]
+    nbytes: int
+    seconds: float
 
 
 class BadFile(Exception):
@@ -130,6 +155,48 @@ class CacheClient:
     async def stats(self) -> dict:
         raise NotImplementedError
 
+    def remote_prefix(self, block_ids: list[str]) -> RemotePrefix | None:
+        """The other node holding the longest leading run of ``block_ids`` (from this
+        replica's copy of the cluster's block directory; no remote call). None: no
+        cluster, or no other node holds the first block."""
+        return None
+
+    async def _export(self, node_id: str, req: FetchRequest,
+                      timeout: float) -> FetchedChain | None:
+        """``req`` answered by ``node_id``'s store (None: gone, slow or failed)."""
+        return None
+
+    async def fetch_remote(self, req: FetchRequest, start: int, node_id: str,
+                           timeout: float) -> RemoteChain | None:
+        """Blocks ``start`` on of ``req``'s chain from another node's store, checked like
+        SSD blocks and promoted into this node's hot tier; None is a clean miss (the node
+        died, answered late, or sent nothing usable)."""
+        tic = time.perf_counter()
+        remote = replace(req, first=start, tails=None)
+        found = await self._export(node_id, remote, timeout)
+        seconds = time.perf_counter() - tic
+        if found is None or found.present <= start or len(found.payloads) != found.present - start:
+            return None
+        bs, layout = req.block_size, req.layout
+        for i, payload in enumerate(found.payloads):
+            last = i == len(found.payloads) - 1
+            reason = layout.check(payload.without_state(), bs, need_state=False)
+            if reason is None and last and layout.hybrid:
+                reason = layout.check(payload, bs, need_state=True)
+            if reason is not None:
+                logger.warning("block %s from node %s does not fit: %s",
+                               req.block_ids[start + i], node_id, reason)
+                return None
+        payloads = [p if i == len(found.payloads) - 1 else p.without_state()
+                    for i, p in enumerate(found.payloads)]
+        parents = [req.tails.root if req.tails else "", *req.block_ids]
+        for i, payload in enumerate(payloads):
+            index = start + i
+            self.publish(req.model, CapturedBlock(req.block_ids[index], parents[index], payload,
+                                                  token_ids=req.token_ids(index, bs)),
+                         None, wait=False)  # on the event loop: a promotion never waits
+        return RemoteChain(node_id, start, payloads, sum(p.nbytes for p in payloads), seconds)
+
     async def fetch(self, req: FetchRequest) -> FetchedChain:
         """The longest restorable chain, payloads loaded and checked; retried past bad files."""
         rejects = incompatible = 0
@@ -153,7 +220,8 @@ class CacheClient:
                 raise
             # A rejected checkpoint shows up as a walkback of the next lookup.
             tiers = [s.tier for s in found["sources"]]
-            ssd_bytes = sum(p.nbytes for p, t in zip(payloads, tiers, strict=True) if t == "ssd")
+            ssd_bytes = sum(p.nbytes for p, t in zip(payloads, tiers[req.first:], strict=True)
+                            if t == "ssd")
             return FetchedChain(found["present"], found["walkbacks"], payloads,
                                 found["lease"], found["first_missing_evicted"], tiers, rejects,
                                 incompatible, reason, found["tail_tokens"],
@@ -183,9 +251,10 @@ class CacheClient:
         payloads: list[BlockPayload] = []
         sidecar_loads = 0
         loop = asyncio.get_running_loop()
-        sources: list[Source] = found["sources"]
-        block_ids, layout = found["ids"], req.layout
-        counts = req.stored_tokens(found)  # a cut payload is checked as stored
+        first = min(req.first, len(found["sources"]))
+        sources: list[Source] = found["sources"][first:]
+        block_ids, layout = found["ids"][first:], req.layout
+        counts = req.stored_tokens(found)[first:]  # a cut payload is checked as stored
         # Read every SSD block file at once; the disk does better with queue depth.
         reads = await asyncio.gather(*(
             loop.run_in_executor(None, _read_or_none, s.handle, {**req.expect, "block_id": b})
@@ -237,9 +306,9 @@ class CacheClient:
             payloads.append(payload)
             if source.tier == "ssd":  # validated: promote to the hot tier (never lossy state)
                 promoted = payload.without_state() if lossy else payload
-                self.publish(req.model, CapturedBlock(bid, parent, promoted,
-                                                      token_ids=req.token_ids(i, counts[i])),
-                             None, wait=False)  # on the event loop: a promotion never waits
+                self.publish(req.model, CapturedBlock(
+                    bid, parent, promoted, token_ids=req.token_ids(first + i, counts[i])),
+                    None, wait=False)  # on the event loop: a promotion never waits
         return payloads, sidecar_loads
 
     async def _load_checkpoint(self, loop, req: FetchRequest, source: Source,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+import numpy as np
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -24,7 +25,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from serve_app.cache.payload import BlockPayload, Tensor
+from serve_app.cache.payload import STORAGE, BlockPayload, Tensor
 
 KV = "kv"
 RECURRENT = "recurrent"
@@ -66,6 +67,12 @@ class ArraySpec:
     def describe(self) -> str:
         return f"{self.dtype}{['T' if d is None else d for d in self.shape]}"
 
+    def nbytes(self, tokens: int = 0) -> int:
+        n = np.dtype(STORAGE[self.dtype]).itemsize
+        for d in self.shape:
+            n *= tokens if d is None else d
+        return n
+
 # Kinds we recognise but cannot slice per block yet, checked before the
 # generic ones because some subclass them.
 _UNSUPPORTED = (
@@ -100,6 +107,16 @@ class Layout:
         arrays = ";".join(",".join(a.describe() for a in layer) for layer in self.arrays)
         text = "|".join(["layout-v2", *self.kinds, arrays, self.epoch])
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def block_nbytes(self, tokens: int) -> int:
+        """Bytes of the KV of ``tokens`` tokens (what moving a block costs)."""
+        return sum(a.nbytes(tokens) for layer, kind in zip(self.arrays, self.kinds, strict=True)
+                   if kind == KV for a in layer)
+
+    def state_nbytes(self) -> int:
+        """Bytes of one recurrent checkpoint (every recurrent layer's state)."""
+        return sum(a.nbytes() for layer, kind in zip(self.arrays, self.kinds, strict=True)
+                   if kind == RECURRENT for a in layer)
 
     def check(self, payload: BlockPayload, tokens: int, need_state: bool) -> str | None:
         """Why ``payload`` cannot be a block of ``tokens`` tokens here (None if it can).

@@ -70,6 +70,14 @@ class CacheStats:
     ssd_read_seconds: float = 0.0
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     fetch_seconds: float = 0.0
+    # Blocks fetched from another node's store (a cluster), and fetches that came back
+    # with nothing usable (the node died or answered late: the request went on without).
+    remote_fetches: int = 0
+    remote_fetch_blocks: int = 0
+    remote_fetch_bytes: int = 0
+    remote_fetch_seconds: float = 0.0
+    remote_fetch_failures: int = 0
+    remote_fetch_skipped: int = 0  # another node had more, but recomputing was cheaper
     misses_by_reason: dict[str, int] = field(default_factory=dict)
     last_miss_reason: str | None = None
 
@@ -125,6 +133,47 @@ def find_branch_points(messages: list[dict[str, str]], prompt: list[int],
         if 0 < common < len(prompt) - 1:
             points.add(common)
     return tuple(sorted(points))
+
+
+@dataclass
+class RemoteFetchPolicy:
+    """Whether fetching blocks from another node beats prefilling them here: measured
+    fetch bandwidth against measured prefill rate (moving averages).
+
+    Until this replica has measured a prefill, fetching wins: KV bytes per token are
+    small against what a token of prefill costs on any real model and link.
+    """
+
+    bandwidth: float = 1e9  # bytes/s until measured (10 GbE or Thunderbolt: 1-4 GB/s)
+    latency: float = 0.005  # seconds a fetch costs beyond its bytes
+    prefill_rate: float | None = None  # tokens/s, once measured
+    min_timeout: float = 2.0
+    weight: float = 0.3  # of a new measurement in the moving averages
+
+    def worth(self, nbytes: int, tokens: int) -> bool:
+        if self.prefill_rate is None:
+            return True
+        return self.fetch_seconds(nbytes) < tokens / self.prefill_rate
+
+    def fetch_seconds(self, nbytes: int) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+    def timeout(self, nbytes: int) -> float:
+        """How long to wait for a fetch before prefilling instead: far past its estimate."""
+        return max(self.min_timeout, 4 * self.fetch_seconds(nbytes))
+
+    def fetched(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.bandwidth = self._mix(self.bandwidth, nbytes / seconds)
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            rate = tokens / seconds
+            self.prefill_rate = rate if self.prefill_rate is None else self._mix(
+                self.prefill_rate, rate)
+
+    def _mix(self, old: float, new: float) -> float:
+        return (1 - self.weight) * old + self.weight * new
 
 
 @dataclass(frozen=True)
@@ -365,6 +414,7 @@ class CacheManager:
                         "block_size": str(settings.block_size)}
         self._disk = DiskInfo(identity, layout.digest, settings.block_size, settings.storage,
                               settings.codec)
+        self.remote = RemoteFetchPolicy()
 
     @classmethod
     def for_model(cls, profile: ModelProfile, layout: Layout, client: CacheClient | None,
@@ -402,14 +452,50 @@ class CacheManager:
         restorable = min(len(ids), (len(prompt) - 1) // bs)
         stats.lookups += 1
         tic = time.perf_counter()
-        found = await self.client.fetch(FetchRequest(
-            self.settings.model, ids[:restorable], self.layout, bs, self._expect,
-            exact=self.settings.codec == codecs.EXACT,
-            tails=TailQuery(root, prompt[:-1], bs)))
+        req = FetchRequest(self.settings.model, ids[:restorable], self.layout, bs, self._expect,
+                           exact=self.settings.codec == codecs.EXACT,
+                           tails=TailQuery(root, prompt[:-1], bs))
+        found = await self.client.fetch(req)
+        found = await self._extend_from_remote(req, found)
         stats.fetch_seconds += time.perf_counter() - tic
         restore = self._count(found, len(prompt), restorable)
         return RequestPlan(bs, root, ids, restore, self.publish, self.settings.checkpoint_every,
                            branch_points, found.lease)
+
+    async def _extend_from_remote(self, req: FetchRequest, found: FetchedChain) -> FetchedChain:
+        """``found`` extended with the blocks another node holds past it, where the
+        directory says one holds more and fetching is cheaper than prefilling them."""
+        offer = self.client.remote_prefix(req.block_ids)
+        bs = self.settings.block_size
+        full = len(found.block_tokens) - bool(found.tail_tokens)  # local full blocks
+        if offer is None or offer.blocks * bs <= sum(found.block_tokens):
+            return found
+        stats = self.stats
+        nbytes = (offer.blocks - full) * self.layout.block_nbytes(bs) + (
+            self.layout.state_nbytes() if self.layout.hybrid else 0)
+        gain = offer.blocks * bs - sum(found.block_tokens)
+        if not self.remote.worth(nbytes, gain):
+            stats.remote_fetch_skipped += 1
+            return found
+        chain = await self.client.fetch_remote(req, full, offer.node_id,
+                                               self.remote.timeout(nbytes))
+        if chain is None:
+            stats.remote_fetch_failures += 1
+            logger.warning("model %s: fetching %d blocks from node %s failed; prefilling them",
+                           self.settings.model, offer.blocks - full, offer.node_id)
+            return found
+        self.remote.fetched(chain.nbytes, chain.seconds)
+        stats.remote_fetches += 1
+        stats.remote_fetch_blocks += len(chain.payloads)
+        stats.remote_fetch_bytes += chain.nbytes
+        stats.remote_fetch_seconds += chain.seconds
+        local = found.payloads[:full]
+        if local and self.layout.hybrid:  # the state now comes from the last fetched block
+            local[-1] = local[-1].without_state()
+        n = full + len(chain.payloads)
+        return replace(found, present=max(found.present, n), payloads=local + chain.payloads,
+                       tiers=found.tiers[:full] + ["remote"] * len(chain.payloads),
+                       block_tokens=[bs] * n, tail_tokens=0, trim=None)
 
     def _count(self, found: FetchedChain, prompt_len: int, restorable: int) -> RestorePlan | None:
         """Count a fetch in the stats; the restore it allows, if any."""

@@ -1,0 +1,185 @@
+"""Prefix-affinity routing: send a request to the replica that has to prefill the least.
+
+The router runs in the caller's process (the ingress). It hashes the prepared
+prompt into the same chained block ids the cache uses, reads which node holds
+how much of that chain from its own copy of the cluster's block directory, and
+ranks the model's replicas by the tokens each would still prefill (blocks in
+RAM cost nothing, on SSD a little, on another node what fetching them costs)
+plus a cost per request it is already running. A replica whose batch is full is
+ranked after every one that is not: each candidate is guarded on its own load.
+No routing decision makes a remote call; the directory copy is kept current by a
+background thread (``DirectoryFollower``).
+
+``rank`` is plain (unit-tested without Ray); ``PrefixAffinityRouter`` is the thin
+Ray Serve glue (``RequestRouterConfig``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from serve_app.cache.hashing import chain, salted_root
+from serve_app.metrics import RayRecorder
+from serve_app.prepare import PreparedRequest
+
+logger = logging.getLogger("ray.serve")
+
+# What restoring a block costs, as a fraction of prefilling it.
+TIER_COST = {"hot": 0.0, "ssd": 0.1, "remote": 0.3}
+REASONS = ("prefix", "load_fallback", "no_prefix")
+DECIDED_MEMORY = 4096
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What a model replica reports for routing (its ``record_routing_stats``)."""
+
+    node_id: str
+    root: str  # the unsalted chain root: the same on every replica of one model and layout
+    block_size: int
+    max_batch_size: int
+    running: int = 0
+    queued: int = 0
+
+    def to_stats(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_stats(cls, stats: dict[str, Any] | None) -> ReplicaInfo | None:
+        """None for a replica that has not reported yet (or serves without a cache)."""
+        try:
+            return cls(**stats) if stats and stats.get("root") else None
+        except TypeError:  # a replica of other code
+            return None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    key: Any  # the replica's id
+    node_id: str
+    ongoing: int  # requests it is serving now, as this router counts them
+    capacity: int  # requests it runs at once (its batch size)
+
+    @property
+    def overloaded(self) -> bool:
+        return self.ongoing >= self.capacity
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Replicas best first, and the tokens each would prefill (in prefill-token units)."""
+
+    order: list[Any]
+    prefill: dict[Any, float]
+    held: dict[Any, int]  # blocks of the prompt each candidate's node holds
+
+    def reason(self, key: Any) -> str:
+        """Why ``key`` got the request: the replica with the least to prefill (``prefix``,
+        when its node holds some of the prompt), another one for load, or none held any."""
+        if self.prefill[key] > min(self.prefill.values()):
+            return "load_fallback"
+        return "prefix" if self.held.get(key) else "no_prefix"
+
+
+def prefill_cost(node_id: str, runs: dict[str, list[str]], prompt_tokens: int,
+                 block_size: int) -> float:
+    """Tokens a replica on ``node_id`` would prefill, with cached blocks credited by tier:
+    its own node's run, then what another node holds past it (fetched), then the rest."""
+    local = runs.get(node_id, [])
+    remote = max((len(t) for n, t in runs.items() if n != node_id), default=0)
+    cost = sum(TIER_COST.get(tier, 1.0) for tier in local) * block_size
+    cost += max(0, remote - len(local)) * TIER_COST["remote"] * block_size
+    return cost + max(0, prompt_tokens - max(len(local), remote) * block_size)
+
+
+def rank(candidates: list[Candidate], runs: dict[str, list[str]], prompt_tokens: int,
+         block_size: int, load_cost_tokens: float) -> Ranking:
+    """Candidates by prefill cost plus ``load_cost_tokens`` per ongoing request; those
+    with a full batch last. Ties are broken at random, so equal replicas share work."""
+    prefill = {c.key: prefill_cost(c.node_id, runs, prompt_tokens, block_size)
+               for c in candidates}
+    order = sorted(candidates, key=lambda c: (c.overloaded,
+                                              prefill[c.key] + load_cost_tokens * c.ongoing,
+                                              c.ongoing, random.random()))
+    held = {c.key: len(runs.get(c.node_id, ())) for c in candidates}
+    return Ranking([c.key for c in order], prefill, held)
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Ray Serve request router for the model deployments (see the module docstring)."""
+
+    def initialize_state(self, model: str = "", load_cost_tokens: float = 512.0,
+                         follow_s: float = 0.25) -> None:
+        from serve_app.cache.actor import DirectoryFollower
+
+        self.model = model
+        self.load_cost_tokens = load_cost_tokens
+        self.follower = DirectoryFollower(follow_s).start()
+        self.recorder = RayRecorder("router", serve=False)
+        for reason in REASONS:
+            self.recorder.zero("serve_app_routing_decisions", {"model": model, "reason": reason})
+        self.ongoing: dict[ReplicaID, int] = {}
+        self.decided: OrderedDict[str, None] = OrderedDict()  # requests counted already
+        self.decisions = dict.fromkeys(REASONS, 0)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        prepared = _prepared(pending_request)
+        by_key = {r.replica_id: r for r in candidate_replicas}
+        info = next((i for i in (ReplicaInfo.from_stats(r.routing_stats)
+                                 for r in candidate_replicas) if i is not None), None)
+        if prepared is None or info is None:  # not a generation, or no replica reported yet
+            ordered = sorted(candidate_replicas,
+                             key=lambda r: (self.ongoing.get(r.replica_id, 0), random.random()))
+            return [[r] for r in ordered]
+        bs = info.block_size
+        root = salted_root(info.root, prepared.salt, prepared.api_key_digest)
+        restorable = (len(prepared.prompt) - 1) // bs
+        runs = self.follower.prefix_by_node(chain(root, prepared.prompt[:restorable * bs], bs))
+        candidates = [Candidate(r.replica_id, r.node_id, self.ongoing.get(r.replica_id, 0),
+                                _capacity(r, info)) for r in candidate_replicas]
+        ranking = rank(candidates, runs, len(prepared.prompt), bs, self.load_cost_tokens)
+        self._count(pending_request.metadata.internal_request_id, ranking.reason(ranking.order[0]))
+        return [[by_key[key]] for key in ranking.order]
+
+    def _count(self, request_id: str, reason: str) -> None:
+        """One decision per request (a request Ray routes again after a refusal, or after
+        its replica died, is not counted twice)."""
+        if request_id in self.decided:
+            return
+        self.decided[request_id] = None
+        if len(self.decided) > DECIDED_MEMORY:
+            self.decided.popitem(last=False)
+        self.decisions[reason] += 1
+        self.recorder.inc("serve_app_routing_decisions", 1, {"model": self.model, "reason": reason})
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        self.ongoing[replica_id] = self.ongoing.get(replica_id, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self.ongoing.get(replica_id, 0) > 0:
+            self.ongoing[replica_id] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.ongoing.pop(replica_id, None)
+
+
+def _prepared(pending_request: PendingRequest | None) -> PreparedRequest | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    first = pending_request.args[0]
+    return first if isinstance(first, PreparedRequest) else None
+
+
+def _capacity(replica: RunningReplica, info: ReplicaInfo) -> int:
+    own = ReplicaInfo.from_stats(replica.routing_stats)
+    return (own or info).max_batch_size

@@ -1,0 +1,145 @@
+"""Blocks fetched from another node's store restore exactly what a cold prefill computes.
+
+In-process (real engine, real stores, no Ray): node B's store is reached through the
+same ``CacheClient.fetch_remote`` a replica uses, with the transport (``_export``)
+answering from B's ``TieredStore`` as B's store actor does. On every weight format
+of both embedded models. The Ray transport, routing and node death are covered on a
+real multi-node cluster in ``tests/test_cluster.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.cache.client import FetchedChain, FetchRequest, LocalCacheClient, RemotePrefix
+from serve_app.cache.manager import RemoteFetchPolicy
+from serve_app.cache.tiers import TieredStore
+from serve_app.openai_api import CompletionRequest
+from serve_app.profile import ModelProfile
+from serve_app.service import ModelService
+from tests.test_cache_exact import run
+from tests.test_formats import BS, DENSES, HYBRIDS, close_loaded, load, prompt_of
+from tests.test_formats import home as home  # noqa: F401  (the module's model home fixture)
+
+
+class TwoNodeClient(LocalCacheClient):
+    """Node A's client; node B's store answers ``_export`` like B's store actor would."""
+
+    def __init__(self, store: TieredStore, peer: TieredStore, peer_up: bool = True) -> None:
+        super().__init__(store)
+        self.peer = LocalCacheClient(peer)
+        self.peer_up = peer_up
+        self.exports: list[FetchRequest] = []
+
+    def remote_prefix(self, block_ids: list[str]) -> RemotePrefix | None:
+        held = {e.block_id for e in self.peer.store.directory_events(full=True)}
+        n = next((i for i, b in enumerate(block_ids) if b not in held), len(block_ids))
+        return RemotePrefix("node-b", n) if n else None
+
+    async def _export(self, node_id: str, req: FetchRequest,
+                      timeout: float) -> FetchedChain | None:
+        self.exports.append(req)
+        if not self.peer_up:  # the node went away: its store never answers
+            return None
+        found = await self.peer.fetch(req)
+        await self.peer.release(found.lease)
+        return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shutdown():
+    yield
+    close_loaded()
+
+
+def service(name: str, home, client: LocalCacheClient) -> ModelService:
+    path, model, tokenizer, _ = load(name, home)
+    profile = ModelProfile(name="warm", source=f"embedded:{name}", cache={"block_size": BS})
+    return ModelService(profile, model, tokenizer, path, client)
+
+
+def ask(svc: ModelService, prompt: list[int], n: int = 10) -> dict:
+    return run(svc, CompletionRequest(model="m", prompt=prompt, max_tokens=n, temperature=0))
+
+
+@pytest.mark.parametrize("name", HYBRIDS + DENSES)
+def test_blocks_from_another_node_restore_exactly(name, home):
+    cold = load(name, home)[3]
+    store_a, store_b = TieredStore(1 << 30, None), TieredStore(1 << 30, None)
+    prompt = prompt_of(3, 6)  # 6 full blocks and 3 tokens
+    # Node A holds the first two blocks of the prompt, node B all six.
+    client = TwoNodeClient(store_a, store_b)
+    node_a = service(name, home, client)
+    ask(node_a, prompt[: 2 * BS + 1])
+    node_b = service(name, home, LocalCacheClient(store_b))
+    ask(node_b, prompt)
+    node_b.shutdown()
+    longer = prompt + [7, 8, 9]
+    warm = ask(node_a, longer)
+    assert warm["text"] == ask(cold, longer)["text"]
+    stats = node_a.cache_stats
+    assert stats.remote_fetches == 1 and stats.remote_fetch_failures == 0
+    assert client.exports[-1].first == 2  # only what A lacked crossed the wire
+    assert stats.hit_tokens_by_tier["remote"] == 4 * BS
+    assert warm["cached"] == 6 * BS
+    # The fetched blocks were promoted into A's hot tier: the next turn needs no fetch.
+    again = ask(node_a, longer + [10, 11])
+    assert again["text"] == ask(cold, longer + [10, 11])["text"]
+    assert node_a.cache_stats.remote_fetches == 1 and again["cached"] >= 6 * BS
+    node_a.shutdown()
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-dense"])
+def test_a_node_gone_mid_fetch_is_a_clean_miss(name, home):
+    cold = load(name, home)[3]
+    store_a, store_b = TieredStore(1 << 30, None), TieredStore(1 << 30, None)
+    prompt = prompt_of(5, 4)
+    node_b = service(name, home, LocalCacheClient(store_b))
+    ask(node_b, prompt)
+    node_b.shutdown()
+    node_a = service(name, home, TwoNodeClient(store_a, store_b, peer_up=False))
+    warm = ask(node_a, prompt)
+    assert warm["text"] == ask(cold, prompt)["text"] and warm["cached"] == 0
+    stats = node_a.cache_stats
+    assert stats.remote_fetch_failures == 1 and stats.remote_fetches == 0
+    node_a.shutdown()
+
+
+def test_blocks_that_do_not_fit_are_refused(home):
+    """A peer answering with blocks of another layout (here: cut short) is a clean miss."""
+    store_a, store_b = TieredStore(1 << 30, None), TieredStore(1 << 30, None)
+    prompt = prompt_of(9, 3)
+    node_b = service("tiny-dense", home, LocalCacheClient(store_b))
+    ask(node_b, prompt)
+    node_b.shutdown()
+
+    class Truncating(TwoNodeClient):
+        async def _export(self, node_id, req, timeout):
+            found = await super()._export(node_id, req, timeout)
+            found.payloads[-1] = found.payloads[-1].cut(BS - 1)
+            return found
+
+    node_a = service("tiny-dense", home, Truncating(store_a, store_b))
+    warm = ask(node_a, prompt)
+    assert warm["cached"] == 0 and node_a.cache_stats.remote_fetch_failures == 1
+    assert warm["text"] == ask(load("tiny-dense", home)[3], prompt)["text"]
+    node_a.shutdown()
+
+
+def test_prefilling_is_chosen_when_it_is_cheaper():
+    policy = RemoteFetchPolicy(bandwidth=1e6, latency=0.01)
+    assert policy.worth(10**9, 16)  # nothing measured yet: fetch
+    policy.prefilled(1000, 0.5)  # 2,000 tokens/s
+    assert policy.worth(10_000, 256)  # 0.02 s to fetch vs 0.128 s to prefill
+    assert not policy.worth(1_000_000, 256)  # 1.01 s to fetch
+    policy.fetched(1_000_000, 0.01)  # a measured 100 MB/s pulls the average up
+    assert policy.bandwidth > 1e6 and policy.timeout(0) == policy.min_timeout
+
+
+def test_no_remote_without_a_directory():
+    """A client with no cluster (the base) never offers anything remote."""
+    client = LocalCacheClient(TieredStore(1 << 20, None))
+    assert client.remote_prefix(["a", "b"]) is None
+    assert asyncio.run(client._export("n", None, 1.0)) is None
