@@ -260,6 +260,10 @@ class ModelService:
         cache = self.cache_stats.summary()
         tokens = engine["captured_tokens"]
         cache["checkpoint_interval"] = self.cache.settings.checkpoint_every or None
+        remote = self.cache.remote
+        cache["remote_fetch_policy"] = {
+            "bandwidth_bytes_per_s": round(remote.bandwidth),
+            "prefill_tokens_per_s": round(remote.prefill_rate) if remote.prefill_rate else None}
         cache["checkpoint_bytes_per_1k_tokens"] = (
             round(engine["captured_checkpoint_bytes"] * 1000 / tokens) if tokens else None)
         out = {"model": self.profile.name, "engine": engine, "cache": cache,

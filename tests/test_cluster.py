@@ -1,0 +1,208 @@
+"""One model, two Ray nodes, one prefix cache: ``serve run`` on a real multi-node cluster.
+
+Two Ray nodes on this machine (``ray.cluster_utils.Cluster``), each with its own SSD
+directory and one replica (pinned by a custom resource), routed by the
+prefix-affinity router, driven over HTTP by the real ``openai`` client:
+
+- a conversation's next turn goes to the replica whose node holds its prefix;
+- a replica whose batch is full is passed over (the guard), and the replica that
+  gets the turn instead fetches the prefix from the other node, with exactly the
+  tokens of a cold prefill.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+from ray.cluster_utils import Cluster
+
+from bench.devserver import ServerProcess, free_port, write_config
+from serve_app.cache.actor import DIRECTORY_NAME, NAMESPACE
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "tiny-hybrid"
+SLOT = "serve_app_test_replica_slot"  # one per node: one replica per node
+
+
+@pytest.fixture(scope="module")
+def cluster_server(tmp_path_factory, model_home):
+    os.environ.setdefault("RAY_TMPDIR", "/tmp/ray_cluster_serve")
+    Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_factory.mktemp("cluster")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {SLOT: 1}, "include_dashboard": False,
+        "_system_config": {"metrics_report_interval_ms": 500}})
+    cluster.add_node(num_cpus=2, resources={SLOT: 1})
+    proc = None
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR")
+        cluster.wait_for_nodes()
+        port = free_port()
+        model = {"name": MODEL, "source": "embedded:tiny-hybrid", "context_length": 512,
+                 "max_batch_size": 2, "max_queued_requests": 8, "max_tokens": 256,
+                 "num_replicas": 2, "max_replicas_per_node": 1, "resources": {SLOT: 1},
+                 # A tiny load cost: these tests follow prefixes; the guard alone spreads.
+                 "routing": {"mode": "prefix", "load_cost_tokens": 1},
+                 "cache": {"block_size": 16}}
+        config = write_config(tmp / "serve.yaml", port, [model], cache_store={
+            "ssd_dir": str(tmp / "kv" / "{node_id}"), "directory": "on"})
+        serve_bin = str(Path(sys.executable).with_name("serve"))
+        proc = ServerProcess([serve_bin, "run", "--address", cluster.address, str(config)],
+                             port, tmp / "serve.log", env={"SERVE_APP_HOME": str(model_home)})
+        proc.wait_ready([MODEL], timeout=400)
+        yield proc
+    finally:
+        if proc is not None:
+            proc.stop()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def client_of(server) -> OpenAI:
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def counters(server) -> dict[tuple[str, tuple], float]:
+    """Every serve_app counter sample of GET /metrics, summed over Ray's own labels."""
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[tuple[str, tuple], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.endswith("_total"):
+                continue
+            keep = tuple(sorted((k, v) for k, v in s.labels.items()
+                                if k in ("model", "reason", "tier")))
+            out[(s.name, keep)] = out.get((s.name, keep), 0.0) + s.value
+    return out
+
+
+def count(snapshot: dict, name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, keep), v in snapshot.items()
+               if n == f"ray_serve_app_{name}_total" and want <= set(keep))
+
+
+def wait_counts(server, before: dict, check, timeout: float = 60.0) -> dict:
+    """Metrics reach Prometheus' export a second or two late: poll until ``check``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = counters(server)
+        delta = {k: now.get(k, 0.0) - before.get(k, 0.0) for k in now}
+        if check(delta) or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.5)
+
+
+def chat(client: OpenAI, messages: list[dict], n: int = 8, **extra):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n,
+                                          temperature=0, extra_body=extra or None)
+
+
+def first_turn(i: int, tag: str) -> list[dict]:
+    # Distinct from the first block on (the tokenizer is character-level): no two
+    # conversations share a block.
+    return [{"role": "system", "content": f"{i}-{tag}: answer briefly and well. " * 3},
+            {"role": "user", "content": "What is the first question?"}]
+
+
+def settle(timeout: float = 30.0) -> None:
+    """Wait until the block directory has stopped changing (stores report every 0.5 s),
+    then for the routers' copies (they follow every 0.25 s)."""
+    directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
+    deadline = time.monotonic() + timeout
+    last, quiet_since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        version = ray.get(directory.changes_since.remote(1 << 62)).version
+        if version != last:
+            last, quiet_since = version, time.monotonic()
+        elif time.monotonic() - quiet_since > 1.5:
+            break
+        time.sleep(0.25)
+    time.sleep(0.75)
+
+
+def test_next_turns_go_to_the_replica_holding_their_prefix(cluster_server):
+    client = client_of(cluster_server)
+    before = counters(cluster_server)
+    conversations: list[list[dict]] = [first_turn(i, "Affinity") for i in range(4)]
+    replies: dict[int, str] = {}
+
+    def first(i: int) -> None:
+        replies[i] = chat(client, conversations[i]).choices[0].message.content
+
+    # Two at a time: the second of a pair goes to the other replica (the first is busy),
+    # so both nodes hold conversations.
+    for pair in ((0, 1), (2, 3)):
+        threads = [threading.Thread(target=first, args=(i,)) for i in pair]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    settle()
+    for i, messages in enumerate(conversations):
+        messages += [{"role": "assistant", "content": replies[i]},
+                     {"role": "user", "content": "And the second one?"}]
+        r = chat(client, messages)
+        assert r.usage.prompt_tokens_details.cached_tokens >= 48, i
+
+    delta = wait_counts(cluster_server, before,
+                        lambda d: count(d, "routing_decisions", reason="prefix") >= 4)
+    shown = {k: v for k, v in delta.items() if v and ("routing" in k[0] or "remote" in k[0]
+                                                      or "hit_tokens" in k[0])}
+    assert count(delta, "routing_decisions", reason="prefix") == 4, shown
+    # (>=: the readiness probe's decision may reach the export after ``before``)
+    assert count(delta, "routing_decisions", reason="no_prefix") >= 4, shown
+    assert count(delta, "routing_decisions", reason="load_fallback") == 0, shown
+    # Every second turn was served where its first turn's blocks are: nothing fetched.
+    assert count(delta, "remote_fetch_blocks") == 0
+    assert count(delta, "prefix_cache_hit_tokens", tier="hot") >= 4 * 48
+    assert count(delta, "prefix_cache_hit_tokens", tier="remote") == 0
+
+
+def test_a_full_replica_is_passed_over_and_the_other_fetches_the_prefix_exactly(
+        cluster_server):
+    client = client_of(cluster_server)
+    # A long prefix: prefilling it costs more than fetching it, even for this tiny model
+    # (a replica skips fetches that cost more than they save: measured, not assumed).
+    messages = first_turn(0, "Guard" * 8)
+    reply = chat(client, messages).choices[0].message.content
+    messages += [{"role": "assistant", "content": reply}]
+    settle()
+    before = counters(cluster_server)
+    # Two long streams sharing the prefix fill its replica's batch (max_batch_size 2).
+    streams = [client.chat.completions.create(
+        model=MODEL, messages=messages + [{"role": "user", "content": f"A long story {k}."}],
+        max_tokens=200, temperature=0, stream=True) for k in range(2)]
+    try:
+        for s in streams:
+            next(iter(s))
+        turn = messages + [{"role": "user", "content": "And the second one?"}]
+        warm = chat(client, turn, n=12)
+    finally:
+        for s in streams:
+            s.close()
+    cold = chat(client, turn, n=12, cache_salt=f"cold-{uuid.uuid4()}")
+    delta = wait_counts(cluster_server, before,
+                        lambda d: count(d, "remote_fetch_blocks") > 0
+                        and count(d, "routing_decisions", reason="load_fallback") >= 1)
+    shown = {k: v for k, v in delta.items() if v and ("routing" in k[0] or "remote" in k[0]
+                                                      or "hit_tokens" in k[0])}
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    assert warm.usage.prompt_tokens_details.cached_tokens >= 48, shown
+    assert count(delta, "routing_decisions", reason="prefix") >= 2  # the two streams
+    assert count(delta, "routing_decisions", reason="load_fallback") == 1  # the turn
+    assert count(delta, "remote_fetch_blocks") >= 3
+    assert count(delta, "prefix_cache_hit_tokens", tier="remote") >= 48
+    assert count(delta, "remote_fetch_failures") == 0
