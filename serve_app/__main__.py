@@ -1,4 +1,5 @@
-"""Command line: ``check FILE``, ``materialize NAME``, ``gc [--apply]``, ``metrics-table``."""
+"""Command line: ``check FILE``, ``materialize NAME``, ``gc [--apply]``, ``metrics-table``,
+``local-cluster``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     mat.add_argument("name")
     sub.add_parser("gc", help="report (and with --apply clean) an SSD cache directory")
     sub.add_parser("metrics-table", help="print the README's table of metrics")
+    local = sub.add_parser("local-cluster",
+                           help="run a Ray cluster of several nodes on this machine (to try "
+                                "configs/qwen-cluster.yaml without several Macs)")
+    local.add_argument("--nodes", type=int, default=2)
+    local.add_argument("--ssd-root", default="/tmp/serve_app_cluster",
+                       help="node i keeps its SSD cache in SSD_ROOT/node-i")
     args = parser.parse_args(argv)
 
     if args.command == "check":
@@ -43,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "local-cluster":
+        from serve_app.cluster import run_local_cluster
+
+        return run_local_cluster(args.nodes, args.ssd_root)
     if args.command == "metrics-table":
         from serve_app.metrics import markdown_table
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -48,6 +49,7 @@ FOLLOW_INTERVAL_S = 0.25  # how often a router or replica pulls the directory's 
 FEED_TIMEOUT_S = 10.0
 NODE_CHECK_S = 5.0  # how often the directory looks for nodes that died
 DIRECTORY_NAME = "block-directory"
+SSD_DIR_ENV = "SERVE_APP_SSD_DIR"  # a node's own SSD directory (several nodes, one machine)
 # Options of the actor (and of test subclasses): threaded, puts in a group of their own.
 ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 16,
                                  "concurrency_groups": {"puts": 8}}
@@ -81,8 +83,10 @@ def make_ssd(config: dict) -> tuple[SSDStore | None, str | None]:
 
 
 def ssd_dir_of(configured: str | None) -> str:
-    """The SSD directory of this node: ``{node_id}`` in the profile's ``ssd_dir`` becomes
-    the Ray node's id (several nodes on one machine each get their own directory)."""
+    """The SSD directory of this node: ``SERVE_APP_SSD_DIR`` in the node's environment
+    (``ray start`` from a shell that sets it), else the profile's ``ssd_dir``, where
+    ``{node_id}`` becomes the Ray node's id, else the default."""
+    configured = os.environ.get(SSD_DIR_ENV) or configured
     if not configured:
         return str(default_cache_dir())
     if "{node_id}" in configured:
