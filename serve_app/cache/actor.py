@@ -46,6 +46,7 @@ ACK_WAIT_S = 30.0  # a lookup waits at most this long for the replica's earlier 
 REPORT_DROPS_S = 1.0
 FEED_INTERVAL_S = 0.5  # how often a store tells the block directory what changed
 FOLLOW_INTERVAL_S = 0.25  # how often a router or replica pulls the directory's changes
+LOOK_FOR_DIRECTORY_S = 1.0  # how often a follower looks for a directory not there yet
 FEED_TIMEOUT_S = 10.0
 NODE_CHECK_S = 5.0  # how often the directory looks for nodes that died
 DIRECTORY_NAME = "block-directory"
@@ -272,7 +273,7 @@ class DirectoryFollower:
             except ValueError:  # no directory (yet): one node, or none fed it so far
                 with self._lock:
                     self.connected = False
-                self._stop.wait(NODE_CHECK_S)
+                self._stop.wait(LOOK_FOR_DIRECTORY_S)
                 continue
             except Exception as exc:  # the directory died or is slow: look it up again
                 with self._lock:

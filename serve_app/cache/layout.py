@@ -15,15 +15,6 @@ import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    ChunkedKVCache,
-    ConcatenateKVCache,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-)
 
 from serve_app.cache.payload import STORAGE, BlockPayload, Tensor
 
@@ -73,15 +64,6 @@ class ArraySpec:
             n *= tokens if d is None else d
         return n
 
-# Kinds we recognise but cannot slice per block yet, checked before the
-# generic ones because some subclass them.
-_UNSUPPORTED = (
-    (RotatingKVCache, "rotating"),
-    (QuantizedKVCache, "quantized"),
-    (ChunkedKVCache, "chunked"),
-    (ConcatenateKVCache, "concatenate"),
-    (CacheList, "list"),
-)
 
 
 @dataclass(frozen=True)
@@ -153,7 +135,28 @@ class Layout:
 
 
 def canonical_kind(cache: object) -> str:
-    for cls, name in _UNSUPPORTED:
+    # mlx-lm imported here, not at the top: a cache store checking a payload another
+    # node asked for needs ``Layout``, not mlx-lm (a second of import in its process).
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        CacheList,
+        ChunkedKVCache,
+        ConcatenateKVCache,
+        KVCache,
+        QuantizedKVCache,
+        RotatingKVCache,
+    )
+
+    # Kinds we recognise but cannot slice per block yet, checked before the
+    # generic ones because some subclass them.
+    unsupported = (
+        (RotatingKVCache, "rotating"),
+        (QuantizedKVCache, "quantized"),
+        (ChunkedKVCache, "chunked"),
+        (ConcatenateKVCache, "concatenate"),
+        (CacheList, "list"),
+    )
+    for cls, name in unsupported:
         if isinstance(cache, cls):
             return name
     if isinstance(cache, ArraysCache):
