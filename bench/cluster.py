@@ -84,25 +84,21 @@ def start_server(cluster: Cluster, tmp: Path, tag: str, model: str, arm: dict,
     server = ServerProcess([serve_bin, "run", "--address", cluster.address, str(config)],
                            port, tmp / f"{tag}.log")
     server = ready(server, [model])
-    wait_replicas(arm["nodes"])
+    wait_replicas(server, model, arm["nodes"])
     return server
 
 
-def wait_replicas(n: int, timeout: float = 300.0) -> None:
-    """Every replica running (``ready`` needs only one to answer), and a moment for the
-    routers' and replicas' copies of the block directory to connect."""
-    from ray import serve
-
+def wait_replicas(server: ServerProcess, model: str, n: int, timeout: float = 300.0) -> None:
+    """Every replica answering (``ready`` needs only one): ``/v1/stats`` lands on any
+    replica, so poll until ``n`` distinct replica processes have answered; then a moment
+    for the routers' and replicas' copies of the block directory to connect."""
     deadline = time.monotonic() + timeout
-    while True:
-        deployments = serve.status().applications["llm"].deployments
-        running = sum(d.replica_states.get("RUNNING", 0) for name, d in deployments.items()
-                      if name.startswith("model-"))
-        if running >= n:
-            break
+    seen: set[int] = set()
+    while len(seen) < n:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{running} of {n} replicas running after {timeout:.0f} s")
-        time.sleep(1.0)
+            raise TimeoutError(f"{len(seen)} of {n} replicas answered in {timeout:.0f} s")
+        seen.add(model_stats(server, model)["replica"]["pid"])
+        time.sleep(0.2)
     time.sleep(2.0)
 
 
