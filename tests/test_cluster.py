@@ -157,7 +157,8 @@ def test_next_turns_go_to_the_replica_holding_their_prefix(cluster_server):
         assert r.usage.prompt_tokens_details.cached_tokens >= 48, i
 
     delta = wait_counts(cluster_server, before,
-                        lambda d: count(d, "routing_decisions", reason="prefix") >= 4)
+                        lambda d: count(d, "routing_decisions", reason="prefix") >= 4
+                        and count(d, "prefix_cache_hit_tokens", tier="hot") >= 4 * 48)
     shown = {k: v for k, v in delta.items() if v and ("routing" in k[0] or "remote" in k[0]
                                                       or "hit_tokens" in k[0])}
     assert count(delta, "routing_decisions", reason="prefix") == 4, shown
