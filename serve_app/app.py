@@ -98,6 +98,13 @@ class ModelReplica:
         async for events in self.service.stream(prepared):
             yield events
 
+    async def count_tokens(self, request: OpenAIRequest, caller: Caller) -> int:
+        """Prompt tokens of a request, templated as it would be served (no generation)."""
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(self.prepare_pool, self.service.prepare,
+                                              request, caller)
+        return len(prepared.prompt)
+
     def record_routing_stats(self) -> dict:
         """What the prefix-affinity router needs of this replica (polled by Serve)."""
         from serve_app.routing import ReplicaInfo
@@ -224,6 +231,16 @@ class Ingress(OpenAIIngress):
             request = await loop.run_in_executor(self.prepare_pool, preparer.prepare,
                                                  request, caller)
         return self.handles[name].options(stream=True).generate.remote(request, caller)
+
+    async def count_prompt_tokens(self, name: str, request: OpenAIRequest,
+                                  caller: Caller) -> int:
+        preparer = self.preparers.get(name)
+        if preparer is not None:
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(self.prepare_pool, preparer.prepare,
+                                                  request, caller)
+            return len(prepared.prompt)
+        return await self.handles[name].count_tokens.remote(request, caller)
 
     async def model_ready(self, name: str) -> bool:
         """Ready once a probe of the model's replica answered; a probe is shared by

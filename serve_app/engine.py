@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -34,14 +35,42 @@ class QueueFullError(Exception):
     """The engine already holds as many requests as it was allowed to queue."""
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on ``top_logprobs``
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` is greedy decoding."""
+    """Per-request sampling. ``temperature == 0`` is greedy decoding.
+
+    ``logprobs``: None for none; ``k`` (0..20) makes every token's event carry its own
+    log-probability and the ``k`` most likely alternatives (OpenAI's ``top_logprobs``).
+    They are of the distribution the token was sampled from after the logits processors
+    (a grammar renormalizes over what it allows), before temperature and top-p, as
+    OpenAI and vLLM report them.
+
+    ``logits_processors``: mlx-lm processors, ``(tokens, logits) -> logits``, run on this
+    request's row only, so constrained and free requests share one batch. ``tokens`` is
+    everything the model has seen (the whole prompt, restored part included, then each
+    generated token), restored from the prefix cache or not. Processors are usually
+    stateful (``structured.Grammar.processor()``): give every request fresh ones.
+    """
 
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    logprobs: int | None = None
+    logits_processors: tuple[LogitsProcessor, ...] = ()
+
+    def __post_init__(self) -> None:
+        k = self.logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                              or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}")
+        # A list would make the frozen dataclass unhashable: keep a tuple.
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
 
 
 @dataclass(frozen=True)
@@ -52,6 +81,11 @@ class EngineEvent:
     finish_reason: str | None = None
     error: str | None = None
     restored: int | None = None  # set once, at insert: tokens the request started from
+    # With ``SamplingParams.logprobs``: the token's log-probability and the most likely
+    # tokens as (token id, log-probability), most likely first (never -inf: a token a
+    # processor ruled out is no alternative, so there may be fewer than asked).
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
     at: float = field(default_factory=time.perf_counter)  # when the engine produced it
 
 
@@ -368,6 +402,10 @@ class Engine:
             caches=caches,
             all_tokens=all_tokens,
             samplers=[make_request_sampler(req.params)],
+            # The processors see prompt + generated tokens even after a restore: mlx-lm
+            # starts the request's token history from ``all_tokens`` (the restored part)
+            # and appends every prefilled chunk to it.
+            logits_processors=[list(req.params.logits_processors)],
         )
         req.uid = uid
         self._requests[req.rid] = req
@@ -405,6 +443,8 @@ class Engine:
             else:  # the recurrent state is at ``covered`` only where a segment ended
                 self._capture(req, req.restored + p.progress[0], None,
                               state_valid=p.end_of_segment)
+        scored = self._score([r for r in responses if r.uid in self._by_uid
+                              and self._by_uid[r.uid].params.logprobs is not None])
         for r in responses:
             req = self._by_uid.get(r.uid)
             if req is None:
@@ -416,7 +456,8 @@ class Engine:
                 self._capture(req, len(req.prompt) + req.generated, r.prompt_cache,
                               state_valid=True, decoding=True,
                               ended=r.finish_reason is not None)
-            _deliver(req, EngineEvent(token=r.token))
+            logprob, top = scored.get(r.uid, (None, ()))
+            _deliver(req, EngineEvent(token=r.token, logprob=logprob, top_logprobs=top))
             if r.finish_reason is not None:
                 self._finish(req, r.finish_reason)
         with self._lock:
@@ -426,6 +467,38 @@ class Engine:
             self.stats.step_seconds += toc - tic
             self.stats.running_batch_size = batch
             self.stats.peak_batch_size = max(self.stats.peak_batch_size, batch)
+
+    def _score(self, responses: list) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+        """Each response's token log-probability and top alternatives, by uid.
+
+        One MLX graph for the whole step (rows stacked, top-k by argpartition, then only
+        the k sorted) and one evaluation, so requests without logprobs cost nothing and
+        many with logprobs cost one small op, not one per request.
+        """
+        if not responses:
+            return {}
+        rows = mx.stack([r.logprobs for r in responses])  # (n, vocab), after processors
+        tokens = mx.array([[r.token] for r in responses])
+        chosen = mx.take_along_axis(rows, tokens, axis=-1)[:, 0].astype(mx.float32)
+        ks = [self._by_uid[r.uid].params.logprobs for r in responses]
+        k = min(max(ks), rows.shape[-1])
+        if k:
+            top = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
+            values = mx.take_along_axis(rows, top, axis=-1)
+            order = mx.argsort(-values, axis=-1)
+            top = mx.take_along_axis(top, order, axis=-1)
+            values = mx.take_along_axis(values, order, axis=-1).astype(mx.float32)
+            mx.eval(chosen, top, values)
+            ids, lps = top.tolist(), values.tolist()
+        else:
+            mx.eval(chosen)
+            ids = lps = [[] for _ in responses]
+        chosen = chosen.tolist()
+        return {
+            r.uid: (lp, tuple((t, v) for t, v in zip(i[:n], p[:n], strict=True)
+                              if v != -math.inf))
+            for r, lp, n, i, p in zip(responses, chosen, ks, ids, lps, strict=True)
+        }
 
     def _batch_caches(self, uid: int) -> tuple[list, int]:
         """The running batch's per-layer caches and this request's row in them.

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve_app import anthropic_api as anthropic
 from serve_app.metrics import Recorder
 from serve_app.openai_api import (
     ApiError,
@@ -29,9 +30,11 @@ from serve_app.openai_api import (
     Usage,
     check_prompt_size,
     full_response,
+    logprobs_out,
     new_id,
     now,
     stream_chunk,
+    tool_call_out,
     usage_chunk,
 )
 from serve_app.validation import clean_loc
@@ -258,28 +261,7 @@ class OpenAIIngress:
 
     async def _answer(self, request: Request, kind: str, cls, labels: dict[str, str]):
         parsed = await _parse(request, cls, int(self.profile.ingress.max_request_bytes))
-        m = self.profile.model(parsed.model)
-        if m is None:
-            known = ", ".join(p.name for p in self.profile.models)
-            raise ApiError(404, f"model {parsed.model!r} does not exist; served: {known}",
-                           type="not_found_error", param="model", code="model_not_found")
-        labels["model"] = m.name
-        check_prompt_size(parsed, m.prompt_char_limit(), m.context_length)
-        if not await self.model_ready(m.name):
-            raise not_ready_error([m.name])
-        events = await self.stream_events(parsed.model, parsed, caller_of(request))
-        try:
-            first = await events.__anext__()
-        except StopAsyncIteration:
-            raise ApiError(500, "the model replica ended the request early",
-                           type="server_error") from None
-        except Exception as exc:
-            if not self.replica_lost(m.name, exc):
-                raise
-            raise replica_lost_error(m.name) from None
-        start = first[0]
-        if start["type"] == "error":
-            raise ApiError.from_event(start)
+        events, first = await self._open(parsed, caller_of(request), labels)
         rid = new_id(kind)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         if parsed.stream:
@@ -289,6 +271,105 @@ class OpenAIIngress:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         return await self._collect(events, kind, rid, parsed.model, first[1:])
+
+    async def _open(self, parsed: OpenAIRequest, caller: Caller,
+                    labels: dict[str, str]) -> tuple[Any, list[dict]]:
+        """Send a validated request to its model: its event stream, once the replica has
+        started it (an error before that is raised here, as the HTTP error)."""
+        m = self.model_of(parsed.model)
+        labels["model"] = m.name
+        check_prompt_size(parsed, m.prompt_char_limit(), m.context_length)
+        if not await self.model_ready(m.name):
+            raise not_ready_error([m.name])
+        events = await self.stream_events(m.name, parsed, caller)
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            raise ApiError(500, "the model replica ended the request early",
+                           type="server_error") from None
+        except Exception as exc:
+            if not self.replica_lost(m.name, exc):
+                raise
+            raise replica_lost_error(m.name) from None
+        if first[0]["type"] == "error":
+            raise ApiError.from_event(first[0])
+        return events, first
+
+    def model_of(self, name: str) -> Any:
+        m = self.profile.model(name)
+        if m is None:
+            known = ", ".join(p.name for p in self.profile.models)
+            raise ApiError(404, f"model {name!r} does not exist; served: {known}",
+                           type="not_found_error", param="model", code="model_not_found")
+        return m
+
+    # ---- Anthropic's Messages API ------------------------------------------------------
+
+    @api.post("/v1/messages")
+    async def messages(self, request: Request):
+        """Anthropic Messages: the same generation, Anthropic's shapes and errors."""
+        labels = {"model": "unknown", "status": "500"}
+        try:
+            parsed = await self._anthropic_body(request, anthropic.parse_messages_request)
+            chat = anthropic.to_chat_input(parsed)
+            events, first = await self._open(chat_request(chat, parsed.model, parsed.stream),
+                                             caller_of(request), labels)
+            labels["status"] = "200"
+            if parsed.stream:
+                return StreamingResponse(self._anthropic_sse(events, parsed.model, first),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache",
+                                                  "X-Accel-Buffering": "no"})
+            collector = anthropic.MessageCollector(parsed.model)
+            try:
+                async for e in self._iter(events, parsed.model, first):
+                    collector.feed(_anthropic_input(e))
+                    if collector.done:
+                        break
+            finally:
+                _cancel(events)
+            return JSONResponse(collector.message())
+        except ApiError as exc:
+            labels["status"] = str(exc.status)
+            return _anthropic_error(exc)
+        finally:
+            self.recorder.inc("serve_app_requests", 1, labels)
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(self, request: Request):
+        """The prompt's tokens as the model would see them (its chat template and tools)."""
+        try:
+            parsed = await self._anthropic_body(request, anthropic.parse_count_tokens_request)
+            chat = chat_request(anthropic.to_chat_input(parsed), parsed.model, False)
+            m = self.model_of(parsed.model)
+            check_prompt_size(chat, m.prompt_char_limit(), m.context_length)
+            if not await self.model_ready(m.name):
+                raise not_ready_error([m.name])
+            n = await self.count_prompt_tokens(m.name, chat, caller_of(request))
+            return JSONResponse(anthropic.count_tokens_response(n))
+        except ApiError as exc:
+            return _anthropic_error(exc)
+
+    async def count_prompt_tokens(self, name: str, request: ChatCompletionRequest,
+                                  caller: Caller) -> int:
+        raise NotImplementedError
+
+    async def _anthropic_body(self, request: Request, parse):
+        raw = await read_body(request, int(self.profile.ingress.max_request_bytes))
+        if len(raw) > INLINE_PARSE_BYTES:
+            return await asyncio.to_thread(lambda: parse(parse_json(raw)))
+        return parse(parse_json(raw))
+
+    async def _anthropic_sse(self, events, model: str, pending: list[dict]):
+        stream = anthropic.MessageStream(model)
+        try:
+            async for e in self._iter(events, model, pending):
+                for out in stream.feed(_anthropic_input(e)):
+                    yield anthropic.sse_event(out)
+                if stream.done:
+                    break
+        finally:
+            _cancel(events)
 
     async def _iter(self, events, model: str, pending: list[dict]) -> AsyncIterator[dict]:
         """Events one by one; consecutive deltas of one batch merge into one.
@@ -309,16 +390,22 @@ class OpenAIIngress:
 
     async def _collect(self, events, kind: str, rid: str, model: str, pending: list[dict]):
         parts: list[str] = []
+        calls: list[dict] = []
+        logprobs: list[dict] | None = None
         try:
             async for e in self._iter(events, model, pending):
                 if e["type"] == "delta":
                     parts.append(e["text"])
+                    if "logprobs" in e:
+                        logprobs = (logprobs or []) + e["logprobs"]
+                elif e["type"] == "tool_call":
+                    calls.append(e)
                 elif e["type"] == "error":
                     raise ApiError.from_event(e)
                 elif e["type"] == "finish":
                     usage = Usage(e["prompt_tokens"], e["completion_tokens"], e["cached_tokens"])
                     return full_response(kind, rid, model, "".join(parts), e["finish_reason"],
-                                         usage)
+                                         usage, calls, logprobs)
         finally:
             _cancel(events)
         raise ApiError(500, "the model replica ended the request early", type="server_error")
@@ -328,9 +415,17 @@ class OpenAIIngress:
         try:
             if kind == "chat":
                 yield sse(stream_chunk(kind, rid, model, created, text="", role=True))
+            calls = offset = 0
             async for e in self._iter(events, model, pending):
                 if e["type"] == "delta":
-                    yield sse(stream_chunk(kind, rid, model, created, text=e["text"]))
+                    logprobs = logprobs_out(kind, e.get("logprobs"), offset)
+                    offset += len(e["text"])
+                    yield sse(stream_chunk(kind, rid, model, created, text=e["text"],
+                                           logprobs=logprobs))
+                elif e["type"] == "tool_call":
+                    yield sse(stream_chunk(kind, rid, model, created,
+                                           tool_calls=[tool_call_out(e, calls)]))
+                    calls += 1
                 elif e["type"] == "error":
                     yield sse({"error": e["error"]})
                     break
@@ -347,11 +442,45 @@ class OpenAIIngress:
             _cancel(events)
 
 
+def chat_request(chat: anthropic.ChatInput, model: str, stream: bool) -> ChatCompletionRequest:
+    """A Messages request as the chat request every model replica takes."""
+    body: dict[str, Any] = {
+        "model": model, "messages": chat.template_messages(), "stream": stream,
+        "max_tokens": chat.max_tokens, "temperature": chat.temperature, "top_p": chat.top_p,
+        "stop": list(chat.stop) or None, "tools": chat.template_tools(),
+        "tool_choice": chat.tool_choice.to_openai() if chat.tool_choice else None,
+        "parallel_tool_calls": chat.parallel_tool_calls if chat.tools else None,
+        "continue_final_message": chat.continue_final,
+        # A cache_control marker on message i: the prefix through it deserves a checkpoint.
+        "cache_points": [i + 1 for i in chat.cache_control_points] or None,
+    }
+    try:
+        parsed = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    parsed.check_supported()
+    return parsed
+
+
+def _anthropic_input(event: dict) -> dict | anthropic.ToolCall:
+    if event["type"] == "tool_call":
+        return anthropic.ToolCall(event["id"], event["name"], event["arguments"])
+    return event
+
+
+def _anthropic_error(exc: ApiError) -> JSONResponse:
+    reply = anthropic.error_reply(exc)
+    return JSONResponse(reply.body(), status_code=reply.status, headers=reply.headers)
+
+
 def _merge_deltas(batch: list[dict]) -> list[dict]:
     out: list[dict] = []
     for e in batch:
         if e["type"] == "delta" and out and out[-1]["type"] == "delta":
-            out[-1] = {"type": "delta", "text": out[-1]["text"] + e["text"]}
+            merged = {"type": "delta", "text": out[-1]["text"] + e["text"]}
+            if "logprobs" in out[-1] or "logprobs" in e:
+                merged["logprobs"] = out[-1].get("logprobs", []) + e.get("logprobs", [])
+            out[-1] = merged
         else:
             out.append(e)
     return out

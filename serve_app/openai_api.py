@@ -93,7 +93,6 @@ class _Request(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt | None = None
-    logprobs: Any = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -108,8 +107,6 @@ class _Request(BaseModel):
         """Reject options that would change the result in ways we cannot honour."""
         if self.n not in (None, 1):
             raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_value")
-        if self.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ApiError(400, f"{name} is not supported", param=name)
@@ -132,11 +129,56 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+    arguments: StrictStr  # a JSON object, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A tool call an assistant message made (the conversation's history)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+    def to_template(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: StrictStr | None = None  # tool messages
 
     def text(self) -> str:
         if self.content is None:
@@ -145,21 +187,71 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def to_template(self) -> dict[str, Any]:
+        """The message as a chat template takes it (OpenAI's chat shape)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name,
+                                               "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+MAX_TOP_LOGPROBS = 20
+
 
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: dict[str, Any] | None = None
+    # Message counts after which a prefix is worth a cache checkpoint (Anthropic's
+    # ``cache_control`` markers, carried here by the Messages API).
+    cache_points: list[StrictInt] | None = None
+    # The last (assistant) message is continued, not answered (vLLM's name for it).
+    continue_final_message: StrictBool = False
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise ApiError(400, "tools are not supported yet", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ApiError(
-                400, "only response_format type 'text' is supported", param="response_format"
-            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true",
+                           param="top_logprobs")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ApiError(400, "tools: function names must be unique", param="tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names function {choice.function.name!r}, which "
+                                "is not among the request's tools", param="tool_choice")
+        if choice == "required" and not names:
+            raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        if self.response_format is not None and self.wants_tools():
+            forced = choice == "required" or isinstance(choice, NamedToolChoice)
+            if forced and self.response_format.get("type") not in (None, "text"):
+                raise ApiError(400, "response_format cannot be combined with a forced "
+                                    "tool_choice", param="response_format")
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise ApiError(400, f"messages[{i}]: a tool message needs tool_call_id",
+                               param=f"messages[{i}].tool_call_id")
+            if m.tool_calls and m.role != "assistant":
+                raise ApiError(400, f"messages[{i}]: only assistant messages carry tool_calls",
+                               param=f"messages[{i}].tool_calls")
+
+    def wants_tools(self) -> bool:
+        """Tools are offered and may be called (``tool_choice`` is not ``none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def top_logprobs_wanted(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -171,6 +263,7 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
@@ -191,6 +284,9 @@ class CompletionRequest(_Request):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def prompt_size(self) -> tuple[int, str]:
         """(size, unit) of the prompt before tokenizing: characters, or token ids."""
@@ -255,19 +351,51 @@ def now() -> int:
     return int(time.time())
 
 
+def tool_call_out(call: dict, index: int | None = None) -> dict:
+    """A ``tool_call`` event in OpenAI's shape (``index`` in stream deltas)."""
+    out = {"id": call["id"], "type": "function",
+           "function": {"name": call["name"], "arguments": call["arguments"]}}
+    return {"index": index, **out} if index is not None else out
+
+
+def logprobs_out(kind: str, entries: list[dict] | None, offset: int = 0) -> dict | None:
+    """Token logprobs in the shape of the endpoint: chat's ``{"content": [...]}`` or the
+    completions API's parallel lists (``text_offset`` from ``offset``)."""
+    if entries is None:
+        return None
+    if kind == "chat":
+        return {"content": entries, "refusal": None}
+    offsets, at = [], offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
+            "text_offset": offsets}
+
+
 def full_response(
-    kind: str, rid: str, model: str, text: str, finish_reason: str, usage: Usage
+    kind: str, rid: str, model: str, text: str, finish_reason: str, usage: Usage,
+    tool_calls: list[dict] | None = None, logprobs: list[dict] | None = None,
 ) -> dict:
     if kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if tool_calls:
+            message["tool_calls"] = [tool_call_out(c) for c in tool_calls]
+        else:
+            message["content"] = text
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "finish_reason": finish_reason,
-            "logprobs": None,
+            "logprobs": logprobs_out(kind, logprobs),
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason,
+                  "logprobs": logprobs_out(kind, logprobs)}
         obj = "text_completion"
     return {
         "id": rid,
@@ -288,6 +416,8 @@ def stream_chunk(
     text: str | None = None,
     role: bool = False,
     finish_reason: str | None = None,
+    tool_calls: list[dict] | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     if kind == "chat":
         delta: dict[str, Any] = {}
@@ -295,14 +425,17 @@ def stream_chunk(
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
+                  "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
         choice = {
             "index": 0,
             "text": text or "",
             "finish_reason": finish_reason,
-            "logprobs": None,
+            "logprobs": logprobs,
         }
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}

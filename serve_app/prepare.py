@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from serve_app.cache.hot import common_prefix
 from serve_app.cache.manager import find_branch_points
 from serve_app.engine import SamplingParams
 from serve_app.openai_api import (
@@ -18,9 +19,12 @@ from serve_app.openai_api import (
     Caller,
     ChatCompletionRequest,
     CompletionRequest,
+    NamedToolChoice,
     check_prompt_size,
 )
 from serve_app.profile import ModelProfile
+from serve_app.structured import StructuredOutputError, compile_response_format, compile_tool_choice
+from serve_app.tools import canonical_tools, tool_support
 
 
 @dataclass
@@ -36,6 +40,17 @@ class PreparedRequest:
     # the last message (prompt positions; a tail of the cache is captured there).
     branch_points: tuple[int, ...] = ()
     prepare_seconds: float = 0.0  # templating and tokenizing, for the phase metrics
+    logprobs: int | None = None  # None: none; k: each token's logprob and k alternatives
+    response_format: dict | None = None  # json_object / json_schema (validated)
+    # Tools the model may call (canonical form) and the choice; None: none offered.
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def forced_tool_choice(self) -> bool:
+        return self.tools is not None and (self.tool_choice == "required"
+                                           or isinstance(self.tool_choice, dict))
 
 
 class Preparer:
@@ -45,13 +60,20 @@ class Preparer:
         self.profile = profile
         self.tokenizer = tokenizer
         self.find_branches = branch_points  # only worth it where a prefix cache keeps tails
+        self._tool_support = _UNKNOWN  # looked up on first use (tool_support)
 
     def prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
         if isinstance(request, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+            messages = [m.to_template() for m in request.messages]
+            continue_final = request.continue_final_message
+            if continue_final and messages[-1]["role"] != "assistant":
+                raise ApiError(400, "continue_final_message needs a final assistant message",
+                               param="messages")
             try:
                 tokens = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True
+                    messages, tools=self.template_tools(request), tokenize=True,
+                    add_generation_prompt=not continue_final,
+                    continue_final_message=continue_final,
                 )
             except Exception as exc:  # templates raise on bad role orders etc.
                 raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
@@ -67,6 +89,39 @@ class Preparer:
             raise ApiError(400, f"prompt has token ids outside the vocabulary: {bad[:5]}",
                            param="prompt")
         return list(prompt)
+
+    def template_tools(self, request: ChatCompletionRequest) -> list[dict] | None:
+        """The request's tools as the chat template renders them, in a canonical order:
+        the same tools always give the same tokens, so they hit the prefix cache."""
+        if not request.tools:
+            return None
+        return canonical_tools([t.to_template() for t in request.tools])
+
+    def check_constraints(self, request: ChatCompletionRequest | CompletionRequest) -> None:
+        """400 for tools a model cannot call and for schemas or tool choices that do not
+        compile (compiled grammars are cached: the replica reuses this work)."""
+        if not isinstance(request, ChatCompletionRequest):
+            return
+        support = self.tool_support
+        if request.wants_tools() and support is None:
+            raise ApiError(400, f"model {self.profile.name!r} cannot call tools (its chat "
+                                "template and tokenizer define no tool-call format)",
+                           param="tools", code="tools_not_supported")
+        try:
+            if request.response_format is not None:
+                compile_response_format(request.response_format, self.tokenizer)
+            if request.wants_tools() and request.tool_choice not in (None, "auto"):
+                compile_tool_choice(self.template_tools(request), _choice(request),
+                                    self.tokenizer, support,
+                                    parallel=request.parallel_tool_calls is not False)
+        except StructuredOutputError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+
+    @property
+    def tool_support(self):
+        if self._tool_support is _UNKNOWN:
+            self._tool_support = tool_support(self.tokenizer)
+        return self._tool_support
 
     def prepare(self, request: ChatCompletionRequest | CompletionRequest,
                 caller: Caller | None = None) -> PreparedRequest:
@@ -100,12 +155,22 @@ class Preparer:
             top_p=defaults.top_p if request.top_p is None else request.top_p,
             seed=request.seed,
         )
+        self.check_constraints(request)
+        chat = isinstance(request, ChatCompletionRequest)
+        offered = chat and request.wants_tools()
         isolate = self.profile.cache.isolate_by_api_key and caller is not None
         return PreparedRequest(prompt=prompt, params=params, stops=request.stop_list(),
                                salt=request.cache_salt,
                                api_key_digest=caller.api_key_digest if isolate else None,
                                branch_points=self.branch_points(request, prompt),
-                               prepare_seconds=time.perf_counter() - tic)
+                               prepare_seconds=time.perf_counter() - tic,
+                               logprobs=request.top_logprobs_wanted(),
+                               response_format=(request.response_format if chat and _constrains(
+                                   request.response_format) else None),
+                               tools=self.template_tools(request) if offered else None,
+                               tool_choice=_choice(request) if offered else None,
+                               parallel_tool_calls=not chat or request.parallel_tool_calls
+                               is not False)
 
     def branch_points(self, request: ChatCompletionRequest | CompletionRequest,
                       prompt: list[int]) -> tuple[int, ...]:
@@ -113,10 +178,32 @@ class Preparer:
         (see ``find_branch_points``). Only chat requests have them."""
         if not self.find_branches or not isinstance(request, ChatCompletionRequest):
             return ()
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        messages = [m.to_template() for m in request.messages]
+        tools = self.template_tools(request)
 
-        def render(conversation: list[dict[str, str]]) -> list[int]:
+        def render(conversation: list[dict]) -> list[int]:
             return self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=False, tokenize=True)
+                conversation, tools=tools, add_generation_prompt=False, tokenize=True)
 
-        return find_branch_points(messages, prompt, render)
+        points = set(find_branch_points(messages, prompt, render))
+        for n in request.cache_points or ():  # a client's own hint (cache_control)
+            if 0 < n <= len(messages):
+                try:
+                    common = common_prefix(render(messages[:n]), prompt)
+                except Exception:  # a template that refuses the shorter form
+                    continue
+                if 0 < common < len(prompt) - 1:
+                    points.add(common)
+        return tuple(sorted(points))
+
+
+_UNKNOWN = object()
+
+
+def _choice(request: ChatCompletionRequest) -> str | dict | None:
+    choice = request.tool_choice
+    return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+
+def _constrains(response_format: dict | None) -> bool:
+    return bool(response_format) and response_format.get("type") not in (None, "text")

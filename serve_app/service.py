@@ -13,7 +13,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from serve_app.cache.client import CacheClient
@@ -26,6 +26,8 @@ from serve_app.openai_api import ApiError, Caller, ChatCompletionRequest, Comple
 from serve_app.prepare import PreparedRequest, Preparer
 from serve_app.profile import ModelProfile, source_kind
 from serve_app.stops import StopStringMatcher
+from serve_app.structured import compile_response_format, compile_tool_choice
+from serve_app.tools import ToolCallStream
 
 RETRY_AFTER_SECONDS = 1
 
@@ -145,7 +147,9 @@ class ModelService:
         lease = plan.lease if plan is not None else None
         cached = plan.restore_tokens if plan is not None else 0
         try:
-            rid = self.engine.submit(prepared.prompt, prepared.params, events.put, plan)
+            params = replace(prepared.params, logprobs=prepared.logprobs,
+                             logits_processors=self.constraints(prepared))
+            rid = self.engine.submit(prepared.prompt, params, events.put, plan)
         except QueueFullError as exc:
             await self.cache.release(lease)
             yield [_queue_full(str(exc)).to_event()]
@@ -153,6 +157,9 @@ class ModelService:
 
         started = time.monotonic()
         decoder = _TextDecoder(self.tokenizer, self.eos_ids, prepared.stops)
+        support = self.preparer.tool_support if prepared.tools is not None else None
+        calls = ToolCallStream(support, prepared.tools) if support is not None else None
+        called = 0
         done = False
         last_token_at: float | None = None
         try:
@@ -188,17 +195,16 @@ class ModelService:
                         self._observe_token(arrived, last_token_at, event.at)
                         last_token_at = event.at
                         text, stopped = decoder.add(event.token)
-                        if text:
-                            out.append({"type": "delta", "text": text})
+                        logprobs = self._logprobs(event) if prepared.logprobs is not None else None
+                        called += self._emit(out, text, calls, logprobs)
                         if stopped:
                             self.engine.cancel(rid)
+                            called += self._emit(out, "", calls, None, final=True)
                             reason = "stop"
                             done = True
                             break
                     if event.finish_reason is not None:
-                        text = decoder.finish()
-                        if text:
-                            out.append({"type": "delta", "text": text})
+                        called += self._emit(out, decoder.finish(), calls, None, final=True)
                         reason = "stop" if event.finish_reason == "stop" else "length"
                         done = True
                         break
@@ -206,11 +212,13 @@ class ModelService:
                     out.append(
                         {
                             "type": "finish",
-                            "finish_reason": reason,
+                            "finish_reason": "tool_calls" if called and reason == "stop"
+                            else reason,
                             "prompt_tokens": len(prepared.prompt),
                             "completion_tokens": decoder.tokens,
                             "cached_tokens": cached,
                             "seconds": time.monotonic() - started,
+                            "stop_sequence": decoder.stop_sequence(),
                         }
                     )
                 if out:
@@ -223,6 +231,51 @@ class ModelService:
                 await self.cache.release(lease)
             self.metrics.observe("serve_app_request_duration_seconds",
                                  time.perf_counter() - arrived, self._labels)
+
+    def constraints(self, prepared: PreparedRequest) -> tuple:
+        """The request's own logits processors: a grammar for ``response_format`` or for a
+        forced tool call (compiled once per schema and cached; a fresh matcher each)."""
+        if prepared.response_format is not None:
+            grammar = compile_response_format(prepared.response_format, self.tokenizer)
+        elif prepared.forced_tool_choice:
+            grammar = compile_tool_choice(prepared.tools, prepared.tool_choice, self.tokenizer,
+                                          self.preparer.tool_support,
+                                          parallel=prepared.parallel_tool_calls)
+        else:
+            return ()
+        return (grammar.processor(),) if grammar is not None else ()
+
+    def _logprobs(self, event: EngineEvent) -> dict | None:
+        """A generated token's logprob entry in OpenAI's chat shape (EOS has none)."""
+        if event.logprob is None or event.token in self.eos_ids:
+            return None
+        return {**self._token_entry(event.token, event.logprob),
+                "top_logprobs": [self._token_entry(t, lp) for t, lp in event.top_logprobs]}
+
+    def _token_entry(self, token: int, logprob: float) -> dict:
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    @staticmethod
+    def _emit(out: list[dict], text: str, calls: ToolCallStream | None,
+              logprobs: dict | None, final: bool = False) -> int:
+        """Text (with tool-call markup taken out as ``tool_call`` events) and logprobs into
+        ``out``; returns the tool calls emitted."""
+        found = []
+        if calls is not None:
+            update = calls.finish() if final else calls.feed(text)
+            if final and text:
+                update = _joined(calls.feed(text), update)
+            text, found = update.text, update.calls
+        if text or logprobs is not None:
+            delta: dict = {"type": "delta", "text": text}
+            if logprobs is not None:
+                delta["logprobs"] = [logprobs]
+            out.append(delta)
+        for call in found:
+            out.append({"type": "tool_call", "id": call.id, "name": call.name,
+                        "arguments": call.arguments})
+        return len(found)
 
     def stream_interval(self) -> float:
         """Seconds between one stream's chunks: the profile's interval, stretched so that
@@ -310,6 +363,11 @@ class ModelService:
         return time.perf_counter() - tic
 
 
+def _joined(first, second):
+    """Two tool-stream updates as one (text of both, calls of both)."""
+    return type(first)(first.text + second.text, (*first.calls, *second.calls))
+
+
 def _queue_full(message: str) -> ApiError:
     return ApiError(
         429,
@@ -377,3 +435,7 @@ class _TextDecoder:
         self._detok.finalize()
         text, stopped = self._stops.feed(self._detok.last_segment)
         return text if stopped else text + self._stops.flush()
+
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._stops.matched

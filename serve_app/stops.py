@@ -14,15 +14,17 @@ class StopStringMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self._buffer = ""
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, stopped). The stop itself is dropped."""
         if not self.stops:
             return text, False
         self._buffer += text
-        hits = [i for i in (self._buffer.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s, i in ((s, self._buffer.find(s)) for s in self.stops) if i >= 0]
         if hits:
-            out = self._buffer[: min(hits)]
+            at, self.matched = min(hits)
+            out = self._buffer[:at]
             self._buffer = ""
             return out, True
         hold = self._held_suffix()

@@ -78,8 +78,10 @@ def test_models_list(client):
 
 @pytest.mark.parametrize("model", [HYBRID, DENSE])
 def test_chat_non_streaming(client, model):
+    # A salt of its own: nothing any other test cached can match it.
     r = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=12, temperature=0
+        model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=12,
+        temperature=0, extra_body={"cache_salt": f"fresh-{time.monotonic_ns()}"}
     )
     assert r.object == "chat.completion"
     assert r.model == model
@@ -239,9 +241,9 @@ def test_prompt_longer_than_context_is_400_naming_both_lengths(client):
 
 @pytest.mark.parametrize(
     "extra,param",
-    [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"presence_penalty": 0.5},
-     "presence_penalty"), ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"), ({"stream_options": {"include_usage": True}}, "stream_options")],
+    [({"n": 2}, "n"), ({"top_logprobs": 3}, "top_logprobs"), ({"presence_penalty": 0.5},
+     "presence_penalty"), ({"tools": [{"type": "nope", "function": {"name": "f"}}]},
+     "tools.0.type"), ({"stream_options": {"include_usage": True}}, "stream_options")],
 )
 def test_unsupported_options_are_400(server, extra, param):
     body = {"model": DENSE, "messages": [{"role": "user", "content": "x"}], **extra}

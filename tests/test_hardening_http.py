@@ -360,8 +360,8 @@ def service(model_home):
 
 
 def test_prompt_bound_is_checked_before_tokenizing(service):
-    real = service.tokenizer
-    service.tokenizer = _NoTokenizer(real)
+    real = service.preparer.tokenizer
+    service.preparer.tokenizer = _NoTokenizer(real)
     limit = 32 * 64  # derived from context_length
     try:
         for request in (
@@ -375,7 +375,7 @@ def test_prompt_bound_is_checked_before_tokenizing(service):
         with pytest.raises(AssertionError, match="tokenizer called"):  # under it: tokenized
             service.prepare(CompletionRequest(model="m", prompt="a" * limit))
     finally:
-        service.tokenizer = real
+        service.preparer.tokenizer = real
 
 
 def test_warm_up_leaves_no_trace_in_engine_counters(service):

@@ -331,7 +331,7 @@ def test_branch_points_from_shorter_renderings():
                 {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]
     prompt = render(messages) + [3]  # the generation prompt
     system_end = len(render(messages[:1])) + 2  # up to the empty user message's content
-    last_start = len(render(messages[:-1]))
+    last_start = len(render(messages[:-1])) + 2  # up to the last message's content
     assert find_branch_points(messages, prompt, render) == (system_end, last_start)
     assert find_branch_points(messages[1:2], render(messages[1:2]) + [3], render) == ()
 

@@ -35,8 +35,10 @@ HYBRID = "obs-hybrid"
 DENSE = "obs-dense"
 LIMITED = "obs-limited"
 MODELS = [
+    # Routed by the prefix-affinity router even with one replica: its decisions reach
+    # Prometheus like every other metric.
     {"name": HYBRID, "source": "embedded:tiny-hybrid", "context_length": 1024,
-     "cache": {"block_size": BS}},
+     "cache": {"block_size": BS}, "routing": {"mode": "prefix"}},
     {"name": DENSE, "source": "embedded:tiny-dense", "context_length": 1024,
      "cache": {"block_size": BS}},
     {"name": LIMITED, "source": "embedded:tiny-dense", "context_length": 4096,

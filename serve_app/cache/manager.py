@@ -112,13 +112,16 @@ def find_branch_points(messages: list[dict[str, str]], prompt: list[int],
     """Prompt positions where another conversation is likely to branch off this one.
 
     The end of the system prompt (the next session of an agent shares it) and
-    the start of the last message (the next turn, or a retry, shares all before
-    it), found as mlx_lm.server does: ``render`` the shorter conversation (no
-    generation prompt) and take the common prefix with the prompt.
+    the start of the last message's content (the next turn, or a retry, shares all
+    before it, its header too), found much as mlx_lm.server does: ``render`` the
+    conversation with that content empty (no generation prompt) and take the common
+    prefix with the prompt. Emptying rather than dropping the last message keeps the
+    rest rendered as it is: Qwen3's template, for one, renders the last assistant turn
+    differently from earlier ones.
     """
     n_system = next((i for i, m in enumerate(messages)
                      if m["role"] not in ("system", "developer")), len(messages))
-    shorter = [messages[:-1]]
+    shorter = [messages[:-1] + [{**messages[-1], "content": ""}]] if len(messages) > 1 else []
     if 0 < n_system < len(messages):
         shorter.append(messages[:n_system] + [{"role": "user", "content": ""}])
     points = set()

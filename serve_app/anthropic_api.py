@@ -1,0 +1,809 @@
+"""Anthropic Messages API wire format: requests, errors, responses and SSE streams.
+
+Pure translation, no model and no Ray: a ``/v1/messages`` body becomes a
+``ChatInput`` (OpenAI-style chat messages, as a chat template expects them),
+and the service's internal events (``start``, ``delta``, ``finish``, ``error``
+dicts, plus ``ToolCall`` objects) become Anthropic's ``message`` object or its
+SSE event sequence. Shapes are checked against the ``anthropic`` SDK in
+``tests/test_anthropic_units.py``.
+
+Accepted but without effect: ``top_k`` (carried in ``ChatInput``; the engine
+samples with temperature and top_p only), ``metadata``, ``thinking`` (no
+thinking blocks are produced; thinking blocks sent back in history are
+dropped), ``cache_control`` (kept as hints in ``ChatInput.cache_control_points``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+
+from serve_app.openai_api import ApiError
+from serve_app.tools import ToolCall
+from serve_app.validation import clean_loc
+
+# Text blocks of one turn (or of the system prompt) are joined with this: the
+# same request must always render the same prompt, or prefix caching misses.
+BLOCK_SEPARATOR = "\n"
+TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+MAX_TOOL_NAME = 128
+
+
+# ---- internal seam types ------------------------------------------------------------
+
+
+# ---- request schemas ----------------------------------------------------------------
+
+
+class CacheControl(BaseModel):
+    """A prompt-caching breakpoint; we keep only where it is (see ChatInput)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["ephemeral"]
+    ttl: StrictStr | None = None
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    cache_control: CacheControl | None = None
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class UnsupportedBlock(_Block):
+    """Block types the schema knows only so that the error can name them."""
+
+    type: Literal[
+        "image", "document", "search_result", "container_upload", "server_tool_use",
+        "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+        "mcp_tool_use", "mcp_tool_result",
+    ]
+
+
+class ThinkingBlock(_Block):
+    """A thinking block sent back in history: dropped (we never produce one)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: Annotated[StrictStr, Field(min_length=1)]
+    name: Annotated[StrictStr, Field(min_length=1)]
+    input: dict[str, Any]
+
+
+ToolResultPart = Annotated[TextBlock | UnsupportedBlock, Field(discriminator="type")]
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: Annotated[StrictStr, Field(min_length=1)]
+    content: StrictStr | list[ToolResultPart] | None = None
+    is_error: StrictBool | None = None
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | UnsupportedBlock,
+    Field(discriminator="type"),
+]
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant"]
+    content: StrictStr | list[ContentBlock]
+
+
+class Tool(BaseModel):
+    """A client tool; server tools (a ``type`` such as ``web_search_20250305``) are refused."""
+
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[StrictStr, Field(min_length=1, max_length=MAX_TOOL_NAME)]
+    description: StrictStr | None = None
+    input_schema: dict[str, Any] | None = None
+    type: StrictStr | None = None
+    cache_control: CacheControl | None = None
+
+
+class ToolChoiceParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["auto", "any", "tool", "none"]
+    name: StrictStr | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+
+class _Conversation(BaseModel):
+    """What both /v1/messages and /v1/messages/count_tokens take."""
+
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr
+    messages: Annotated[list[InputMessage], Field(min_length=1)]
+    system: StrictStr | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoiceParam | None = None
+    cache_control: CacheControl | None = None  # automatic caching: a breakpoint at the end
+    thinking: dict[str, Any] | None = None  # accepted, ignored
+
+    def check_supported(self) -> None:
+        """All 400s of the request, before any tokenizer time (the same checks as the
+        conversion, which is cheap next to templating)."""
+        to_chat_input(self)
+
+    def prompt_size(self) -> tuple[int, str]:
+        """(size, unit) before tokenizing, for ``check_prompt_size``: characters."""
+        size = len(self.system) if isinstance(self.system, str) else 0
+        size += sum(len(b.text) for b in self.system or () if isinstance(b, TextBlock))
+        for tool in self.tools or ():
+            size += len(tool.name) + len(tool.description or "")
+            size += len(json.dumps(tool.input_schema or {}))
+        for m in self.messages:
+            if isinstance(m.content, str):
+                size += len(m.content)
+                continue
+            for b in m.content:
+                if isinstance(b, TextBlock):
+                    size += len(b.text)
+                elif isinstance(b, ToolUseBlock):
+                    size += len(b.name) + len(json.dumps(b.input))
+                elif isinstance(b, ToolResultBlock):
+                    size += len(_tool_result_text(b, "", check=False))
+        return size, "characters"
+
+
+class MessagesRequest(_Conversation):
+    """POST /v1/messages."""
+
+    max_tokens: Annotated[StrictInt, Field(ge=1)]
+    stop_sequences: list[StrictStr] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None  # accepted, not applied
+    stream: StrictBool = False
+    metadata: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int:
+        return self.max_tokens
+
+    def stop_list(self) -> list[str]:
+        return list(self.stop_sequences or [])
+
+
+class CountTokensRequest(_Conversation):
+    """POST /v1/messages/count_tokens (sampling fields, if sent, are ignored)."""
+
+
+_R = TypeVar("_R", MessagesRequest, CountTokensRequest)
+
+
+def parse_messages_request(body: Any) -> MessagesRequest:
+    """A /v1/messages body validated and checked; ``ApiError(400)`` naming the field."""
+    return _parse(body, MessagesRequest)
+
+
+def parse_count_tokens_request(body: Any) -> CountTokensRequest:
+    """A /v1/messages/count_tokens body validated and checked, like the above."""
+    return _parse(body, CountTokensRequest)
+
+
+def _parse(body: Any, cls: type[_R]) -> _R:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        parsed = cls.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    parsed.check_supported()
+    return parsed
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """One pydantic error as a 400 whose message starts with the field path.
+
+    The deepest error is the one named: for ``content`` (a string or a list of
+    blocks) a bad block must be reported, not "should be a valid string".
+    """
+    errors = exc.errors()
+    worst = max(errors, key=lambda e: len(_clean_loc(e["loc"])))
+    param = ".".join(str(p) for p in _clean_loc(worst["loc"])) or None
+    message = worst["msg"]
+    if worst["type"] == "union_tag_invalid":  # pydantic lists every tag, even refused ones
+        message = (f"content block type {worst['ctx']['tag']!r} is not supported "
+                   "(supported: text, tool_use, tool_result)")
+    elif worst["type"] == "union_tag_not_found":
+        message = "content block has no 'type'"
+    return ApiError(400, f"{param or 'body'}: {message}", param=param)
+
+
+_BLOCK_TAGS = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+
+
+def _clean_loc(loc: tuple) -> list:
+    """``clean_loc``, also without the discriminator's tag after a block's index."""
+    out = clean_loc(loc)
+    return [p for i, p in enumerate(out)
+            if not (p in _BLOCK_TAGS and i > 0 and isinstance(out[i - 1], int))]
+
+
+# ---- conversion to chat-template input ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TemplateMessage:
+    """One message as a chat template takes it (OpenAI chat shape)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None  # set on role "tool"
+
+    def to_dict(self, *, arguments_as_dict: bool = False) -> dict[str, Any]:
+        """The template's dict. ``arguments_as_dict``: templates that ``tojson`` the
+        arguments (Llama 3.1, Qwen2.5) need an object, not OpenAI's JSON string."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name,
+                              "arguments": c.input() if arguments_as_dict else c.arguments}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """OpenAI's tool_choice: ``auto``, ``required`` (Anthropic ``any``), ``none``, or
+    ``function`` with ``name`` (Anthropic ``tool``)."""
+
+    mode: Literal["auto", "required", "none", "function"]
+    name: str | None = None
+
+    def to_openai(self) -> str | dict[str, Any]:
+        if self.mode == "function":
+            return {"type": "function", "function": {"name": self.name}}
+        return self.mode
+
+
+@dataclass(frozen=True)
+class ChatInput:
+    """A Messages request as plain data for templating and sampling.
+
+    ``cache_control_points``: indexes into ``messages`` of the messages holding a
+    block marked ``cache_control`` (the system message for a marked system block;
+    the last message for a top-level marker), hints for where a checkpoint pays.
+    ``tools_cache_control``: a tool was marked.
+    ``continue_final``: the last message is the assistant's, to be continued
+    (template it with ``continue_final_message=True``, no generation prompt).
+    """
+
+    messages: tuple[TemplateMessage, ...]
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: ToolChoice | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    cache_control_points: tuple[int, ...] = ()
+    tools_cache_control: bool = False
+    continue_final: bool = False
+    parallel_tool_calls: bool = True
+
+    def template_messages(self, *, arguments_as_dict: bool = False) -> list[dict[str, Any]]:
+        return [m.to_dict(arguments_as_dict=arguments_as_dict) for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """OpenAI-style tools for ``apply_chat_template(tools=...)``; None without tools."""
+        return [t.to_dict() for t in self.tools] or None
+
+
+@dataclass
+class _Builder:
+    messages: list[TemplateMessage] = field(default_factory=list)
+    points: set[int] = field(default_factory=set)
+
+    def add(self, message: TemplateMessage, marked: bool) -> None:
+        self.messages.append(message)
+        if marked:
+            self.points.add(len(self.messages) - 1)
+
+
+def to_chat_input(request: MessagesRequest | CountTokensRequest) -> ChatInput:
+    """Convert a validated request; ``ApiError(400)`` for what cannot be served.
+
+    Tool results become ``tool`` messages in block order, splitting the user turn
+    around them; a tool result must answer a ``tool_use`` of an earlier turn.
+    """
+    tools = _convert_tools(request.tools or [])
+    choice, parallel = _convert_tool_choice(request.tool_choice, tools)
+    out = _Builder()
+    if request.system is not None:
+        if isinstance(request.system, str):
+            text, marked = request.system, False
+        else:
+            text = BLOCK_SEPARATOR.join(b.text for b in request.system)
+            marked = any(b.cache_control is not None for b in request.system)
+        if text or marked:
+            out.add(TemplateMessage("system", text), marked)
+    seen_tool_ids: set[str] = set()
+    last = len(request.messages) - 1
+    continue_final = False
+    for i, m in enumerate(request.messages):
+        where = f"messages.{i}"
+        if m.role == "assistant":
+            message, marked = _assistant_message(m.content, where)
+            if i == last and not message.content and not message.tool_calls:
+                break  # an empty final assistant turn (or only thinking): just generate
+            seen_tool_ids.update(c.id for c in message.tool_calls)
+            out.add(message, marked)
+            if i == last:
+                if message.tool_calls:
+                    raise ApiError(400, f"{where}: the final assistant message cannot contain "
+                                   "tool_use blocks; send their tool_result blocks in a user "
+                                   "message", param=where)
+                continue_final = True
+        else:
+            if _is_empty(m.content):
+                raise ApiError(400, f"{where}.content: user messages must not be empty",
+                               param=f"{where}.content")
+            _user_messages(m.content, where, seen_tool_ids, out)
+    if request.cache_control is not None and out.messages:
+        out.points.add(len(out.messages) - 1)
+    stop = request.stop_list() if isinstance(request, MessagesRequest) else []
+    sampling = request if isinstance(request, MessagesRequest) else None
+    return ChatInput(
+        messages=tuple(out.messages),
+        tools=tools,
+        tool_choice=choice,
+        max_tokens=sampling.max_tokens if sampling else None,
+        temperature=sampling.temperature if sampling else None,
+        top_p=sampling.top_p if sampling else None,
+        top_k=sampling.top_k if sampling else None,
+        stop=tuple(stop),
+        cache_control_points=tuple(sorted(out.points)),
+        tools_cache_control=any(t.cache_control is not None for t in request.tools or ()),
+        continue_final=continue_final,
+        parallel_tool_calls=parallel,
+    )
+
+
+def _is_empty(content: str | list) -> bool:
+    return len(content) == 0
+
+
+def _unsupported(block: UnsupportedBlock, where: str) -> ApiError:
+    return ApiError(400, f"{where}: {block.type} content blocks are not supported by this "
+                    "server", param=where, code="unsupported_content")
+
+
+def _assistant_message(content: str | list, where: str) -> tuple[TemplateMessage, bool]:
+    if isinstance(content, str):
+        return TemplateMessage("assistant", content), False
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    marked = False
+    for j, b in enumerate(content):
+        at = f"{where}.content.{j}"
+        marked = marked or b.cache_control is not None
+        if isinstance(b, TextBlock):
+            texts.append(b.text)
+        elif isinstance(b, ToolUseBlock):
+            calls.append(ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False)))
+        elif isinstance(b, ToolResultBlock):
+            raise ApiError(400, f"{at}: tool_result blocks belong in user messages", param=at)
+        elif isinstance(b, UnsupportedBlock):
+            raise _unsupported(b, at)
+        # ThinkingBlock: dropped
+    return TemplateMessage("assistant", BLOCK_SEPARATOR.join(texts), tuple(calls)), marked
+
+
+def _user_messages(content: str | list, where: str, seen_tool_ids: set[str],
+                   out: _Builder) -> None:
+    if isinstance(content, str):
+        out.add(TemplateMessage("user", content), False)
+        return
+    texts: list[str] = []
+    marked = False
+
+    def flush() -> None:
+        nonlocal texts, marked
+        if texts:
+            out.add(TemplateMessage("user", BLOCK_SEPARATOR.join(texts)), marked)
+        texts, marked = [], False
+
+    for j, b in enumerate(content):
+        at = f"{where}.content.{j}"
+        if isinstance(b, TextBlock):
+            texts.append(b.text)
+            marked = marked or b.cache_control is not None
+        elif isinstance(b, ToolResultBlock):
+            if b.tool_use_id not in seen_tool_ids:
+                raise ApiError(400, f"{at}.tool_use_id: no tool_use block with id "
+                               f"{b.tool_use_id!r} in an earlier assistant message",
+                               param=f"{at}.tool_use_id")
+            flush()
+            text = _tool_result_text(b, at)
+            out.add(TemplateMessage("tool", text, tool_call_id=b.tool_use_id),
+                    b.cache_control is not None)
+        elif isinstance(b, ToolUseBlock):
+            raise ApiError(400, f"{at}: tool_use blocks belong in assistant messages", param=at)
+        elif isinstance(b, UnsupportedBlock):
+            raise _unsupported(b, at)
+        else:
+            raise ApiError(400, f"{at}: {b.type} blocks belong in assistant messages", param=at)
+    flush()
+
+
+def _tool_result_text(block: ToolResultBlock, where: str, *, check: bool = True) -> str:
+    """The result as text; an error result is marked so the model can tell (the chat
+    shape has no is_error)."""
+    content = block.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        parts = []
+        for k, part in enumerate(content):
+            if isinstance(part, UnsupportedBlock):
+                if check:
+                    raise _unsupported(part, f"{where}.content.{k}")
+                continue
+            parts.append(part.text)
+        text = BLOCK_SEPARATOR.join(parts)
+    return f"Error: {text}" if block.is_error else text
+
+
+def _convert_tools(tools: list[Tool]) -> tuple[FunctionTool, ...]:
+    out = []
+    names: set[str] = set()
+    for i, t in enumerate(tools):
+        where = f"tools.{i}"
+        if t.type not in (None, "custom"):
+            raise ApiError(400, f"{where}.type: server tool {t.type!r} is not supported by this "
+                           "server; only client tools (name, description, input_schema)",
+                           param=f"{where}.type", code="unsupported_tool")
+        if not set(t.name) <= TOOL_NAME_CHARS:
+            raise ApiError(400, f"{where}.name: tool names may contain only letters, digits, "
+                           f"'_' and '-' (got {t.name!r})", param=f"{where}.name")
+        if t.name in names:
+            raise ApiError(400, f"{where}.name: tool name {t.name!r} is used twice",
+                           param=f"{where}.name")
+        names.add(t.name)
+        if t.input_schema is None:
+            raise ApiError(400, f"{where}.input_schema: Field required",
+                           param=f"{where}.input_schema")
+        if t.input_schema.get("type") != "object":
+            raise ApiError(400, f"{where}.input_schema: must be a JSON schema with type "
+                           "'object'", param=f"{where}.input_schema")
+        out.append(FunctionTool(t.name, t.description, t.input_schema))
+    return tuple(out)
+
+
+def _convert_tool_choice(
+    choice: ToolChoiceParam | None, tools: tuple[FunctionTool, ...]
+) -> tuple[ToolChoice | None, bool]:
+    if choice is None:
+        return None, True
+    parallel = not choice.disable_parallel_tool_use
+    if choice.type == "none":
+        return ToolChoice("none"), parallel
+    if not tools:
+        raise ApiError(400, f"tool_choice: type {choice.type!r} needs tools", param="tool_choice")
+    if choice.type == "auto":
+        return ToolChoice("auto"), parallel
+    if choice.type == "any":
+        return ToolChoice("required"), parallel
+    if not choice.name:
+        raise ApiError(400, "tool_choice.name: required when type is 'tool'",
+                       param="tool_choice.name")
+    if choice.name not in {t.name for t in tools}:
+        raise ApiError(400, f"tool_choice.name: no tool named {choice.name!r} in tools",
+                       param="tool_choice.name")
+    return ToolChoice("function", choice.name), parallel
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",  # ours: model not ready / replica lost, retry shortly
+    529: "overloaded_error",
+}
+
+
+def error_type(status: int) -> str:
+    """Anthropic's error type for an HTTP status (their docs' table; other 4xx are
+    invalid requests, other 5xx API errors)."""
+    if status in ERROR_TYPES:
+        return ERROR_TYPES[status]
+    return "invalid_request_error" if status < 500 else "api_error"
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """An ``ApiError`` as Anthropic sends it: status, headers (Retry-After) and body."""
+
+    status: int
+    type: str
+    message: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": self.type, "message": self.message}}
+
+
+def error_reply(exc: ApiError) -> ErrorReply:
+    """Our error in Anthropic's shape; the status is kept, the type follows from it."""
+    return ErrorReply(exc.status, error_type(exc.status), exc.message, dict(exc.headers))
+
+
+def error_event(exc: ApiError) -> dict[str, Any]:
+    """The SSE ``error`` event for a failure after the 200 was sent."""
+    return error_reply(exc).body()
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def new_tool_use_id() -> str:
+    """An id for a tool call the service parsed (Anthropic's prefix)."""
+    return f"toolu_{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, int]:
+    """Anthropic usage: ``input_tokens`` excludes the tokens read from the cache."""
+    return {
+        "input_tokens": max(prompt_tokens - cached_tokens, 0),
+        "output_tokens": completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
+    }
+
+
+def stop_reason(finish_reason: str, *, stop_sequence: str | None = None,
+                tool_calls: bool = False) -> str:
+    """Our finish reason as Anthropic's stop_reason; a cut-off wins over a tool call."""
+    if finish_reason == "length":
+        return "max_tokens"
+    if tool_calls or finish_reason == "tool_calls":
+        return "tool_use"
+    if stop_sequence is not None:
+        return "stop_sequence"
+    return "end_turn"
+
+
+def count_tokens_response(input_tokens: int) -> dict[str, int]:
+    return {"input_tokens": input_tokens}
+
+
+def sse_event(event: dict[str, Any]) -> bytes:
+    """One Anthropic SSE event: the ``event:`` line names the type, as the SDK expects."""
+    data = json.dumps(event, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+class MessageStream:
+    """Internal events in, Anthropic stream events out, in the order the API sends them.
+
+    message_start, then per block content_block_start / _delta... / _stop (text
+    blocks as text_delta, tool calls as one input_json_delta each), then
+    message_delta (stop_reason, usage) and message_stop. An error ends the stream
+    with an ``error`` event. Each method returns the events to send now.
+    """
+
+    def __init__(self, model: str, message_id: str | None = None) -> None:
+        self.model = model
+        self.message_id = message_id or new_message_id()
+        self.started = False
+        self.done = False
+        self._open: Literal["text", "tool_use"] | None = None
+        self._index = -1
+        self._tool_calls = 0
+
+    def feed(self, event: dict[str, Any] | ToolCall) -> list[dict[str, Any]]:
+        """Dispatch one internal event (``start``/``delta``/``finish``/``error`` dict or
+        a ``ToolCall``)."""
+        if isinstance(event, ToolCall):
+            return self.tool_call(event)
+        kind = event["type"]
+        if kind == "start":
+            return self.start(event["prompt_tokens"], event.get("cached_tokens", 0))
+        if kind == "delta":
+            return self.text(event["text"])
+        if kind == "finish":
+            return self.finish(event["finish_reason"], prompt_tokens=event["prompt_tokens"],
+                               completion_tokens=event["completion_tokens"],
+                               cached_tokens=event.get("cached_tokens", 0),
+                               stop_sequence=event.get("stop_sequence"))
+        if kind == "error":
+            return self.error(ApiError.from_event(event))
+        raise ValueError(f"unknown internal event type {kind!r}")
+
+    def start(self, prompt_tokens: int, cached_tokens: int = 0) -> list[dict[str, Any]]:
+        self._check(started=False)
+        self.started = True
+        message = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage(prompt_tokens, 0, cached_tokens),
+        }
+        return [{"type": "message_start", "message": message}]
+
+    def ping(self) -> list[dict[str, Any]]:
+        """A keep-alive the SDK skips; e.g. while a long prompt is prefilled."""
+        return [{"type": "ping"}]
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        self._check(started=True)
+        if not text:
+            return []
+        out = []
+        if self._open != "text":
+            out += self._close()
+            out += self._open_block({"type": "text", "text": ""})
+            self._open = "text"
+        out.append({"type": "content_block_delta", "index": self._index,
+                    "delta": {"type": "text_delta", "text": text}})
+        return out
+
+    def tool_call(self, call: ToolCall) -> list[dict[str, Any]]:
+        self._check(started=True)
+        out = self._close()
+        out += self._open_block({"type": "tool_use", "id": call.id, "name": call.name,
+                                 "input": {}})
+        self._open = "tool_use"
+        self._tool_calls += 1
+        out.append({"type": "content_block_delta", "index": self._index,
+                    "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
+        return out + self._close()
+
+    def finish(self, finish_reason: str, *, prompt_tokens: int, completion_tokens: int,
+               cached_tokens: int = 0, stop_sequence: str | None = None) -> list[dict[str, Any]]:
+        """Close the message. The input counts are repeated: the cached count is final
+        only now (a failed restore is prefilled cold), and message_delta usage is
+        cumulative, so the SDK takes these over message_start's."""
+        self._check(started=True)
+        out = self._close()
+        reason = stop_reason(finish_reason, stop_sequence=stop_sequence,
+                             tool_calls=self._tool_calls > 0)
+        out.append({
+            "type": "message_delta",
+            "delta": {"stop_reason": reason,
+                      "stop_sequence": stop_sequence if reason == "stop_sequence" else None},
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+        })
+        out.append({"type": "message_stop"})
+        self.done = True
+        return out
+
+    def error(self, exc: ApiError) -> list[dict[str, Any]]:
+        """The stream's last event: Anthropic sends no block or message stop after it."""
+        self.done = True
+        return [error_event(exc)]
+
+    def _check(self, *, started: bool) -> None:
+        if self.done:
+            raise RuntimeError("the message stream has already ended")
+        if self.started != started:
+            raise RuntimeError("message already started" if self.started
+                               else "the first event must be start")
+
+    def _open_block(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        self._index += 1
+        return [{"type": "content_block_start", "index": self._index, "content_block": block}]
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [{"type": "content_block_stop", "index": self._index}]
+
+
+class MessageCollector:
+    """Internal events in, the non-streaming ``message`` object out.
+
+    Built by accumulating ``MessageStream``'s events, as the SDK does for a
+    stream, so both answers to one generation are the same message.
+    """
+
+    def __init__(self, model: str, message_id: str | None = None) -> None:
+        self._stream = MessageStream(model, message_id)
+        self._events: list[dict[str, Any]] = []
+
+    @property
+    def done(self) -> bool:
+        return self._stream.done
+
+    def feed(self, event: dict[str, Any] | ToolCall) -> None:
+        """Take one internal event; an error event raises its ``ApiError``."""
+        if isinstance(event, dict) and event["type"] == "error":
+            self._stream.done = True
+            raise ApiError.from_event(event)
+        self._events += self._stream.feed(event)
+
+    def message(self) -> dict[str, Any]:
+        if not self._stream.done:
+            raise ApiError(500, "the model replica ended the request early", type="server_error")
+        return accumulate(self._events)
+
+
+def accumulate(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """A finished stream's events as the final ``message`` object (SDK semantics:
+    message_delta's usage overwrites message_start's)."""
+    message: dict[str, Any] | None = None
+    partial: dict[int, str] = {}
+    for e in events:
+        kind = e["type"]
+        if kind == "message_start":
+            message = json.loads(json.dumps(e["message"]))
+        elif message is None:
+            if kind == "ping":
+                continue
+            raise ValueError(f"{kind} before message_start")
+        elif kind == "content_block_start":
+            message["content"].append(dict(e["content_block"]))
+        elif kind == "content_block_delta":
+            block, delta = message["content"][e["index"]], e["delta"]
+            if delta["type"] == "text_delta":
+                block["text"] += delta["text"]
+            elif delta["type"] == "input_json_delta":
+                partial[e["index"]] = partial.get(e["index"], "") + delta["partial_json"]
+        elif kind == "content_block_stop":
+            if e["index"] in partial:
+                message["content"][e["index"]]["input"] = json.loads(partial.pop(e["index"]))
+        elif kind == "message_delta":
+            message.update(e["delta"])
+            message["usage"].update(e["usage"])
+        elif kind == "error":
+            raise ValueError("an errored stream has no message")
+    if message is None:
+        raise ValueError("no message_start")
+    return message
