@@ -1,0 +1,124 @@
+"""Tool-call parsing through the service, for each parser, with a scripted token stream.
+
+The real engine and ``ModelService`` run the embedded model; a logits processor makes
+it say exactly the scripted text, token by token (its random weights would say noise),
+so the service's streaming extraction is exercised the way a real model's output
+arrives: one token at a time, calls split across many chunks, text around them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from serve_app.embedded import materialize
+from serve_app.openai_api import ChatCompletionRequest
+from serve_app.profile import ModelProfile
+from serve_app.service import ModelService
+from serve_app.tools import ToolSupport
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string"}}}}}
+
+SCRIPTS = {
+    "json_tools": (
+        'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+        '"days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+        '{"zone": "CET"}}\n</tool_call>'),
+    "qwen3_coder": (
+        "Let me look.<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+        "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n"
+        "</function>\n</tool_call>"),
+}
+
+
+class Script:
+    """A logits processor that forces ``tokens`` and then EOS."""
+
+    def __init__(self, tokens: list[int], eos: int) -> None:
+        self.tokens = [*tokens, eos]
+        self.prompt: int | None = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.prompt is None:
+            self.prompt = tokens.size
+        step = min(tokens.size - self.prompt, len(self.tokens) - 1)
+        allowed = mx.arange(logits.shape[-1]) == self.tokens[step]
+        return mx.where(allowed, logits, -mx.inf)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    path = materialize("tiny-dense", tmp_path_factory.mktemp("tools"))
+    model, tokenizer = mlx_lm.load(str(path))
+    svc = ModelService(ModelProfile(name="m", source="embedded:tiny-dense",
+                                    cache={"enabled": False}), model, tokenizer, path)
+    yield svc
+    svc.shutdown()
+
+
+def events_of(service: ModelService, script: str, stream_tools: bool = True) -> list[dict]:
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Go"}],
+                                    tools=[WEATHER, TIME], max_tokens=400, temperature=0,
+                                    tool_choice="auto" if stream_tools else "none")
+    tokens = service.tokenizer.encode(script, add_special_tokens=False)
+    eos = next(iter(service.eos_ids))
+
+    async def go() -> list[dict]:
+        prepared = service.prepare(request)
+        out = []
+        service.constraints = lambda _: (Script(tokens, eos),)
+        try:
+            async for batch in service.stream(prepared):
+                out += batch
+        finally:
+            del service.constraints
+        return out
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("parser", sorted(SCRIPTS))
+def test_scripted_tool_calls_come_out_as_calls(service, parser):
+    service.preparer._tool_support = ToolSupport.from_parser(parser)
+    try:
+        events = events_of(service, SCRIPTS[parser])
+    finally:
+        service.preparer._tool_support = ToolSupport.from_parser("json_tools")
+    text = "".join(e["text"] for e in events if e["type"] == "delta")
+    calls = [e for e in events if e["type"] == "tool_call"]
+    finish = events[-1]
+    assert text == "Let me look."
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "CET"})]
+    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    assert finish["type"] == "finish" and finish["finish_reason"] == "tool_calls"
+
+
+def test_the_embedded_models_own_parser_is_picked(service):
+    support = service.preparer.tool_support
+    assert support is not None and support.parser == "json_tools"
+
+
+def test_tool_choice_none_leaves_the_text_alone(service):
+    events = events_of(service, SCRIPTS["json_tools"], stream_tools=False)
+    text = "".join(e["text"] for e in events if e["type"] == "delta")
+    assert text == SCRIPTS["json_tools"] and not [e for e in events if e["type"] == "tool_call"]
+    assert events[-1]["finish_reason"] == "stop"
+
+
+def test_a_call_cut_short_is_text_not_a_broken_call(service):
+    cut = SCRIPTS["json_tools"][:60]  # inside the first call's arguments
+    events = events_of(service, cut)
+    text = "".join(e["text"] for e in events if e["type"] == "delta")
+    assert not [e for e in events if e["type"] == "tool_call"]
+    assert text == cut and events[-1]["finish_reason"] == "stop"
