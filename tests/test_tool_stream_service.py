@@ -122,3 +122,25 @@ def test_a_call_cut_short_is_text_not_a_broken_call(service):
     text = "".join(e["text"] for e in events if e["type"] == "delta")
     assert not [e for e in events if e["type"] == "tool_call"]
     assert text == cut and events[-1]["finish_reason"] == "stop"
+
+
+def test_a_model_without_a_tool_format_refuses_tools(service):
+    """400 in either API's shape (the Anthropic routes map it), never a silent prompt."""
+    from serve_app.anthropic_api import error_reply
+    from serve_app.openai_api import ApiError
+
+    saved = service.preparer._tool_support
+    service.preparer._tool_support = None
+    try:
+        with pytest.raises(ApiError) as err:
+            service.prepare(ChatCompletionRequest(
+                model="m", messages=[{"role": "user", "content": "Go"}], tools=[WEATHER]))
+        # Without tools (or with tool_choice none) the same model serves the request.
+        service.prepare(ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "Go"}], tools=[WEATHER],
+            tool_choice="none"))
+    finally:
+        service.preparer._tool_support = saved
+    assert err.value.status == 400 and err.value.code == "tools_not_supported"
+    assert err.value.param == "tools" and "cannot call tools" in err.value.message
+    assert error_reply(err.value).body()["error"]["type"] == "invalid_request_error"
