@@ -140,6 +140,11 @@ def _validated(raw: bytes, cls: type[OpenAIRequest]) -> OpenAIRequest:
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    return _checked(cls, body)
+
+
+def _checked(cls: type[OpenAIRequest], body: dict) -> OpenAIRequest:
+    """A request validated (400 naming the field) and checked for what we serve."""
     try:
         parsed = cls.model_validate(body)
     except ValidationError as exc:
@@ -454,12 +459,7 @@ def chat_request(chat: anthropic.ChatInput, model: str, stream: bool) -> ChatCom
         # A cache_control marker on message i: the prefix through it deserves a checkpoint.
         "cache_points": [i + 1 for i in chat.cache_control_points] or None,
     }
-    try:
-        parsed = ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    parsed.check_supported()
-    return parsed
+    return _checked(ChatCompletionRequest, body)
 
 
 def _anthropic_input(event: dict) -> dict | anthropic.ToolCall:

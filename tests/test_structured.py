@@ -17,6 +17,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
+from bench.structured import SCHEMA
 from serve_app.embedded import SPECIAL_TOKENS, materialize
 from serve_app.engine import SamplingParams, make_request_sampler
 from serve_app.structured import (
@@ -26,26 +27,7 @@ from serve_app.structured import (
     parse_response_format,
 )
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-    },
-    "required": ["name", "age", "role", "address", "tags"],
-    "additionalProperties": False,
-}
+# One schema: what the bench times is what the tests check.
 PERSON = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA,
                                                   "strict": True}}
 JSON_OBJECT = {"type": "json_object"}
