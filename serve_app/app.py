@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
@@ -24,11 +24,10 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.compat import download_model, serve_replica_env
+from serve_app.compat import TOKENIZER_FILES, download_model, serve_replica_env
 from serve_app.http import OpenAIIngress, api
 from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition
 from serve_app.openai_api import ApiError, Caller, OpenAIRequest
-from serve_app.prepare import PreparedRequest, Preparer
 from serve_app.profile import (
     CacheStoreProfile,
     ModelProfile,
@@ -36,6 +35,9 @@ from serve_app.profile import (
     ProfileError,
     parse_profile,
 )
+
+if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
+    from serve_app.prepare import PreparedRequest, Preparer
 
 logger = logging.getLogger("ray.serve")
 
@@ -86,24 +88,32 @@ class ModelReplica:
                        caller: Caller) -> AsyncIterator[list[dict]]:
         """Event batches for one request, which the ingress has already validated (and,
         where replicas are routed on prefixes, prepared: the router needed its tokens)."""
+        from serve_app.prepare import PreparedRequest
+        from serve_app.structured import StructuredOutputError
+
         prepared = request
-        if not isinstance(request, PreparedRequest):
-            loop = asyncio.get_running_loop()
-            try:
+        loop = asyncio.get_running_loop()
+        try:
+            if not isinstance(request, PreparedRequest):
                 prepared = await loop.run_in_executor(self.prepare_pool, self.service.prepare,
                                                       request, caller)
-            except ApiError as exc:
-                yield [exc.to_event()]
-                return
-        async for events in self.service.stream(prepared):
+            # Grammars compile here, off the event loop (cached per schema).
+            processors = await loop.run_in_executor(self.prepare_pool, self.service.constraints,
+                                                    prepared)
+        except ApiError as exc:
+            yield [exc.to_event()]
+            return
+        except StructuredOutputError as exc:
+            yield [ApiError(400, str(exc), param=exc.param).to_event()]
+            return
+        async for events in self.service.stream(prepared, processors):
             yield events
 
     async def count_tokens(self, request: OpenAIRequest, caller: Caller) -> int:
         """Prompt tokens of a request, templated as it would be served (no generation)."""
         loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(self.prepare_pool, self.service.prepare,
-                                              request, caller)
-        return len(prepared.prompt)
+        return await loop.run_in_executor(self.prepare_pool, self.service.preparer.count,
+                                          request)
 
     def record_routing_stats(self) -> dict:
         """What the prefix-affinity router needs of this replica (polled by Serve)."""
@@ -140,10 +150,13 @@ def load_preparer(profile: ModelProfile, model_home: str | None) -> Preparer:
     """A model's request preparer with its tokenizer only (no weights)."""
     from mlx_lm.utils import load_tokenizer
 
+    from serve_app.prepare import Preparer
     from serve_app.service import resolve_source
 
     home = Path(model_home).expanduser() if model_home else None
-    model_dir = download_model(resolve_source(profile, home), profile.revision)
+    # Only the tokenizer's files: the ingress's node needs no weights for it.
+    model_dir = download_model(resolve_source(profile, home), profile.revision,
+                               allow_patterns=TOKENIZER_FILES)
     return Preparer(profile, load_tokenizer(model_dir), branch_points=profile.cache.enabled)
 
 
@@ -237,9 +250,7 @@ class Ingress(OpenAIIngress):
         preparer = self.preparers.get(name)
         if preparer is not None:
             loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(self.prepare_pool, preparer.prepare,
-                                                  request, caller)
-            return len(prepared.prompt)
+            return await loop.run_in_executor(self.prepare_pool, preparer.count, request)
         return await self.handles[name].count_tokens.remote(request, caller)
 
     async def model_ready(self, name: str) -> bool:

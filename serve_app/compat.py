@@ -11,8 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# What ``mlx_lm.utils.load_tokenizer`` downloads (mlx-lm 0.32): a tokenizer, no weights.
+TOKENIZER_FILES = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt",
+                   "*.jsonl", "*.jinja"]
 
-def download_model(path_or_repo: str, revision: str | None = None) -> Path:
+
+def download_model(path_or_repo: str, revision: str | None = None,
+                   allow_patterns: list[str] | None = None) -> Path:
     """The local directory of a model: a path as is, a hub repo id downloaded.
 
     Relies on ``mlx_lm.utils._download`` (mlx-lm 0.32), the helper ``mlx_lm.load``
@@ -21,6 +26,8 @@ def download_model(path_or_repo: str, revision: str | None = None) -> Path:
     """
     from mlx_lm.utils import _download
 
+    if allow_patterns is not None:
+        return Path(_download(path_or_repo, revision=revision, allow_patterns=allow_patterns))
     return Path(_download(path_or_repo, revision=revision))
 
 

@@ -27,6 +27,7 @@ from serve_app.cache.blocks import build_cache, capture_block
 from serve_app.cache.layout import Layout, probe_layout
 from serve_app.cache.manager import Published, RequestPlan
 from serve_app.compat import batch_row_caches
+from serve_app.openai_api import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,6 @@ class QueueFullError(Exception):
     """The engine already holds as many requests as it was allowed to queue."""
 
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on ``top_logprobs``
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -39,6 +40,8 @@ from serve_app.openai_api import (
 )
 from serve_app.validation import clean_loc
 
+logger = logging.getLogger("ray.serve")
+
 api = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
 
 # JSON deeper than this is refused before validation: no request needs it, and
@@ -46,6 +49,7 @@ api = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
 MAX_JSON_DEPTH = 64
 INLINE_PARSE_BYTES = 256 * 1024  # larger bodies are parsed off the event loop
 NOT_READY_RETRY_AFTER_S = 2
+MAX_CACHE_POINTS = 4  # Anthropic's own limit on cache_control markers
 
 
 @api.exception_handler(ApiError)
@@ -157,6 +161,7 @@ def caller_of(request: Request) -> Caller:
     """Who is asking, from the headers only (a body can never choose its cache salt)."""
     auth = request.headers.get("authorization", "")
     key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    key = key or request.headers.get("x-api-key", "").strip()  # Anthropic's SDK sends this
     return Caller(api_key_digest=hashlib.sha256(key.encode()).hexdigest() if key else None)
 
 
@@ -337,6 +342,11 @@ class OpenAIIngress:
         except ApiError as exc:
             labels["status"] = str(exc.status)
             return _anthropic_error(exc)
+        except Exception as exc:  # still Anthropic's shape for a client of that API
+            logger.exception("/v1/messages failed")
+            if self.replica_lost(labels["model"], exc):
+                return _anthropic_error(replica_lost_error(labels["model"]))
+            return _anthropic_error(ApiError(500, "internal error", type="server_error"))
         finally:
             self.recorder.inc("serve_app_requests", 1, labels)
 
@@ -402,7 +412,8 @@ class OpenAIIngress:
                 if e["type"] == "delta":
                     parts.append(e["text"])
                     if "logprobs" in e:
-                        logprobs = (logprobs or []) + e["logprobs"]
+                        logprobs = logprobs if logprobs is not None else []
+                        logprobs.extend(e["logprobs"])
                 elif e["type"] == "tool_call":
                     calls.append(e)
                 elif e["type"] == "error":
@@ -456,10 +467,13 @@ def chat_request(chat: anthropic.ChatInput, model: str, stream: bool) -> ChatCom
         "tool_choice": chat.tool_choice.to_openai() if chat.tool_choice else None,
         "parallel_tool_calls": chat.parallel_tool_calls if chat.tools else None,
         "continue_final_message": chat.continue_final,
-        # A cache_control marker on message i: the prefix through it deserves a checkpoint.
-        "cache_points": [i + 1 for i in chat.cache_control_points] or None,
     }
-    return _checked(ChatCompletionRequest, body)
+    parsed = _checked(ChatCompletionRequest, body)
+    # A cache_control marker on message i: the prefix through it deserves a checkpoint.
+    # Anthropic allows four markers; each costs a rendering of the conversation.
+    points = sorted({i + 1 for i in chat.cache_control_points})
+    parsed._cache_points = tuple(points[-MAX_CACHE_POINTS:])
+    return parsed
 
 
 def _anthropic_input(event: dict) -> dict | anthropic.ToolCall:

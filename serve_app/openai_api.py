@@ -8,12 +8,13 @@ are accepted and ignored.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class ApiError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self):
+        """Picklable (it crosses Ray from a replica): rebuilt from its event form."""
+        return (ApiError.from_event, (self.to_event(),))
+
     def body(self) -> dict:
         return {
             "error": {
@@ -81,6 +86,9 @@ class ApiError(Exception):
         )
 
 
+MAX_STOPS = 16
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -89,7 +97,8 @@ class _Request(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     seed: StrictInt | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
+    # OpenAI takes 4; Anthropic's stop_sequences, carried here, may be more.
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOPS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt | None = None
@@ -134,6 +143,13 @@ class FunctionCall(BaseModel):
     name: StrictStr
     arguments: StrictStr  # a JSON object, as OpenAI sends it
 
+    def as_object(self) -> dict[str, Any]:
+        """The arguments as an object (``check_supported`` made sure they are one)."""
+        value = json.loads(self.arguments) if self.arguments.strip() else {}
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        return value
+
 
 class ToolCallIn(BaseModel):
     """A tool call an assistant message made (the conversation's history)."""
@@ -146,7 +162,7 @@ class ToolCallIn(BaseModel):
 
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="allow")
-    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
@@ -191,9 +207,11 @@ class ChatMessage(BaseModel):
         """The message as a chat template takes it (OpenAI's chat shape)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
+            # Objects, as mlx_lm.server passes them: Qwen3's template takes text or an
+            # object, Qwen3-Coder's iterates the arguments' items.
             out["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.function.name,
-                                               "arguments": c.function.arguments}}
+                                               "arguments": c.function.as_object()}}
                                  for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
@@ -212,9 +230,9 @@ class ChatCompletionRequest(_Request):
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: dict[str, Any] | None = None
-    # Message counts after which a prefix is worth a cache checkpoint (Anthropic's
-    # ``cache_control`` markers, carried here by the Messages API).
-    cache_points: list[StrictInt] | None = None
+    # Message counts after which a prefix is worth a cache checkpoint: Anthropic's
+    # ``cache_control`` markers, set by the Messages API route only (never from a body).
+    _cache_points: tuple[int, ...] = PrivateAttr(default=())
     # The last (assistant) message is continued, not answered (vLLM's name for it).
     continue_final_message: StrictBool = False
 
@@ -244,6 +262,13 @@ class ChatCompletionRequest(_Request):
             if m.tool_calls and m.role != "assistant":
                 raise ApiError(400, f"messages[{i}]: only assistant messages carry tool_calls",
                                param=f"messages[{i}].tool_calls")
+            for j, c in enumerate(m.tool_calls or ()):
+                try:
+                    c.function.as_object()
+                except ValueError:  # JSONDecodeError is one
+                    param = f"messages[{i}].tool_calls[{j}].function.arguments"
+                    raise ApiError(400, f"{param}: must be the JSON text of an object",
+                                   param=param) from None
 
     def wants_tools(self) -> bool:
         """Tools are offered and may be called (``tool_choice`` is not ``none``)."""
@@ -257,8 +282,13 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens or self.max_tokens
 
     def prompt_size(self) -> tuple[int, str]:
-        """(size, unit) of the prompt before tokenizing: characters of message contents."""
-        return sum(len(m.text()) for m in self.messages), "characters"
+        """(size, unit) of the prompt before tokenizing: characters of message contents,
+        tool calls and tool definitions (all of it is templated)."""
+        size = sum(len(m.text()) for m in self.messages)
+        size += sum(len(c.function.name) + len(c.function.arguments)
+                    for m in self.messages for c in m.tool_calls or ())
+        size += sum(len(json.dumps(t.to_template())) for t in self.tools or ())
+        return size, "characters"
 
 
 class CompletionRequest(_Request):

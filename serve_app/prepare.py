@@ -123,6 +123,14 @@ class Preparer:
             self._tool_support = tool_support(self.tokenizer)
         return self._tool_support
 
+    def count(self, request: ChatCompletionRequest | CompletionRequest) -> int:
+        """The prompt's tokens as it would be served (a token count, nothing compiled)."""
+        check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length)
+        if isinstance(request, ChatCompletionRequest) and request.wants_tools() \
+                and self.tool_support is None:
+            self.check_constraints(request)  # the same 400 a generation would get
+        return len(self.prompt_tokens(request))
+
     def prepare(self, request: ChatCompletionRequest | CompletionRequest,
                 caller: Caller | None = None) -> PreparedRequest:
         """Prompt tokens and sampling for a request the ingress validated.
@@ -186,7 +194,7 @@ class Preparer:
                 conversation, tools=tools, add_generation_prompt=False, tokenize=True)
 
         points = set(find_branch_points(messages, prompt, render))
-        for n in request.cache_points or ():  # a client's own hint (cache_control)
+        for n in request._cache_points:  # a client's own hint (cache_control)
             if 0 < n <= len(messages):
                 try:
                     common = common_prefix(render(messages[:n]), prompt)

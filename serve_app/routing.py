@@ -143,11 +143,18 @@ class PrefixAffinityRouter(RequestRouter):
         root = salted_root(info.root, prepared.salt, prepared.api_key_digest)
         restorable = (len(prepared.prompt) - 1) // bs
         runs = self.follower.prefix_by_node(chain(root, prepared.prompt[:restorable * bs], bs))
-        candidates = [Candidate(r.replica_id, r.node_id, self.ongoing.get(r.replica_id, 0),
-                                _capacity(r, info)) for r in candidate_replicas]
+        candidates = [Candidate(r.replica_id, r.node_id, self._load(r), _capacity(r, info))
+                      for r in candidate_replicas]
         ranking = rank(candidates, runs, len(prepared.prompt), bs, self.load_cost_tokens)
         self._count(pending_request.metadata.internal_request_id, ranking.reason(ranking.order[0]))
         return [[by_key[key]] for key in ranking.order]
+
+    def _load(self, replica: RunningReplica) -> int:
+        """Requests a replica serves: what this router sent it, or what it last reported
+        (other routers' requests too, a couple of seconds old), whichever is more."""
+        own = self.ongoing.get(replica.replica_id, 0)
+        reported = ReplicaInfo.from_stats(replica.routing_stats)
+        return max(own, reported.running + reported.queued) if reported else own
 
     def _count(self, request_id: str, reason: str) -> None:
         """One decision per request (a request Ray routes again after a refusal, or after

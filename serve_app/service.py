@@ -26,7 +26,11 @@ from serve_app.openai_api import ApiError, Caller, ChatCompletionRequest, Comple
 from serve_app.prepare import PreparedRequest, Preparer
 from serve_app.profile import ModelProfile, source_kind
 from serve_app.stops import StopStringMatcher
-from serve_app.structured import compile_response_format, compile_tool_choice
+from serve_app.structured import (
+    StructuredOutputError,
+    compile_response_format,
+    compile_tool_choice,
+)
 from serve_app.tools import ToolCallStream
 
 RETRY_AFTER_SECONDS = 1
@@ -101,6 +105,7 @@ class ModelService:
         self.cache = CacheManager.for_model(profile, self.layout, cache_client, model_dir,
                                             tokenizer.chat_template)
         self.preparer = Preparer(profile, tokenizer, branch_points=self.cache.enabled)
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
 
     @property
     def cache_stats(self) -> CacheStats:
@@ -125,18 +130,27 @@ class ModelService:
 
     # ---- streaming ----------------------------------------------------------------
 
-    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[list[dict]]:
+    async def stream(self, prepared: PreparedRequest,
+                     processors: tuple | None = None) -> AsyncIterator[list[dict]]:
         """Events for one request, in batches of whatever is ready.
 
         First ``{"type": "start"}`` (or an error event), then ``delta`` events,
         then one ``finish`` with usage. Closing the iterator early cancels the
-        request in the engine, which frees its batch slot at once.
+        request in the engine, which frees its batch slot at once. ``processors``:
+        the request's ``constraints``, built off the event loop by the caller (a new
+        schema compiles here otherwise).
         """
         arrived = time.perf_counter()
         events = EventChannel(asyncio.get_running_loop())
         if self.engine.at_capacity():  # before any cache work
             yield [_queue_full(self.engine.capacity_message()).to_event()]
             return
+        if processors is None:
+            try:
+                processors = self.constraints(prepared)
+            except StructuredOutputError as exc:
+                yield [ApiError(400, str(exc), param=exc.param).to_event()]
+                return
         plan = await self.cache.plan(prepared.prompt, salt=prepared.salt,
                                      api_key_digest=prepared.api_key_digest,
                                      branch_points=prepared.branch_points)
@@ -148,7 +162,7 @@ class ModelService:
         cached = plan.restore_tokens if plan is not None else 0
         try:
             params = replace(prepared.params, logprobs=prepared.logprobs,
-                             logits_processors=self.constraints(prepared))
+                             logits_processors=processors)
             rid = self.engine.submit(prepared.prompt, params, events.put, plan)
         except QueueFullError as exc:
             await self.cache.release(lease)
@@ -253,7 +267,9 @@ class ModelService:
                 "top_logprobs": [self._token_entry(t, lp) for t, lp in event.top_logprobs]}
 
     def _token_entry(self, token: int, logprob: float) -> dict:
-        text = self.tokenizer.decode([token])
+        text = self._token_texts.get(token)
+        if text is None:  # one decode per token id, not per generated token
+            text = self._token_texts[token] = self.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     @staticmethod
@@ -263,9 +279,9 @@ class ModelService:
         ``out``; returns the tool calls emitted."""
         found = []
         if calls is not None:
-            update = calls.finish() if final else calls.feed(text)
-            if final and text:
-                update = _joined(calls.feed(text), update)
+            update = calls.feed(text) if text or not final else None
+            if final:  # the last text first, then what finishing releases
+                update = _joined(update, calls.finish()) if update else calls.finish()
             text, found = update.text, update.calls
         if text or logprobs is not None:
             delta: dict = {"type": "delta", "text": text}

@@ -148,7 +148,11 @@ def _tool_call(item: Any) -> ToolCall:
         raise ValueError("tool call arguments must be an object")
     # json.dumps's default separators are what Qwen-style templates render (tojson), so a
     # call sent back in the next request's history renders as the model wrote it.
-    return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
+    try:  # a parser's literal_eval may give sets, bytes or NaN: not JSON, not a call
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"tool call arguments are not JSON: {exc}") from exc
+    return ToolCall(new_call_id(), name, text)
 
 
 def tool_support(tokenizer: Any) -> ToolSupport | None:

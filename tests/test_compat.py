@@ -90,3 +90,9 @@ def test_serve_replica_env_switches_rays_user_code_thread(env, separate):
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, check=True,
                          capture_output=True, text=True).stdout.strip()
     assert out == str(separate)
+
+
+def test_download_model_takes_the_tokenizers_files_only(hybrid_dir):
+    """The ingress's tokenizer-only download: a local directory is kept as it is."""
+    assert compat.download_model(str(hybrid_dir), allow_patterns=compat.TOKENIZER_FILES) \
+        == hybrid_dir

@@ -397,3 +397,29 @@ def test_new_profile_keys_have_defaults():
                              "ingress": {"max_request_bytes": "2MiB"}})
     assert profile.ingress.max_request_bytes == 2 * 1024 * 1024
     assert profile.models[0].prompt_char_limit() == 10
+
+
+def test_an_api_error_crosses_ray_intact():
+    """A replica's ApiError (e.g. from count_tokens) is pickled back to the ingress."""
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ApiError(400, "bad", param="p", code="c",
+                                             headers={"Retry-After": "1"})))
+    assert (err.status, err.message, err.param, err.code, err.headers) == (
+        400, "bad", "p", "c", {"Retry-After": "1"})
+
+
+def test_the_cache_isolating_key_is_read_from_either_apis_header():
+    from starlette.requests import Request
+
+    from serve_app.http import caller_of
+
+    def caller(*headers):
+        return caller_of(Request({"type": "http", "headers": [
+            (k.encode(), v.encode()) for k, v in headers]}))
+
+    bearer = caller(("authorization", "Bearer k1")).api_key_digest
+    anthropic_key = caller(("x-api-key", "k1")).api_key_digest
+    assert bearer == anthropic_key is not None  # the same key, the same tenant
+    assert caller(("x-api-key", "k2")).api_key_digest != bearer
+    assert caller().api_key_digest is None

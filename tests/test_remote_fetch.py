@@ -143,3 +143,25 @@ def test_no_remote_without_a_directory():
     client = LocalCacheClient(TieredStore(1 << 20, None))
     assert client.remote_prefix(["a", "b"]) is None
     assert asyncio.run(client._export("n", None, 1.0)) is None
+
+
+def test_a_node_whose_last_block_has_no_checkpoint_sends_up_to_one_that_has(home):
+    """Hybrid: the other node walks back to its last checkpoint; what it sends restores."""
+    from tests.test_tails import generated
+
+    name = "tiny-hybrid"
+    cold = load(name, home)[3]
+    store_a, store_b = TieredStore(1 << 30, None), TieredStore(1 << 30, None)
+    prompt = prompt_of(7, 6)  # 6 blocks and 3 tokens
+    node_b = service(name, home, LocalCacheClient(store_b))
+    ask(node_b, prompt, n=40)  # decode covers blocks 7 and 8; only the newest keeps state
+    node_b.shutdown()
+    longer = prompt + generated(cold, prompt, 40)[:20]  # restorable: 7 blocks
+    client = TwoNodeClient(store_a, store_b)
+    node_a = service(name, home, client)
+    warm = ask(node_a, longer)
+    assert warm["text"] == ask(cold, longer)["text"]
+    stats = node_a.cache_stats
+    assert stats.remote_fetches == 1 and stats.remote_fetch_failures == 0
+    assert warm["cached"] == 6 * BS  # block 7 has no checkpoint on B: B sent six
+    node_a.shutdown()

@@ -144,3 +144,18 @@ def test_a_model_without_a_tool_format_refuses_tools(service):
     assert err.value.status == 400 and err.value.code == "tools_not_supported"
     assert err.value.param == "tools" and "cannot call tools" in err.value.message
     assert error_reply(err.value).body()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_last_text_is_parsed_before_the_stream_finishes(service):
+    """Text the decoder releases only at the end (held for a stop string, say) still
+    comes out in order, and a call it completes is a call."""
+    from serve_app.service import ModelService
+
+    calls = service.preparer.tool_support.stream()
+    out: list[dict] = []
+    head = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}'
+    ModelService._emit(out, "Hello " + head, calls, None)
+    ModelService._emit(out, "\n</tool_call> world", calls, None, final=True)
+    text = "".join(e["text"] for e in out if e["type"] == "delta")
+    assert text == "Helloworld"  # in order; whitespace next to a call is the template's
+    assert [e["name"] for e in out if e["type"] == "tool_call"] == ["get_time"]

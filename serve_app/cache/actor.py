@@ -52,8 +52,9 @@ NODE_CHECK_S = 5.0  # how often the directory looks for nodes that died
 DIRECTORY_NAME = "block-directory"
 SSD_DIR_ENV = "SERVE_APP_SSD_DIR"  # a node's own SSD directory (several nodes, one machine)
 # Options of the actor (and of test subclasses): threaded, puts in a group of their own.
+# Exports to other nodes (SSD reads of long chains) have a group too: never all threads.
 ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 16,
-                                 "concurrency_groups": {"puts": 8}}
+                                 "concurrency_groups": {"puts": 8, "exports": 4}}
 
 
 def make_ssd(config: dict) -> tuple[SSDStore | None, str | None]:
@@ -157,6 +158,7 @@ class CacheStore:
     def release(self, lease: int | None) -> None:
         self.tiers.release(lease)
 
+    @ray.method(concurrency_group="exports")
     def export(self, req: FetchRequest) -> FetchedChain:
         """A replica on another node asks for blocks ``req.first`` on of a chain: loaded
         and checked here like a local restore (SSD files read on this node), returned
@@ -212,6 +214,10 @@ class ExportClient(CacheClient):
     async def release(self, lease: int | None) -> None:
         self.tiers.release(lease)
 
+    def _release_soon(self, lease: int | None) -> None:
+        # Now: the export's event loop closes right after a failure, cancelling a task.
+        self.tiers.release(lease)
+
 
 async def resolve_hot(handle: Any) -> BlockPayload:
     """A hot block's payload from the object store."""
@@ -262,12 +268,20 @@ class DirectoryFollower:
                     version = self.copy.version
                 changes: Changes = ray.get(directory.changes_since.remote(version),
                                            timeout=FEED_TIMEOUT_S)
-                with self._lock:
-                    if changes.version < version and not changes.reset:
-                        # The directory restarted and counts from 0 again: start over.
+                if changes.version < version and not changes.reset:
+                    # The directory restarted and counts from 0 again: start over.
+                    with self._lock:
                         self.copy = BlockDirectory(log_limit=1)
-                        continue
-                    self.copy.follow(changes)
+                    continue
+                if changes.reset:  # everything: built aside, so readers never wait on it
+                    fresh = BlockDirectory(log_limit=1)
+                    fresh.follow(changes)
+                    with self._lock:
+                        self.copy = fresh
+                else:
+                    with self._lock:
+                        self.copy.follow(changes)
+                with self._lock:
                     self.connected = True
                     self.last_error = None
             except ValueError:  # no directory (yet): one node, or none fed it so far

@@ -175,7 +175,9 @@ class CacheClient:
         remote = replace(req, first=start, tails=None)
         found = await self._export(node_id, remote, timeout)
         seconds = time.perf_counter() - tic
-        if found is None or found.present <= start or len(found.payloads) != found.present - start:
+        # The exporter walked back to its last checkpoint: what it restores is what it sent.
+        n = len(found.block_tokens) if found is not None else 0
+        if found is None or n <= start or len(found.payloads) != n - start:
             return None
         bs, layout = req.block_size, req.layout
         for i, payload in enumerate(found.payloads):
@@ -216,7 +218,7 @@ class CacheClient:
                     reason = bad.incompatible
                 continue
             except BaseException:  # cancelled or unexpected: never leave pins behind
-                asyncio.ensure_future(self.release(found["lease"]))
+                self._release_soon(found["lease"])
                 raise
             # A rejected checkpoint shows up as a walkback of the next lookup.
             tiers = [s.tier for s in found["sources"]]
@@ -228,6 +230,10 @@ class CacheClient:
                                 req.block_tokens(found), loads, ssd_bytes,
                                 (toc - tic) if ssd_bytes else 0.0, found.get("trim"))
         return FetchedChain(0, 0, [], None, False, [], rejects, incompatible, reason)
+
+    def _release_soon(self, lease: int | None) -> None:
+        """Release from a task that may be cancelled: scheduled, not awaited."""
+        asyncio.ensure_future(self.release(lease))
 
     async def _pinned_lookup(self, req: FetchRequest) -> dict:
         """A lookup whose lease is released even if the caller is cancelled meanwhile.

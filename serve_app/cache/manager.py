@@ -480,10 +480,13 @@ class CacheManager:
         if not self.remote.worth(nbytes, gain):
             stats.remote_fetch_skipped += 1
             return found
-        chain = await self.client.fetch_remote(req, full, offer.node_id,
-                                               self.remote.timeout(nbytes))
+        timeout = self.remote.timeout(nbytes)
+        tic = time.perf_counter()
+        chain = await self.client.fetch_remote(req, full, offer.node_id, timeout)
         if chain is None:
             stats.remote_fetch_failures += 1
+            if time.perf_counter() - tic >= timeout:  # too slow: the link is worse than thought
+                self.remote.fetched(nbytes, timeout)
             logger.warning("model %s: fetching %d blocks from node %s failed; prefilling them",
                            self.settings.model, offer.blocks - full, offer.node_id)
             return found
