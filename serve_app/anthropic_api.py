@@ -146,25 +146,6 @@ class _Conversation(BaseModel):
         conversion, which is cheap next to templating)."""
         to_chat_input(self)
 
-    def prompt_size(self) -> tuple[int, str]:
-        """(size, unit) before tokenizing, for ``check_prompt_size``: characters."""
-        size = len(self.system) if isinstance(self.system, str) else 0
-        size += sum(len(b.text) for b in self.system or () if isinstance(b, TextBlock))
-        for tool in self.tools or ():
-            size += len(tool.name) + len(tool.description or "")
-            size += len(json.dumps(tool.input_schema or {}))
-        for m in self.messages:
-            if isinstance(m.content, str):
-                size += len(m.content)
-                continue
-            for b in m.content:
-                if isinstance(b, TextBlock):
-                    size += len(b.text)
-                elif isinstance(b, ToolUseBlock):
-                    size += len(b.name) + len(json.dumps(b.input))
-                elif isinstance(b, ToolResultBlock):
-                    size += len(_tool_result_text(b, "", check=False))
-        return size, "characters"
 
 
 class MessagesRequest(_Conversation):
@@ -253,15 +234,15 @@ class TemplateMessage:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None  # set on role "tool"
 
-    def to_dict(self, *, arguments_as_dict: bool = False) -> dict[str, Any]:
-        """The template's dict. ``arguments_as_dict``: templates that ``tojson`` the
-        arguments (Llama 3.1, Qwen2.5) need an object, not OpenAI's JSON string."""
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's chat shape (arguments as JSON text): it becomes a chat request, whose
+        messages give templates the arguments as objects."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function",
                  "function": {"name": c.name,
-                              "arguments": c.input() if arguments_as_dict else c.arguments}}
+                              "arguments": c.arguments}}
                 for c in self.tool_calls
             ]
         if self.tool_call_id is not None:
@@ -321,8 +302,8 @@ class ChatInput:
     continue_final: bool = False
     parallel_tool_calls: bool = True
 
-    def template_messages(self, *, arguments_as_dict: bool = False) -> list[dict[str, Any]]:
-        return [m.to_dict(arguments_as_dict=arguments_as_dict) for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_dict() for m in self.messages]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """OpenAI-style tools for ``apply_chat_template(tools=...)``; None without tools."""
@@ -586,11 +567,6 @@ def error_event(exc: ApiError) -> dict[str, Any]:
 
 def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
-
-
-def new_tool_use_id() -> str:
-    """An id for a tool call the service parsed (Anthropic's prefix)."""
-    return f"toolu_{uuid.uuid4().hex}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, int]:
