@@ -47,7 +47,12 @@ QUICK: dict[str, list[tuple[str, str | None]]] = {
                 ("--gen", "8"), ("--long-turns", "0")],
     "checkpoints": [("--tokens", "1024"), ("--intervals", "256,1024"), ("--rounds", "1")],
     "serving": [("--tokens", "64"), ("--repeats", "1")],
+    "cluster": [("--sessions", "2"), ("--turns", "2"), ("--system-tokens", "300"),
+                ("--user-tokens", "100"), ("--gen", "8"), ("--fetch-tokens", "1024")],
+    "structured": [("--repeats", "1")],
 }
+# Benches whose model is fixed: four cluster arms take long; the grammar cost is per token.
+FIXED_MODELS = {"cluster": "tiny-hybrid", "structured": "tiny-dense"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -83,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(bench, model) pairs in run order: the bench order of ``BENCHES``."""
-    models = {"serving": args.serving_models}
+    models = {"serving": args.serving_models, **FIXED_MODELS}
     return [(bench, model) for bench in BENCHES if bench in args.only
             for model in models.get(bench, args.models).split(",") if model]
 

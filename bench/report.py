@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-BENCHES = ("multiturn", "agents", "restart", "checkpoints", "serving")
+BENCHES = ("multiturn", "agents", "restart", "checkpoints", "serving", "cluster", "structured")
 REPORT = "REPORT.md"
 RUNS = "runs.json"
 MACHINE = "machine.json"
@@ -37,7 +37,9 @@ GOALS = {
     "serving_single": (">=", 0.95),
     "serving_streams": (">=", 1.1),
     "serving_cold_ttft": ("<=", 1.05),
+    "cluster_ttft": ("<=", 0.6),  # issue 12: prefix routing against Ray's default router
 }
+CLUSTER_CACHED_GAP = 0.02  # issue 12: cached fraction within this of one node
 _OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge}
 _SIGNS = {"<=": "≤", ">=": "≥"}
 
@@ -237,9 +239,44 @@ def control_rows(model: str, d: dict) -> list[Row]:
                 "beside our idle server / lean server over HTTP", ours=text, status="info")]
 
 
+def cluster_rows(model: str, d: dict) -> list[Row]:
+    arms = d.get("arms") or {}
+    ttft = {name: (arms.get(name) or {}).get("ttft_total_s") for name in arms}
+    cached = {name: (arms.get(name) or {}).get("cached_fraction") for name in arms}
+    rows = [ratio_row("cluster", model, "total TTFT, prefix routing vs Ray's default router "
+                      "(2 nodes)", ttft.get("prefix"), ttft.get("default"), "s",
+                      "cluster_ttft", d.get("ttft_ratio_prefix_vs_default"))]
+    gap = d.get("cached_fraction_gap_vs_one_node")
+    if gap is None:
+        rows.append(Row("cluster", model, "cached fraction vs one node", "n/a", goal="≤ 0.02"))
+    else:
+        rows.append(Row("cluster", model, "cached fraction, prefix routing vs one node",
+                        f"{cached.get('prefix'):.3f}", f"{cached.get('one_node'):.3f}",
+                        goal=f"gap ≤ {CLUSTER_CACHED_GAP}",
+                        status="met" if gap <= CLUSTER_CACHED_GAP else "**missed**"))
+    fetch = d.get("cross_node_fetch") or {}
+    if "seconds" in fetch:
+        rows.append(Row("cluster", model, f"{fetch.get('fetched_tokens')}-token prefix fetched "
+                        "from another node vs prefilled cold", fmt(fetch["seconds"], "s"),
+                        fmt(fetch.get("cold_ttft_s"), "s"), fetch.get("fetch_over_cold_ttft"),
+                        status="info"))
+    same, total = d.get("identical_outputs") or {}, d.get("requests")
+    rows.append(count_row("cluster", model, "identical outputs, every arm",
+                          min(same.values()) if same else None, total))
+    return rows
+
+
+def structured_rows(model: str, d: dict) -> list[Row]:
+    decode = d.get("decode") or {}
+    return [Row("structured", model, "decode ms/token, json_schema constrained vs free",
+                fmt(decode.get("constrained_ms_per_token"), "ms"),
+                fmt(decode.get("free_ms_per_token"), "ms"), decode.get("ratio"),
+                status="info")]
+
+
 ROWS: dict[str, Callable[[str, dict], list[Row]]] = {
     "multiturn": multiturn_rows, "agents": agents_rows, "restart": restart_rows,
-    "serving": serving_rows}
+    "serving": serving_rows, "cluster": cluster_rows, "structured": structured_rows}
 
 
 def summary_rows(results: dict[str, dict[str, dict]], runs: dict[str, dict]) -> list[Row]:
