@@ -8,6 +8,7 @@ Imports are lazy: the ingress loads this module without loading MLX.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,35 @@ SERVE_REPLICA_ENV = {
 def serve_replica_env() -> dict[str, str]:
     """Environment variables for our Serve replicas (see ``SERVE_REPLICA_ENV``)."""
     return dict(SERVE_REPLICA_ENV)
+
+
+def token_bytes_table(tokenizer: Any) -> Callable[[int], bytes] | None:
+    """Each token id's raw bytes (logprobs' ``bytes``: a token may hold part of a UTF-8
+    character, which its decoded text cannot show), from the tables of the streaming
+    detokenizer mlx-lm picked (mlx-lm 0.32: ``BPEStreamingDetokenizer.tokenmap`` of
+    byte-level strings with ``_byte_decoder``, ``SPMStreamingDetokenizer.tokenmap`` of
+    bytes). None for another detokenizer: then the caller encodes the decoded text.
+    Built once per tokenizer: the tables cover the whole vocabulary."""
+    from mlx_lm import tokenizer_utils as tu
+
+    detokenizer = tokenizer.detokenizer
+    table = getattr(detokenizer, "tokenmap", None)
+    if table is None:
+        return None
+    if isinstance(detokenizer, tu.SPMStreamingDetokenizer):
+        return lambda token: table[token] if token < len(table) else b""
+    if isinstance(detokenizer, tu.BPEStreamingDetokenizer):
+        decoder = tu._byte_decoder()
+
+        def byte_level(token: int) -> bytes:
+            text = table[token] if token < len(table) else ""
+            if token in special:  # added tokens are text, not byte-level strings
+                return text.encode()
+            return b"".join(bytes([decoder[c]]) if c in decoder else c.encode() for c in text)
+
+        special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        special |= set(getattr(getattr(tokenizer, "_tokenizer", None), "added_tokens_decoder",
+                               {}) or {})
+        return byte_level
+    return None
+

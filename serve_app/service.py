@@ -18,7 +18,7 @@ from pathlib import Path
 
 from serve_app.cache.client import CacheClient
 from serve_app.cache.manager import CacheManager, CacheStats
-from serve_app.compat import download_model
+from serve_app.compat import download_model, token_bytes_table
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.engine import Engine, EngineEvent, QueueFullError, SamplingParams
 from serve_app.metrics import PHASES, Recorder, replica_samples
@@ -105,7 +105,9 @@ class ModelService:
         self.cache = CacheManager.for_model(profile, self.layout, cache_client, model_dir,
                                             tokenizer.chat_template)
         self.preparer = Preparer(profile, tokenizer, branch_points=self.cache.enabled)
-        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
+        # Token id -> (its text, its raw bytes), for logprobs; the byte table on first use.
+        self._token_texts: dict[int, tuple[str, list[int]]] = {}
+        self._token_bytes = _UNKNOWN
 
     @property
     def cache_stats(self) -> CacheStats:
@@ -267,10 +269,14 @@ class ModelService:
                 "top_logprobs": [self._token_entry(t, lp) for t, lp in event.top_logprobs]}
 
     def _token_entry(self, token: int, logprob: float) -> dict:
-        text = self._token_texts.get(token)
-        if text is None:  # one decode per token id, not per generated token
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        known = self._token_texts.get(token)
+        if known is None:  # once per token id, not per generated token
+            text = self.tokenizer.decode([token])
+            if self._token_bytes is _UNKNOWN:
+                self._token_bytes = token_bytes_table(self.tokenizer)
+            raw = self._token_bytes(token) if self._token_bytes else text.encode()
+            known = self._token_texts[token] = (text, list(raw))
+        return {"token": known[0], "logprob": logprob, "bytes": known[1]}
 
     @staticmethod
     def _emit(out: list[dict], text: str, calls: ToolCallStream | None,
@@ -377,6 +383,9 @@ class ModelService:
             time.sleep(0.001)
         self.engine.reset_stats()
         return time.perf_counter() - tic
+
+
+_UNKNOWN = object()
 
 
 def _joined(first, second):

@@ -137,6 +137,7 @@ def test_chat_logprobs_are_the_samplers(client):
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for entry in content:
+        assert entry.bytes and all(0 <= b < 256 for b in entry.bytes)  # the token's own bytes
         assert len(entry.top_logprobs) == 5
         top = entry.top_logprobs
         assert entry.logprob <= 0 and entry.logprob == pytest.approx(top[0].logprob)

@@ -96,3 +96,18 @@ def test_download_model_takes_the_tokenizers_files_only(hybrid_dir):
     """The ingress's tokenizer-only download: a local directory is kept as it is."""
     assert compat.download_model(str(hybrid_dir), allow_patterns=compat.TOKENIZER_FILES) \
         == hybrid_dir
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
+def test_token_bytes_are_the_raw_bytes_of_each_token(name, tmp_path):
+    """A character split over tokens: each token's bytes are its part of the UTF-8."""
+    from serve_app.embedded import materialize
+
+    _, tokenizer = mlx_lm.load(str(materialize(name, tmp_path)))
+    table = compat.token_bytes_table(tokenizer)
+    assert table is not None
+    text = "é ✓\n<tool_call>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    parts = [table(i) for i in ids]
+    assert b"".join(parts) == text.encode()
+    assert any(len(p) == 1 and p[0] >= 0x80 for p in parts)  # a lone byte of "é"
