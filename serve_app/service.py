@@ -285,9 +285,7 @@ class ModelService:
         ``out``; returns the tool calls emitted."""
         found = []
         if calls is not None:
-            update = calls.feed(text) if text or not final else None
-            if final:  # the last text first, then what finishing releases
-                update = _joined(update, calls.finish()) if update else calls.finish()
+            update = calls.finish(text) if final else calls.feed(text)
             text, found = update.text, update.calls
         if text or logprobs is not None:
             delta: dict = {"type": "delta", "text": text}
@@ -386,11 +384,6 @@ class ModelService:
 
 
 _UNKNOWN = object()
-
-
-def _joined(first, second):
-    """Two tool-stream updates as one (text of both, calls of both)."""
-    return type(first)(first.text + second.text, (*first.calls, *second.calls))
 
 
 def _queue_full(message: str) -> ApiError:

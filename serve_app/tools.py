@@ -125,9 +125,7 @@ class ToolSupport:
 
     def extract(self, text: str, tools: list[dict] | None = None) -> ToolStreamUpdate:
         """A whole response at once: its text outside calls, and its calls."""
-        stream = self.stream(tools)
-        first, last = stream.feed(text), stream.finish()
-        return ToolStreamUpdate(first.text + last.text, first.calls + last.calls)
+        return self.stream(tools).finish(text)
 
 
 def _tool_call(item: Any) -> ToolCall:
@@ -229,10 +227,11 @@ class ToolCallStream:
             break
         return ToolStreamUpdate("".join(out), tuple(calls))
 
-    def finish(self) -> ToolStreamUpdate:
-        """The output ended: release what was held back."""
-        out: list[str] = []
-        calls: list[ToolCall] = []
+    def finish(self, text: str = "") -> ToolStreamUpdate:
+        """The output ended (with ``text``, its last chunk): release what was held back."""
+        fed = self.feed(text)
+        out: list[str] = [fed.text]
+        calls: list[ToolCall] = list(fed.calls)
         if self._inside:
             self._close(self._buf, self.support.start + self._buf, out, calls)
         elif not self._after_call:
