@@ -89,7 +89,6 @@ class ModelReplica:
         """Event batches for one request, which the ingress has already validated (and,
         where replicas are routed on prefixes, prepared: the router needed its tokens)."""
         from serve_app.prepare import PreparedRequest
-        from serve_app.structured import StructuredOutputError
 
         prepared = request
         loop = asyncio.get_running_loop()
@@ -102,9 +101,6 @@ class ModelReplica:
                                                     prepared)
         except ApiError as exc:
             yield [exc.to_event()]
-            return
-        except StructuredOutputError as exc:
-            yield [ApiError(400, str(exc), param=exc.param).to_event()]
             return
         async for events in self.service.stream(prepared, processors):
             yield events

@@ -23,8 +23,16 @@ from serve_app.openai_api import (
     check_prompt_size,
 )
 from serve_app.profile import ModelProfile
-from serve_app.structured import StructuredOutputError, compile_response_format, compile_tool_choice
+from serve_app.structured import (
+    Grammar,
+    StructuredOutputError,
+    compile_response_format,
+    compile_tool_choice,
+)
 from serve_app.tools import canonical_tools, tool_support
+
+# A chat request's messages and tools as the chat template takes them.
+Rendered = tuple[list[dict], list[dict] | None]
 
 
 @dataclass
@@ -41,7 +49,7 @@ class PreparedRequest:
     branch_points: tuple[int, ...] = ()
     prepare_seconds: float = 0.0  # templating and tokenizing, for the phase metrics
     logprobs: int | None = None  # None: none; k: each token's logprob and k alternatives
-    response_format: dict | None = None  # json_object / json_schema (validated)
+    response_format: dict | None = None  # as the request sent it (validated)
     # Tools the model may call (canonical form) and the choice; None: none offered.
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
@@ -62,16 +70,22 @@ class Preparer:
         self.find_branches = branch_points  # only worth it where a prefix cache keeps tails
         self._tool_support = _UNKNOWN  # looked up on first use (tool_support)
 
-    def prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    def template_input(self, request: ChatCompletionRequest) -> Rendered:
+        """The messages and tools as the chat template takes them: built once per request
+        (tool definitions canonicalized, call arguments parsed) for every rendering."""
+        return [m.to_template() for m in request.messages], self.template_tools(request)
+
+    def prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest,
+                      rendered: Rendered | None = None) -> list[int]:
         if isinstance(request, ChatCompletionRequest):
-            messages = [m.to_template() for m in request.messages]
+            messages, tools = rendered or self.template_input(request)
             continue_final = request.continue_final_message
             if continue_final and messages[-1]["role"] != "assistant":
                 raise ApiError(400, "continue_final_message needs a final assistant message",
                                param="messages")
             try:
                 tokens = self.tokenizer.apply_chat_template(
-                    messages, tools=self.template_tools(request), tokenize=True,
+                    messages, tools=tools, tokenize=True,
                     add_generation_prompt=not continue_final,
                     continue_final_message=continue_final,
                 )
@@ -97,25 +111,30 @@ class Preparer:
             return None
         return canonical_tools([t.to_template() for t in request.tools])
 
-    def check_constraints(self, request: ChatCompletionRequest | CompletionRequest) -> None:
-        """400 for tools a model cannot call and for schemas or tool choices that do not
-        compile (compiled grammars are cached: the replica reuses this work)."""
-        if not isinstance(request, ChatCompletionRequest):
-            return
-        support = self.tool_support
-        if request.wants_tools() and support is None:
+    def check_tools(self, request: ChatCompletionRequest | CompletionRequest) -> None:
+        """400 for tools offered to a model that cannot call them."""
+        if isinstance(request, ChatCompletionRequest) and request.wants_tools() \
+                and self.tool_support is None:
             raise ApiError(400, f"model {self.profile.name!r} cannot call tools (its chat "
                                 "template and tokenizer define no tool-call format)",
                            param="tools", code="tools_not_supported")
+
+    def grammar(self, prepared: PreparedRequest) -> Grammar | None:
+        """The grammar a request decodes under: its ``response_format``, else its forced
+        tool call; 400 for one that does not compile. Compiled grammars are cached, so
+        validating here (``prepare``) and building the processor later compile once."""
         try:
-            if request.response_format is not None:
-                compile_response_format(request.response_format, self.tokenizer)
-            if request.wants_tools() and request.tool_choice not in (None, "auto"):
-                compile_tool_choice(self.template_tools(request), _choice(request),
-                                    self.tokenizer, support,
-                                    parallel=request.parallel_tool_calls is not False)
+            if prepared.response_format is not None:
+                grammar = compile_response_format(prepared.response_format, self.tokenizer)
+                if grammar is not None:
+                    return grammar
+            if prepared.forced_tool_choice:
+                return compile_tool_choice(prepared.tools, prepared.tool_choice,
+                                           self.tokenizer, self.tool_support,
+                                           parallel=prepared.parallel_tool_calls)
         except StructuredOutputError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
+        return None
 
     @property
     def tool_support(self):
@@ -126,9 +145,7 @@ class Preparer:
     def count(self, request: ChatCompletionRequest | CompletionRequest) -> int:
         """The prompt's tokens as it would be served (a token count, nothing compiled)."""
         check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length)
-        if isinstance(request, ChatCompletionRequest) and request.wants_tools() \
-                and self.tool_support is None:
-            self.check_constraints(request)  # the same 400 a generation would get
+        self.check_tools(request)  # the same 400 a generation would get
         return len(self.prompt_tokens(request))
 
     def prepare(self, request: ChatCompletionRequest | CompletionRequest,
@@ -141,7 +158,9 @@ class Preparer:
         """
         tic = time.perf_counter()
         check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length)
-        prompt = self.prompt_tokens(request)
+        chat = isinstance(request, ChatCompletionRequest)
+        rendered = self.template_input(request) if chat else None
+        prompt = self.prompt_tokens(request, rendered)
         if not prompt:
             raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
         limit = self.profile.context_length
@@ -163,31 +182,31 @@ class Preparer:
             top_p=defaults.top_p if request.top_p is None else request.top_p,
             seed=request.seed,
         )
-        self.check_constraints(request)
-        chat = isinstance(request, ChatCompletionRequest)
+        self.check_tools(request)
         offered = chat and request.wants_tools()
         isolate = self.profile.cache.isolate_by_api_key and caller is not None
-        return PreparedRequest(prompt=prompt, params=params, stops=request.stop_list(),
-                               salt=request.cache_salt,
-                               api_key_digest=caller.api_key_digest if isolate else None,
-                               branch_points=self.branch_points(request, prompt),
-                               prepare_seconds=time.perf_counter() - tic,
-                               logprobs=request.top_logprobs_wanted(),
-                               response_format=(request.response_format if chat and _constrains(
-                                   request.response_format) else None),
-                               tools=self.template_tools(request) if offered else None,
-                               tool_choice=_choice(request) if offered else None,
-                               parallel_tool_calls=not chat or request.parallel_tool_calls
-                               is not False)
+        prepared = PreparedRequest(
+            prompt=prompt, params=params, stops=request.stop_list(), salt=request.cache_salt,
+            api_key_digest=caller.api_key_digest if isolate else None,
+            logprobs=request.top_logprobs_wanted(),
+            response_format=request.response_format if chat else None,
+            tools=rendered[1] if offered else None,
+            tool_choice=_choice(request) if offered else None,
+            parallel_tool_calls=not chat or request.parallel_tool_calls is not False)
+        self.grammar(prepared)  # a schema or tool choice that does not compile: 400 now
+        prepared.branch_points = self.branch_points(request, prompt, rendered)
+        prepared.prepare_seconds = time.perf_counter() - tic
+        return prepared
 
     def branch_points(self, request: ChatCompletionRequest | CompletionRequest,
-                      prompt: list[int]) -> tuple[int, ...]:
+                      prompt: list[int],
+                      rendered: Rendered | None = None
+                      ) -> tuple[int, ...]:
         """Prompt positions where another conversation is likely to branch off this one
         (see ``find_branch_points``). Only chat requests have them."""
         if not self.find_branches or not isinstance(request, ChatCompletionRequest):
             return ()
-        messages = [m.to_template() for m in request.messages]
-        tools = self.template_tools(request)
+        messages, tools = rendered or self.template_input(request)
 
         def render(conversation: list[dict]) -> list[int]:
             return self.tokenizer.apply_chat_template(
@@ -211,7 +230,3 @@ _UNKNOWN = object()
 def _choice(request: ChatCompletionRequest) -> str | dict | None:
     choice = request.tool_choice
     return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
-
-
-def _constrains(response_format: dict | None) -> bool:
-    return bool(response_format) and response_format.get("type") not in (None, "text")

@@ -26,11 +26,6 @@ from serve_app.openai_api import ApiError, Caller, ChatCompletionRequest, Comple
 from serve_app.prepare import PreparedRequest, Preparer
 from serve_app.profile import ModelProfile, source_kind
 from serve_app.stops import StopStringMatcher
-from serve_app.structured import (
-    StructuredOutputError,
-    compile_response_format,
-    compile_tool_choice,
-)
 from serve_app.tools import ToolCallStream
 
 RETRY_AFTER_SECONDS = 1
@@ -150,8 +145,8 @@ class ModelService:
         if processors is None:
             try:
                 processors = self.constraints(prepared)
-            except StructuredOutputError as exc:
-                yield [ApiError(400, str(exc), param=exc.param).to_event()]
+            except ApiError as exc:
+                yield [exc.to_event()]
                 return
         plan = await self.cache.plan(prepared.prompt, salt=prepared.salt,
                                      api_key_digest=prepared.api_key_digest,
@@ -249,16 +244,9 @@ class ModelService:
                                  time.perf_counter() - arrived, self._labels)
 
     def constraints(self, prepared: PreparedRequest) -> tuple:
-        """The request's own logits processors: a grammar for ``response_format`` or for a
-        forced tool call (compiled once per schema and cached; a fresh matcher each)."""
-        if prepared.response_format is not None:
-            grammar = compile_response_format(prepared.response_format, self.tokenizer)
-        elif prepared.forced_tool_choice:
-            grammar = compile_tool_choice(prepared.tools, prepared.tool_choice, self.tokenizer,
-                                          self.preparer.tool_support,
-                                          parallel=prepared.parallel_tool_calls)
-        else:
-            return ()
+        """The request's own logits processors: a fresh matcher of its grammar, if any
+        (``Preparer.grammar``; 400 as ``ApiError``)."""
+        grammar = self.preparer.grammar(prepared)
         return (grammar.processor(),) if grammar is not None else ()
 
     def _logprobs(self, event: EngineEvent) -> dict | None:
