@@ -11,8 +11,8 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -50,6 +50,8 @@ MAX_JSON_DEPTH = 64
 INLINE_PARSE_BYTES = 256 * 1024  # larger bodies are parsed off the event loop
 NOT_READY_RETRY_AFTER_S = 2
 MAX_CACHE_POINTS = 4  # Anthropic's own limit on cache_control markers
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+T = TypeVar("T")
 
 
 @api.exception_handler(ApiError)
@@ -128,20 +130,17 @@ def parse_json(raw: bytes) -> Any:
     return body
 
 
-async def _parse(request: Request, cls: type[OpenAIRequest], max_bytes: int) -> OpenAIRequest:
-    """The body validated once, here: the replica gets this object, not the raw JSON.
-
-    A large body is parsed and validated on a worker thread: the ingress's event loop
-    also carries every other request's stream.
-    """
+async def parsed_body(request: Request, max_bytes: int, parse: Callable[[Any], T]) -> T:
+    """The body as JSON, validated by ``parse`` once, here: the replica gets the object,
+    not the raw JSON. A large body is parsed and validated on a worker thread: the
+    ingress's event loop also carries every other request's stream."""
     raw = await read_body(request, max_bytes)
     if len(raw) > INLINE_PARSE_BYTES:
-        return await asyncio.to_thread(_validated, raw, cls)
-    return _validated(raw, cls)
+        return await asyncio.to_thread(lambda: parse(parse_json(raw)))
+    return parse(parse_json(raw))
 
 
-def _validated(raw: bytes, cls: type[OpenAIRequest]) -> OpenAIRequest:
-    body = parse_json(raw)
+def _validated(body: Any, cls: type[OpenAIRequest]) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return _checked(cls, body)
@@ -270,7 +269,7 @@ class OpenAIIngress:
             self.recorder.inc("serve_app_requests", 1, labels)
 
     async def _answer(self, request: Request, kind: str, cls, labels: dict[str, str]):
-        parsed = await _parse(request, cls, int(self.profile.ingress.max_request_bytes))
+        parsed = await self._body(request, lambda body: _validated(body, cls))
         events, first = await self._open(parsed, caller_of(request), labels)
         rid = new_id(kind)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
@@ -278,7 +277,7 @@ class OpenAIIngress:
             return StreamingResponse(
                 self._sse(events, kind, rid, parsed.model, first[1:], include_usage),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                headers=SSE_HEADERS,
             )
         return await self._collect(events, kind, rid, parsed.model, first[1:])
 
@@ -320,16 +319,14 @@ class OpenAIIngress:
         """Anthropic Messages: the same generation, Anthropic's shapes and errors."""
         labels = {"model": "unknown", "status": "500"}
         try:
-            parsed = await self._anthropic_body(request, anthropic.parse_messages_request)
+            parsed = await self._body(request, anthropic.parse_messages_request)
             chat = anthropic.to_chat_input(parsed)
             events, first = await self._open(chat_request(chat, parsed.model, parsed.stream),
                                              caller_of(request), labels)
             labels["status"] = "200"
             if parsed.stream:
                 return StreamingResponse(self._anthropic_sse(events, parsed.model, first),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache",
-                                                  "X-Accel-Buffering": "no"})
+                                         media_type="text/event-stream", headers=SSE_HEADERS)
             collector = anthropic.MessageCollector(parsed.model)
             try:
                 async for e in self._iter(events, parsed.model, first):
@@ -354,7 +351,7 @@ class OpenAIIngress:
     async def count_tokens(self, request: Request):
         """The prompt's tokens as the model would see them (its chat template and tools)."""
         try:
-            parsed = await self._anthropic_body(request, anthropic.parse_count_tokens_request)
+            parsed = await self._body(request, anthropic.parse_count_tokens_request)
             chat = chat_request(anthropic.to_chat_input(parsed), parsed.model, False)
             m = self.model_of(parsed.model)
             check_prompt_size(chat, m.prompt_char_limit(), m.context_length)
@@ -369,11 +366,8 @@ class OpenAIIngress:
                                   caller: Caller) -> int:
         raise NotImplementedError
 
-    async def _anthropic_body(self, request: Request, parse):
-        raw = await read_body(request, int(self.profile.ingress.max_request_bytes))
-        if len(raw) > INLINE_PARSE_BYTES:
-            return await asyncio.to_thread(lambda: parse(parse_json(raw)))
-        return parse(parse_json(raw))
+    async def _body(self, request: Request, parse: Callable[[Any], T]) -> T:
+        return await parsed_body(request, int(self.profile.ingress.max_request_bytes), parse)
 
     async def _anthropic_sse(self, events, model: str, pending: list[dict]):
         stream = anthropic.MessageStream(model)
