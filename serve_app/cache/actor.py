@@ -29,7 +29,13 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from serve_app.cache.client import CacheClient, FetchedChain, FetchRequest, RemotePrefix
+from serve_app.cache.client import (
+    CacheClient,
+    FetchedChain,
+    FetchRequest,
+    LocalCacheClient,
+    RemotePrefix,
+)
 from serve_app.cache.directory import BlockDirectory, Changes, EventBatch
 from serve_app.cache.hot import HotEntry
 from serve_app.cache.payload import BlockPayload, CapturedBlock
@@ -189,34 +195,16 @@ class CacheStore:
 CacheStoreActor = ray.remote(**ACTOR_OPTIONS)(CacheStore)
 
 
-class ExportClient(CacheClient):
+class ExportClient(LocalCacheClient):
     """A store's own tiers seen as a cache client, to load what another node asks for.
     Hot payloads are resolved from the object store; nothing is promoted."""
-
-    def __init__(self, tiers: TieredStore) -> None:
-        self.tiers = tiers
 
     def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None,
                 wait: bool = True) -> None:
         pass
 
-    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
-                      exact: bool, tails: TailQuery | None) -> dict:
-        return self.tiers.lookup(block_ids, need_checkpoint, layout, exact, tails)
-
     async def _resolve(self, handle: Any) -> BlockPayload:
         return await resolve_hot(handle)
-
-    async def _drop(self, kind: str, layout: str, block_id: str,
-                    token: str | None = None) -> None:
-        self.tiers.drop(kind, layout, block_id, token)
-
-    async def release(self, lease: int | None) -> None:
-        self.tiers.release(lease)
-
-    def _release_soon(self, lease: int | None) -> None:
-        # Now: the export's event loop closes right after a failure, cancelling a task.
-        self.tiers.release(lease)
 
 
 async def resolve_hot(handle: Any) -> BlockPayload:

@@ -182,9 +182,7 @@ class CacheClient:
         bs, layout = req.block_size, req.layout
         for i, payload in enumerate(found.payloads):
             last = i == len(found.payloads) - 1
-            reason = layout.check(payload.without_state(), bs, need_state=False)
-            if reason is None and last and layout.hybrid:
-                reason = layout.check(payload, bs, need_state=True)
+            reason = layout.check(payload, bs, need_state=last and layout.hybrid)
             if reason is not None:
                 logger.warning("block %s from node %s does not fit: %s",
                                req.block_ids[start + i], node_id, reason)
@@ -374,6 +372,9 @@ class LocalCacheClient(CacheClient):
 
     async def release(self, lease: int | None) -> None:
         self.store.release(lease)
+
+    def _release_soon(self, lease: int | None) -> None:
+        self.store.release(lease)  # in this process: at once (a loop may close after)
 
     async def stats(self) -> dict:
         return self.store.snapshot()
