@@ -126,15 +126,15 @@ class PrefixAffinityRouter(RequestRouter):
             self.recorder.zero("serve_app_routing_decisions", {"model": model, "reason": reason})
         self.ongoing: dict[ReplicaID, int] = {}
         self.decided: OrderedDict[str, None] = OrderedDict()  # requests counted already
-        self.decisions = dict.fromkeys(REASONS, 0)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         prepared = _prepared(pending_request)
         by_key = {r.replica_id: r for r in candidate_replicas}
-        info = next((i for i in (ReplicaInfo.from_stats(r.routing_stats)
-                                 for r in candidate_replicas) if i is not None), None)
+        reported = {r.replica_id: ReplicaInfo.from_stats(r.routing_stats)
+                    for r in candidate_replicas}
+        info = next((i for i in reported.values() if i is not None), None)
         if prepared is None or info is None:  # not a generation, or no replica reported yet
             ordered = sorted(candidate_replicas,
                              key=lambda r: (self.ongoing.get(r.replica_id, 0), random.random()))
@@ -143,17 +143,18 @@ class PrefixAffinityRouter(RequestRouter):
         root = salted_root(info.root, prepared.salt, prepared.api_key_digest)
         restorable = (len(prepared.prompt) - 1) // bs
         runs = self.follower.prefix_by_node(chain(root, prepared.prompt[:restorable * bs], bs))
-        candidates = [Candidate(r.replica_id, r.node_id, self._load(r), _capacity(r, info))
+        candidates = [Candidate(r.replica_id, r.node_id,
+                                self._load(r.replica_id, reported[r.replica_id]),
+                                (reported[r.replica_id] or info).max_batch_size)
                       for r in candidate_replicas]
         ranking = rank(candidates, runs, len(prepared.prompt), bs, self.load_cost_tokens)
         self._count(pending_request.metadata.internal_request_id, ranking.reason(ranking.order[0]))
         return [[by_key[key]] for key in ranking.order]
 
-    def _load(self, replica: RunningReplica) -> int:
+    def _load(self, replica_id: ReplicaID, reported: ReplicaInfo | None) -> int:
         """Requests a replica serves: what this router sent it, or what it last reported
         (other routers' requests too, a couple of seconds old), whichever is more."""
-        own = self.ongoing.get(replica.replica_id, 0)
-        reported = ReplicaInfo.from_stats(replica.routing_stats)
+        own = self.ongoing.get(replica_id, 0)
         return max(own, reported.running + reported.queued) if reported else own
 
     def _count(self, request_id: str, reason: str) -> None:
@@ -164,7 +165,6 @@ class PrefixAffinityRouter(RequestRouter):
         self.decided[request_id] = None
         if len(self.decided) > DECIDED_MEMORY:
             self.decided.popitem(last=False)
-        self.decisions[reason] += 1
         self.recorder.inc("serve_app_routing_decisions", 1, {"model": self.model, "reason": reason})
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
@@ -186,7 +186,3 @@ def _prepared(pending_request: PendingRequest | None) -> PreparedRequest | None:
     first = pending_request.args[0]
     return first if isinstance(first, PreparedRequest) else None
 
-
-def _capacity(replica: RunningReplica, info: ReplicaInfo) -> int:
-    own = ReplicaInfo.from_stats(replica.routing_stats)
-    return (own or info).max_batch_size
