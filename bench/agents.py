@@ -201,10 +201,8 @@ def totals(rows: list[dict]) -> dict:
     return {"all": part(rows), **{k: part([r for r in rows if r["kind"] == k]) for k in kinds}}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_option(parser, "tiny-hybrid")
-    add_cache_options(parser)
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    """The workload's options (this bench's and ``bench.cluster``'s)."""
     parser.add_argument("--sessions", type=int, default=12)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--system-tokens", type=int, default=1500)
@@ -214,6 +212,20 @@ def main() -> int:
     parser.add_argument("--edit-turn", type=int, default=None,
                         help="which user message (1-based) of that session is edited "
                              "(default: the middle one)")
+
+
+def check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The edited message defaults to the middle one; both must exist."""
+    args.edit_turn = args.edit_turn or (args.turns + 1) // 2
+    if not 1 <= args.edit_turn <= args.turns or not 0 <= args.edit_session < args.sessions:
+        parser.error("--edit-turn/--edit-session out of range")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_option(parser, "tiny-hybrid")
+    add_cache_options(parser)
+    add_workload_options(parser)
     parser.add_argument("--prompt-cache-size", type=int, default=MLX_LM_PROMPT_CACHE_SIZE,
                         help="mlx_lm.server --prompt-cache-size (its default: 10)")
     parser.add_argument("--sample-interval", type=float, default=0.5,
@@ -222,9 +234,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON results (default bench/results/agents-<model>.json)")
     args = parser.parse_args()
-    args.edit_turn = args.edit_turn or (args.turns + 1) // 2
-    if not 1 <= args.edit_turn <= args.turns or not 0 <= args.edit_session < args.sessions:
-        parser.error("--edit-turn/--edit-session out of range")
+    check_workload(parser, args)
     out = args.out or Path("bench/results") / f"agents-{args.model}.json"
 
     from mlx_lm.utils import load_tokenizer

@@ -179,18 +179,14 @@ def _fetch_from(req, holder: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_option(parser, "tiny-hybrid")
-    parser.add_argument("--sessions", type=int, default=12)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--system-tokens", type=int, default=1500)
-    parser.add_argument("--user-tokens", type=int, default=150)
-    parser.add_argument("--gen", type=int, default=16)
+    agents.add_workload_options(parser)
     parser.add_argument("--block-size", type=int, default=None,
                         help="cache.block_size (default: the profile's)")
     parser.add_argument("--fetch-tokens", type=int, default=4096)
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    args.edit_session, args.edit_turn = 0, (args.turns + 1) // 2
+    agents.check_workload(parser, args)
     out = args.out or Path("bench/results") / f"cluster-{args.model}.json"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
