@@ -19,7 +19,7 @@ import json
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -31,7 +31,7 @@ from pydantic import (
     ValidationError,
 )
 
-from serve_app.openai_api import ApiError
+from serve_app.openai_api import ApiError, checked
 from serve_app.tools import ToolCall
 from serve_app.validation import clean_loc
 
@@ -170,28 +170,16 @@ class CountTokensRequest(_Conversation):
     """POST /v1/messages/count_tokens (sampling fields, if sent, are ignored)."""
 
 
-_R = TypeVar("_R", MessagesRequest, CountTokensRequest)
 
 
 def parse_messages_request(body: Any) -> MessagesRequest:
     """A /v1/messages body validated and checked; ``ApiError(400)`` naming the field."""
-    return _parse(body, MessagesRequest)
+    return checked(MessagesRequest, body, validation_error)
 
 
 def parse_count_tokens_request(body: Any) -> CountTokensRequest:
     """A /v1/messages/count_tokens body validated and checked, like the above."""
-    return _parse(body, CountTokensRequest)
-
-
-def _parse(body: Any, cls: type[_R]) -> _R:
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    try:
-        parsed = cls.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    parsed.check_supported()
-    return parsed
+    return checked(CountTokensRequest, body, validation_error)
 
 
 def validation_error(exc: ValidationError) -> ApiError:

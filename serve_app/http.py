@@ -30,6 +30,7 @@ from serve_app.openai_api import (
     OpenAIRequest,
     Usage,
     check_prompt_size,
+    checked,
     full_response,
     logprobs_out,
     new_id,
@@ -138,22 +139,6 @@ async def parsed_body(request: Request, max_bytes: int, parse: Callable[[Any], T
     if len(raw) > INLINE_PARSE_BYTES:
         return await asyncio.to_thread(lambda: parse(parse_json(raw)))
     return parse(parse_json(raw))
-
-
-def _validated(body: Any, cls: type[OpenAIRequest]) -> OpenAIRequest:
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    return _checked(cls, body)
-
-
-def _checked(cls: type[OpenAIRequest], body: dict) -> OpenAIRequest:
-    """A request validated (400 naming the field) and checked for what we serve."""
-    try:
-        parsed = cls.model_validate(body)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    parsed.check_supported()
-    return parsed
 
 
 def caller_of(request: Request) -> Caller:
@@ -269,7 +254,7 @@ class OpenAIIngress:
             self.recorder.inc("serve_app_requests", 1, labels)
 
     async def _answer(self, request: Request, kind: str, cls, labels: dict[str, str]):
-        parsed = await self._body(request, lambda body: _validated(body, cls))
+        parsed = await self._body(request, lambda body: checked(cls, body, _validation_error))
         events, first = await self._open(parsed, caller_of(request), labels)
         rid = new_id(kind)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
@@ -462,7 +447,7 @@ def chat_request(chat: anthropic.ChatInput, model: str, stream: bool) -> ChatCom
         "parallel_tool_calls": chat.parallel_tool_calls if chat.tools else None,
         "continue_final_message": chat.continue_final,
     }
-    parsed = _checked(ChatCompletionRequest, body)
+    parsed = checked(ChatCompletionRequest, body, _validation_error)
     # A cache_control marker on message i: the prefix through it deserves a checkpoint.
     # Anthropic allows four markers; each costs a rendering of the conversation.
     points = sorted({i + 1 for i in chat.cache_control_points})

@@ -11,10 +11,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,7 @@ class ApiError(Exception):
 
 
 MAX_STOPS = 16
+R = TypeVar("R", bound=BaseModel)
 
 
 class _Request(BaseModel):
@@ -347,6 +358,19 @@ def check_prompt_size(
     else:
         return
     raise ApiError(400, message, param=param, code="context_length_exceeded")
+
+
+def checked(cls: type[R], body: Any, error: Callable[[ValidationError], ApiError]) -> R:
+    """A request body validated (``error`` says which field is wrong, in the API's own
+    words) and checked for what we serve; both APIs' routes take their bodies here."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        parsed = cls.model_validate(body)
+    except ValidationError as exc:
+        raise error(exc) from None
+    parsed.check_supported()
+    return parsed
 
 
 _Request.model_rebuild()
