@@ -165,3 +165,33 @@ def test_a_node_whose_last_block_has_no_checkpoint_sends_up_to_one_that_has(home
     assert stats.remote_fetches == 1 and stats.remote_fetch_failures == 0
     assert warm["cached"] == 6 * BS  # block 7 has no checkpoint on B: B sent six
     node_a.shutdown()
+
+
+@pytest.mark.parametrize("name,storage", [
+    *((n, s) for n in HYBRIDS for s in ("ssd_sidecar", "embedded")),
+    *((n, "auto") for n in DENSES),
+])
+def test_blocks_another_node_holds_only_on_ssd_restore_exactly(name, storage, home, tmp_path):
+    """The other node restarted: its blocks (and their recurrent checkpoints, in sidecars
+    or embedded) are on its SSD alone; it reads and checks them, and they restore here
+    exactly as a cold prefill computes."""
+    from serve_app.cache.ssd import SSDStore
+    from tests.test_formats import Server
+
+    prompt = prompt_of(13, 5)
+    before = Server(name, home, tmp_path, {"gdn_snapshot_storage": storage})
+    before.ask(prompt)
+    before.drain()
+    before.close()
+    restarted = TieredStore(1 << 30, SSDStore(tmp_path, 1 << 30))
+    assert restarted.ssd.ready.wait(30)  # the index is rebuilt from file metadata
+    assert {e.tier for e in restarted.directory_events(full=True)} == {"ssd"}
+    node_a = service(name, home, TwoNodeClient(TieredStore(1 << 30, None), restarted))
+    longer = prompt + [9, 8, 7]
+    warm = ask(node_a, longer)
+    assert warm["text"] == ask(load(name, home)[3], longer)["text"]
+    stats = node_a.cache_stats
+    assert stats.remote_fetches == 1 and stats.remote_fetch_failures == 0
+    assert stats.hit_tokens_by_tier == {"remote": 5 * BS} and warm["cached"] == 5 * BS
+    assert stats.incompatible_payloads == 0 and stats.checkpoint_rejects == 0
+    node_a.shutdown()
