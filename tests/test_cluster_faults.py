@@ -150,7 +150,9 @@ def check_fetch_and_node_loss(cluster, local, other, ids, tokens, directory, cli
     killer.join()
 
     # The directory forgets the dead node; a node that joins is learned from its store.
-    wait_for(lambda: other not in ray.get(directory.nodes.remote()),
+    # The directory may have lived on the dead node: then it restarts elsewhere, empty,
+    # and the stores that remain send it full snapshots.
+    wait_for(lambda: (nodes := _nodes(directory)) is not None and other not in nodes,
              what="the directory to forget the dead node")
     wait_for(lambda: client.remote_prefix(ids) is None, what="the follower to forget it")
     node = cluster.add_node(num_cpus=1, object_store_memory=100 << 20)
@@ -159,7 +161,7 @@ def check_fetch_and_node_loss(cluster, local, other, ids, tokens, directory, cli
     fill(store_on(new), new, tokens[: 3 * BS + 1])
     wait_for(lambda: client.remote_prefix(ids) == type(offer)(new, 3),
              what="the follower to learn the new node")
-    nodes = ray.get(directory.nodes.remote())
+    nodes = wait_for(lambda: _nodes(directory), what="the directory")
     assert other not in nodes and nodes[new] == 3
 
 
@@ -167,6 +169,14 @@ def _directory():
     try:
         return ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
     except ValueError:
+        return None
+
+
+def _nodes(directory) -> dict[str, int] | None:
+    """The directory's nodes; None while it restarts."""
+    try:
+        return ray.get(directory.nodes.remote(), timeout=30)
+    except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
         return None
 
 
