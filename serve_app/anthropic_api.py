@@ -221,11 +221,17 @@ class TemplateMessage:
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None  # set on role "tool"
+    # The system prompt's blocks, each with its separator: text parts whose join is
+    # ``content``, so normalization rules can see (and drop) one block.
+    parts: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """OpenAI's chat shape (arguments as JSON text): it becomes a chat request, whose
         messages give templates the arguments as objects."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        content: str | list[dict[str, str]] = self.content
+        if self.parts:
+            content = [{"type": "text", "text": p} for p in self.parts]
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function",
@@ -319,13 +325,17 @@ def to_chat_input(request: MessagesRequest | CountTokensRequest) -> ChatInput:
     choice, parallel = _convert_tool_choice(request.tool_choice, tools)
     out = _Builder()
     if request.system is not None:
+        parts: tuple[str, ...] = ()
         if isinstance(request.system, str):
             text, marked = request.system, False
         else:
-            text = BLOCK_SEPARATOR.join(b.text for b in request.system)
+            blocks = [b.text for b in request.system]
+            text = BLOCK_SEPARATOR.join(blocks)
+            parts = tuple(b + BLOCK_SEPARATOR for b in blocks[:-1]) + tuple(blocks[-1:])
             marked = any(b.cache_control is not None for b in request.system)
         if text or marked:
-            out.add(TemplateMessage("system", text), marked)
+            out.add(TemplateMessage("system", text, parts=parts if len(parts) > 1 else ()),
+                    marked)
     seen_tool_ids: set[str] = set()
     last = len(request.messages) - 1
     continue_final = False

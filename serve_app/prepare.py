@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from serve_app.cache.hot import common_prefix
 from serve_app.cache.manager import find_branch_points
 from serve_app.engine import SamplingParams
+from serve_app.normalize import Normalized, normalize, rules_named
 from serve_app.openai_api import (
     ApiError,
     Caller,
@@ -31,8 +32,14 @@ from serve_app.structured import (
 )
 from serve_app.tools import canonical_tools, tool_support
 
-# A chat request's messages and tools as the chat template takes them.
-Rendered = tuple[list[dict], list[dict] | None]
+
+@dataclass(frozen=True)
+class Rendered:
+    """A chat request's messages (normalized) and tools as the chat template takes them."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    normalized: tuple[str, ...] = ()  # the normalization rules that changed the messages
 
 
 @dataclass
@@ -48,6 +55,7 @@ class PreparedRequest:
     # the last message (prompt positions; a tail of the cache is captured there).
     branch_points: tuple[int, ...] = ()
     prepare_seconds: float = 0.0  # templating and tokenizing, for the phase metrics
+    normalized: tuple[str, ...] = ()  # normalization rules that changed the prompt
     logprobs: int | None = None  # None: none; k: each token's logprob and k alternatives
     response_format: dict | None = None  # as the request sent it (validated)
     # Tools the model may call (canonical form) and the choice; None: none offered.
@@ -69,16 +77,20 @@ class Preparer:
         self.tokenizer = tokenizer
         self.find_branches = branch_points  # only worth it where a prefix cache keeps tails
         self._tool_support = _UNKNOWN  # looked up on first use (tool_support)
+        self.rules = rules_named(profile.normalize)
 
     def template_input(self, request: ChatCompletionRequest) -> Rendered:
         """The messages and tools as the chat template takes them: built once per request
-        (tool definitions canonicalized, call arguments parsed) for every rendering."""
-        return [m.to_template() for m in request.messages], self.template_tools(request)
+        (client quirks normalized, tool definitions canonicalized, call arguments parsed)
+        for every rendering."""
+        normalized: Normalized = normalize(request.messages, self.rules)
+        return Rendered(normalized.messages, self.template_tools(request), normalized.applied)
 
     def prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest,
                       rendered: Rendered | None = None) -> list[int]:
         if isinstance(request, ChatCompletionRequest):
-            messages, tools = rendered or self.template_input(request)
+            rendered = rendered or self.template_input(request)
+            messages, tools = rendered.messages, rendered.tools
             continue_final = request.continue_final_message
             if continue_final and messages[-1]["role"] != "assistant":
                 raise ApiError(400, "continue_final_message needs a final assistant message",
@@ -190,10 +202,11 @@ class Preparer:
             api_key_digest=caller.api_key_digest if isolate else None,
             logprobs=request.top_logprobs_wanted(),
             response_format=request.response_format if chat else None,
-            tools=rendered[1] if offered else None,
+            tools=rendered.tools if offered else None,
             tool_choice=_choice(request) if offered else None,
             parallel_tool_calls=not chat or request.parallel_tool_calls is not False)
         self.grammar(prepared)  # a schema or tool choice that does not compile: 400 now
+        prepared.normalized = rendered.normalized if rendered else ()
         prepared.branch_points = self.branch_points(request, prompt, rendered)
         prepared.prepare_seconds = time.perf_counter() - tic
         return prepared
@@ -206,7 +219,8 @@ class Preparer:
         (see ``find_branch_points``). Only chat requests have them."""
         if not self.find_branches or not isinstance(request, ChatCompletionRequest):
             return ()
-        messages, tools = rendered or self.template_input(request)
+        rendered = rendered or self.template_input(request)
+        messages, tools = rendered.messages, rendered.tools
 
         def render(conversation: list[dict]) -> list[int]:
             return self.tokenizer.apply_chat_template(

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 
 from serve_app.embedded import EMBEDDED_MODELS, EMBEDDED_PREFIX
+from serve_app.normalize import RULE_NAMES
 from serve_app.validation import clean_loc
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -118,6 +119,9 @@ class ModelProfile(_Strict):
     # prompt costs no tokenizer time. Default: 32 x context_length.
     max_prompt_chars: PositiveInt | None = None
     cache: CacheProfile = CacheProfile()
+    # Prompt normalization rules (``serve_app/normalize.py``) applied before templating:
+    # client quirks that would defeat the prefix cache. Default: all; [] turns them off.
+    normalize: list[str] = Field(default_factory=lambda: list(RULE_NAMES))
 
     @field_validator("name")
     @classmethod
@@ -127,6 +131,15 @@ class ModelProfile(_Strict):
                 "must be 1-128 characters of letters, digits and . _ : / - "
                 "starting with a letter or digit"
             )
+        return value
+
+    @field_validator("normalize")
+    @classmethod
+    def _check_rules(cls, value: list[str]) -> list[str]:
+        unknown = [n for n in value if n not in RULE_NAMES]
+        if unknown:
+            raise ValueError(f"unknown normalization rule(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(RULE_NAMES)}")
         return value
 
     @field_validator("source")

@@ -151,7 +151,10 @@ def test_sdk_request_with_tools_converts_to_chat_messages():
     chat = to_chat_input(parse_messages_request(body))
     assert isinstance(chat, ChatInput)
     assert chat.template_messages() == [
-        {"role": "system", "content": "You are terse.\nUse tools."},
+        # One text part per system block (normalization rules see blocks); joined,
+        # they are the blocks separated by newlines.
+        {"role": "system", "content": [{"type": "text", "text": "You are terse.\n"},
+                                       {"type": "text", "text": "Use tools."}]},
         {"role": "user", "content": "Weather in Paris, and the time?"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [
             {"id": "toolu_1", "type": "function",
