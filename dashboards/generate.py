@@ -107,6 +107,14 @@ PREFIX_CACHE = (
         Query(rate("ray_serve_app_prefix_cache_lookups_total", "model"), "{{model}}"),
         Query(rate("ray_serve_app_prefix_cache_trim_hits_total", "model"),
               "cut to the common prefix {{model}}"))),
+    PanelSpec("Cache busters and normalized prompts", "short", (
+        Query(rate("ray_serve_app_prefix_cache_busts_total", "model, position"),
+              "left a cached prompt early, at {{position}} {{model}}"),
+        Query(rate("ray_serve_app_normalized_requests_total", "model, rule"),
+              "normalized by {{rule}} {{model}}")),
+        "Prompts that left a long cached prompt in its first 10% and rejoined it: something "
+        "near the prompt's start changes every request (see the replica's WARNING log and "
+        "/v1/stats recent_cache_busts). Normalized: a known client quirk removed instead."),
     PanelSpec("Walkbacks and checkpoint decode failures", "short", (
         Query(rate("ray_serve_app_prefix_cache_walkbacks_total", "model"),
               "walkbacks {{model}}"),

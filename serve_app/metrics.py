@@ -97,6 +97,10 @@ METRICS: tuple[MetricDef, ...] = (
     _g("serve_app_queued_requests", "replica", "Admitted requests waiting for a batch slot."),
     _c("serve_app_rejected_requests", "replica",
        "Requests refused with 429 because the queue was full.", ("model", "reason")),
+    _c("serve_app_normalized_requests", "replica",
+       "Requests whose prompt a normalization rule changed before templating (a client quirk "
+       "that would defeat the prefix cache, such as Claude Code's rotating billing header), "
+       "by rule.", ("model", "rule")),
     # ---- prefix cache (as seen by the replicas)
     _c("serve_app_prefix_cache_lookups", "replica", "Prefix-cache lookups (one per request)."),
     _c("serve_app_prefix_cache_hit_tokens", "replica",
@@ -109,6 +113,10 @@ METRICS: tuple[MetricDef, ...] = (
     _c("serve_app_prefix_cache_misses", "replica",
        "Lookups that restored less than the prompt's full blocks, by reason.",
        ("model", "reason")),
+    _c("serve_app_prefix_cache_busts", "replica",
+       "Prompts that left a long cached prompt within its first 10% and rejoined it a few "
+       "tokens later (a timestamp or counter near the start of the prompt defeats the cache), "
+       "by the token position bucket where they left it.", ("model", "position")),
     _c("serve_app_prefix_cache_walkbacks", "replica",
        "Blocks a hybrid-model restore stepped back over for lack of a valid recurrent "
        "checkpoint."),
@@ -300,8 +308,10 @@ class MetricsPump:
 # ---- stats to samples ---------------------------------------------------------------------
 
 
-def replica_samples(model: str, engine: dict, cache: dict) -> list[Sample]:
-    """Samples of one replica from its engine and prefix-cache stats (plain dicts)."""
+def replica_samples(model: str, engine: dict, cache: dict,
+                    normalized: dict[str, int]) -> list[Sample]:
+    """Samples of one replica from its engine and prefix-cache stats (plain dicts) and
+    its normalized requests by rule."""
     m = {"model": model}
     out = [
         Sample("serve_app_prompt_tokens", m, engine["prompt_tokens"]),
@@ -338,6 +348,10 @@ def replica_samples(model: str, engine: dict, cache: dict) -> list[Sample]:
     for reason in MISS_REASONS:
         out.append(Sample("serve_app_prefix_cache_misses", {**m, "reason": reason},
                           cache["misses_by_reason"].get(reason, 0)))
+    for position, count in cache["cache_busts_by_position"].items():
+        out.append(Sample("serve_app_prefix_cache_busts", {**m, "position": position}, count))
+    for rule, count in normalized.items():
+        out.append(Sample("serve_app_normalized_requests", {**m, "rule": rule}, count))
     return out
 
 

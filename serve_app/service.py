@@ -22,6 +22,7 @@ from serve_app.compat import download_model, token_bytes_table
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.engine import Engine, EngineEvent, QueueFullError, SamplingParams
 from serve_app.metrics import PHASES, Recorder, replica_samples
+from serve_app.normalize import RULE_NAMES
 from serve_app.openai_api import ApiError, Caller, ChatCompletionRequest, CompletionRequest
 from serve_app.prepare import PreparedRequest, Preparer
 from serve_app.profile import ModelProfile, source_kind
@@ -97,6 +98,8 @@ class ModelService:
         # The engine thread probes the layout: every cached array's shape and dtype.
         self.layout = self.engine.wait_ready()
         self.phases = PhaseTimes()
+        # Requests whose prompt a normalization rule changed, by rule (serve_app/normalize).
+        self.normalized = dict.fromkeys(RULE_NAMES, 0)
         self.cache = CacheManager.for_model(profile, self.layout, cache_client, model_dir,
                                             tokenizer.chat_template)
         self.preparer = Preparer(profile, tokenizer, branch_points=self.cache.enabled)
@@ -139,6 +142,8 @@ class ModelService:
         """
         arrived = time.perf_counter()
         events = EventChannel(asyncio.get_running_loop())
+        for rule in prepared.normalized:
+            self.normalized[rule] += 1
         if self.engine.at_capacity():  # before any cache work
             yield [_queue_full(self.engine.capacity_message()).to_event()]
             return
@@ -314,7 +319,7 @@ class ModelService:
     def metric_samples(self) -> list:
         """This replica's counters and gauges, for the metrics pump."""
         return replica_samples(self.profile.name, self.engine.snapshot(),
-                               self.cache_stats.summary())
+                               self.cache_stats.summary(), self.normalized)
 
     async def stats(self) -> dict:
         engine = self.engine.snapshot()
@@ -328,7 +333,9 @@ class ModelService:
         cache["checkpoint_bytes_per_1k_tokens"] = (
             round(engine["captured_checkpoint_bytes"] * 1000 / tokens) if tokens else None)
         out = {"model": self.profile.name, "engine": engine, "cache": cache,
-               "phases": self.phases.summary()}
+               "phases": self.phases.summary(),
+               "normalization": {"rules": list(self.profile.normalize),
+                                 "requests_by_rule": dict(self.normalized)}}
         if self.cache.client is not None:
             out["cache_store"] = await self.cache.client.stats()
         return out

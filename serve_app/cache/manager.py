@@ -16,12 +16,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from serve_app.cache import codecs
 from serve_app.cache.client import CacheClient, FetchedChain, FetchRequest
+from serve_app.cache.divergence import (
+    POSITION_BUCKETS,
+    CacheBust,
+    DivergenceTracker,
+    position_bucket,
+)
 from serve_app.cache.hashing import block_id, chain, model_identity, root_id, salted_root
 from serve_app.cache.hot import common_prefix
 from serve_app.cache.payload import BlockPayload, CapturedBlock, RestorePlan
@@ -35,6 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BlockSink = Callable[[CapturedBlock], None]
+RECENT_CACHE_BUSTS = 8  # shown in /v1/stats
 Renderer = Callable[[list[dict[str, str]]], list[int]]
 
 
@@ -80,11 +87,21 @@ class CacheStats:
     remote_fetch_skipped: int = 0  # another node had more, but recomputing was cheaper
     misses_by_reason: dict[str, int] = field(default_factory=dict)
     last_miss_reason: str | None = None
+    # Prompts that left a cached prompt early and rejoined it (see ``divergence``), by
+    # the position bucket where they left it, and the last few of them (lengths only).
+    cache_busts_by_position: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(POSITION_BUCKETS, 0))
+    recent_cache_busts: list[dict] = field(default_factory=list)
 
     def miss(self, miss: Miss) -> None:
         """A lookup that restored less than it could (counted by its label)."""
         self.misses_by_reason[miss.label] = self.misses_by_reason.get(miss.label, 0) + 1
         self.last_miss_reason = miss.text
+
+    def cache_bust(self, bust: CacheBust) -> None:
+        self.cache_busts_by_position[position_bucket(bust.position)] += 1
+        self.recent_cache_busts = [*self.recent_cache_busts[1 - RECENT_CACHE_BUSTS:],
+                                   asdict(bust)]
 
     def summary(self) -> dict:
         """The counters plus the derived hit rate (of prompt tokens)."""
@@ -418,6 +435,8 @@ class CacheManager:
         self._disk = DiskInfo(identity, layout.digest, settings.block_size, settings.storage,
                               settings.codec)
         self.remote = RemoteFetchPolicy()
+        # A "long" cached prompt, for cache-bust diagnostics: four blocks or more.
+        self.divergence = DivergenceTracker(settings.model, 4 * settings.block_size)
 
     @classmethod
     def for_model(cls, profile: ModelProfile, layout: Layout, client: CacheClient | None,
@@ -451,6 +470,9 @@ class CacheManager:
             return None
         bs = self.settings.block_size
         root = salted_root(self.root, salt, api_key_digest)
+        bust = self.divergence.observe(root, prompt)
+        if bust is not None:
+            stats.cache_bust(bust)
         ids = chain(root, prompt, bs)
         restorable = min(len(ids), (len(prompt) - 1) // bs)
         stats.lookups += 1
