@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import anthropic_api as anthropic
+from serve_app import responses_api
 from serve_app.metrics import Recorder
 from serve_app.openai_api import (
     ApiError,
@@ -296,6 +297,52 @@ class OpenAIIngress:
             raise ApiError(404, f"model {name!r} does not exist; served: {known}",
                            type="not_found_error", param="model", code="model_not_found")
         return m
+
+    # ---- OpenAI's Responses API ---------------------------------------------------------
+
+    @api.post("/v1/responses")
+    async def responses(self, request: Request):
+        """OpenAI Responses, stateless: the equivalent chat request, Responses shapes."""
+        labels = {"model": "unknown", "status": "500"}
+        try:
+            parsed = await self._body(request, responses_api.parse_request)
+            m = self.model_of(parsed.model)
+            defaults = {"temperature": m.sampling.temperature, "top_p": m.sampling.top_p}
+            try:
+                events, first = await self._open(responses_api.to_chat_request(parsed),
+                                                 caller_of(request), labels)
+            except ApiError as exc:  # named as the Responses request has it
+                raise responses_api.renamed(exc) from None
+            labels["status"] = "200"
+            if parsed.stream:
+                stream = responses_api.ResponseStream(parsed, **defaults)
+                return StreamingResponse(self._responses_sse(events, stream, first),
+                                         media_type="text/event-stream", headers=SSE_HEADERS)
+            collector = responses_api.ResponseCollector(parsed, **defaults)
+            try:
+                async for e in self._iter(events, parsed.model, first):
+                    collector.feed(e)
+                    if collector.done:
+                        break
+            finally:
+                _cancel(events)
+            return JSONResponse(collector.response())
+        except ApiError as exc:
+            labels["status"] = str(exc.status)
+            raise
+        finally:
+            self.recorder.inc("serve_app_requests", 1, labels)
+
+    async def _responses_sse(self, events, stream: responses_api.ResponseStream,
+                             pending: list[dict]):
+        try:
+            async for e in self._iter(events, stream.response["model"], pending):
+                for out in stream.feed(e):
+                    yield responses_api.sse_event(out)
+                if stream.done:
+                    break
+        finally:
+            _cancel(events)
 
     # ---- Anthropic's Messages API ------------------------------------------------------
 
