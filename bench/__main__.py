@@ -50,9 +50,11 @@ QUICK: dict[str, list[tuple[str, str | None]]] = {
     "cluster": [("--sessions", "2"), ("--turns", "2"), ("--system-tokens", "300"),
                 ("--user-tokens", "100"), ("--gen", "8"), ("--fetch-tokens", "1024")],
     "structured": [("--repeats", "1")],
+    "traces": [("--quick", None)],  # the bench's own --quick is used first anyway
 }
-# Benches whose model is fixed: four cluster arms take long; the grammar cost is per token.
-FIXED_MODELS = {"cluster": "tiny-hybrid", "structured": "tiny-dense"}
+# Benches whose model is fixed: four cluster arms take long; the grammar cost is per token;
+# the trace replay runs three servers.
+FIXED_MODELS = {"cluster": "tiny-hybrid", "structured": "tiny-dense", "traces": "tiny-hybrid"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-BENCHES = ("multiturn", "agents", "restart", "checkpoints", "serving", "cluster", "structured")
+BENCHES = ("multiturn", "agents", "restart", "checkpoints", "serving", "cluster", "structured",
+           "traces")
 REPORT = "REPORT.md"
 RUNS = "runs.json"
 MACHINE = "machine.json"
@@ -38,6 +39,8 @@ GOALS = {
     "serving_streams": (">=", 1.1),
     "serving_cold_ttft": ("<=", 1.05),
     "cluster_ttft": ("<=", 0.6),  # issue 12: prefix routing against Ray's default router
+    "traces_ttft_p50": ("<=", 0.2),  # issue 18: trace replay, 8 concurrent sessions
+    "traces_ttft_p99": ("<=", 0.4),
 }
 CLUSTER_CACHED_GAP = 0.02  # issue 12: cached fraction within this of one node
 _OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge}
@@ -274,9 +277,41 @@ def structured_rows(model: str, d: dict) -> list[Row]:
                 status="info")]
 
 
+TRACE_SERVERS = {"ours": "ours (OpenAI chat)",
+                 "ours_anthropic": "ours (Anthropic Messages, billing block)"}
+
+
+def traces_rows(model: str, d: dict) -> list[Row]:
+    """TTFT p50/p99 of each of our APIs against mlx_lm.server, and zero errors."""
+    servers = d.get("servers") or {}
+    base = servers.get("mlx_lm_server") or {}
+    vs = d.get("ratios_vs_mlx_lm_server") or {}
+    rows = []
+    for name, label in TRACE_SERVERS.items():
+        ours = servers.get(name)
+        if not ours:
+            continue
+        r = vs.get(name) or {}
+        for q in ("p50", "p99"):
+            rows.append(ratio_row("traces", model, f"trace replay TTFT {q}, {label}",
+                                  ours.get(f"ttft_{q}_s"), base.get(f"ttft_{q}_s"), "s",
+                                  f"traces_ttft_{q}", r.get(f"ttft_{q}")))
+        cached = ours.get("cached_fraction")
+        theirs = base.get("cached_fraction")
+        rows.append(Row("traces", model, f"cached fraction, {label}",
+                        "n/a" if cached is None else f"{cached:.3f}",
+                        "" if theirs is None else f"{theirs:.3f}", status="info"))
+    sent = sum(s.get("requests_sent", 0) for s in servers.values())
+    errors = d.get("errors")
+    rows.append(count_row("traces", model, "requests without error, every server",
+                          None if errors is None else sent - errors, sent))
+    return rows
+
+
 ROWS: dict[str, Callable[[str, dict], list[Row]]] = {
     "multiturn": multiturn_rows, "agents": agents_rows, "restart": restart_rows,
-    "serving": serving_rows, "cluster": cluster_rows, "structured": structured_rows}
+    "serving": serving_rows, "cluster": cluster_rows, "structured": structured_rows,
+    "traces": traces_rows}
 
 
 def summary_rows(results: dict[str, dict[str, dict]], runs: dict[str, dict]) -> list[Row]:
@@ -421,6 +456,64 @@ def plot_cache_bytes(label: str, d: dict, directory: Path) -> Path | None:
     return save(fig, directory / f"cache-bytes-{label}.png")
 
 
+TRACE_COLORS = {"mlx_lm_server": "C1", "ours": "C0", "ours_anthropic": "C2"}
+
+
+def plot_traces(label: str, d: dict, directory: Path) -> Path | None:
+    """TTFT of every request of the trace replay against when it was sent, per server
+    (each server's run starts at 0): where the cache helps, and how the tail looks."""
+    requests = d.get("requests") or {}
+    if not any(requests.values()):
+        return None
+    fig, ax = pyplot().subplots(figsize=(7, 4))
+    for name, rows in requests.items():
+        points = sorted((r["start_s"], r["ttft"]) for r in rows
+                        if r.get("ttft") is not None and r.get("start_s") is not None)
+        failed = [r["start_s"] for r in rows if r.get("error")]
+        if points:
+            p50 = ((d.get("servers") or {}).get(name) or {}).get("ttft_p50_s")
+            extra = f", p50 {p50:.3f} s" if p50 is not None else ""
+            ax.plot(*zip(*points, strict=True), marker="o", markersize=3, linestyle="none",
+                    color=TRACE_COLORS.get(name), label=f"{name}{extra}")
+        if failed:
+            ax.plot(failed, [0] * len(failed), marker="x", linestyle="none", color="red",
+                    label=f"{name}: errors")
+    s = d.get("settings") or {}
+    ax.set(title=f"Trace replay, {s.get('sessions', '?')} sessions: {label}",
+           xlabel="seconds since the server's run started", ylabel="TTFT (s)")
+    ax.set_yscale("log")
+    ax.legend(fontsize="small")
+    return save(fig, directory / f"traces-ttft-{label}.png")
+
+
+def times(ratio: float | None) -> str:
+    return "" if ratio is None else f"{ratio:.3f}×"
+
+
+def traces_lines(results: dict[str, dict[str, dict]]) -> list[str]:
+    """The trace replay per server: TTFT percentiles, wall time, cached fraction, errors."""
+    lines = []
+    for label, d in valid(results["traces"]).items():
+        s = d.get("settings") or {}
+        vs = d.get("ratios_vs_mlx_lm_server") or {}
+        lines += [f"**{label}**: {s.get('sessions')} concurrent sessions of kv-cache-tester's "
+                  f"agentic-coding traces, {s.get('tokens_per_block')} tokens per 64-token trace "
+                  f"block, system prompt {s.get('system_prompt_tokens')} tokens shared by every "
+                  f"session, outputs ≤ {s.get('max_output')} tokens.", "",
+                  "| server | requests | errors | TTFT p50 | p90 | p99 | wall | cached "
+                  "fraction | p50 ratio | p99 ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, m in (d.get("servers") or {}).items():
+            r = vs.get(name) or {}
+            cached = m.get("cached_fraction")
+            lines.append(f"| {name} | {m.get('requests_ok')} | {m.get('errors')} | "
+                         f"{fmt(m.get('ttft_p50_s'), 's')} | {fmt(m.get('ttft_p90_s'), 's')} | "
+                         f"{fmt(m.get('ttft_p99_s'), 's')} | {fmt(m.get('wall_s'), 's')} | "
+                         f"{'n/a' if cached is None else f'{cached:.3f}'} | "
+                         f"{times(r.get('ttft_p50'))} | {times(r.get('ttft_p99'))} |")
+        lines.append("")
+    return lines
+
+
 def valid(by_label: dict[str, dict]) -> dict[str, dict]:
     return {label: d for label, d in by_label.items() if "_error" not in d}
 
@@ -435,6 +528,8 @@ def plots(results: dict[str, dict[str, dict]], directory: Path) -> list[tuple[st
     drawn.append(("Restart TTFT", plot_restart(valid(results["restart"]), directory)))
     for label, d in valid(results["agents"]).items():
         drawn.append((f"Cache bytes by tier ({label})", plot_cache_bytes(label, d, directory)))
+    for label, d in valid(results["traces"]).items():
+        drawn.append((f"Trace replay TTFT ({label})", plot_traces(label, d, directory)))
     return [(title, path) for title, path in drawn if path is not None]
 
 
@@ -562,6 +657,7 @@ def render(directory: Path) -> str:
     runs = load_json(directory / RUNS, {}).get("runs", {})
     sections = (("Summary", summary_table(summary_rows(results, runs))),
                 ("Runs", runs_lines(runs)),
+                ("Trace replay", traces_lines(results)),
                 ("Plots", plot_lines(plots(results, directory))),
                 ("Resident memory", memory_rows(results)),
                 ("Checkpoint interval (in-process, cold prefill)", checkpoint_rows(results)),
