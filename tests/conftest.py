@@ -14,7 +14,7 @@ LIMITED = "tiny-dense-limited"
 # The default profile's model, plus a dense one and a deliberately tiny-queue
 # one for back-pressure tests. Sizes differ from configs/qwen.yaml, nothing else.
 TEST_MODELS = [
-    {"name": HYBRID, "source": "embedded:tiny-hybrid", "context_length": 2048,
+    {"name": HYBRID, "source": "embedded:tiny-hybrid", "context_length": 4096,
      "max_batch_size": 8, "max_queued_requests": 16, "max_tokens": 256,
      "cache": {"block_size": 16}},
     {"name": DENSE, "source": "embedded:tiny-dense", "context_length": 1024,

@@ -58,11 +58,16 @@ def test_stats_count_by_position_bucket_and_keep_the_last_few():
     assert position_bucket(0) == "0-63" and position_bucket(5000) == "4096+"
 
 
-def test_the_next_turn_of_a_conversation_is_no_bust():
+def test_the_next_turn_of_a_conversation_is_no_bust_and_replaces_the_last():
     tracker = DivergenceTracker("m", min_tokens=64)
+    others = [text(20 + i, 300) for i in range(3)]
+    for other in others:
+        tracker.observe("root", other)
     first = prompt([1], text(5, 40))
     assert tracker.observe("root", first) is None
     assert tracker.observe("root", first + text(6, 80)) is None
+    kept = [k.length for k in tracker._prompts]
+    assert kept == [300, 300, 300, len(first) + 80]
 
 
 def test_a_new_session_sharing_only_the_system_prompt_is_no_bust():

@@ -67,7 +67,7 @@ class CacheBust:
                 f"{self.matching_after} tokens match it again")
 
 
-@dataclass
+@dataclass(eq=False)  # kept prompts are told apart by identity
 class _Kept:
     root: str  # the salted chain root: prompts of other tenants are never compared
     tokens: np.ndarray  # the first MAX_KEPT_TOKENS tokens

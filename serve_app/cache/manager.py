@@ -470,9 +470,7 @@ class CacheManager:
             return None
         bs = self.settings.block_size
         root = salted_root(self.root, salt, api_key_digest)
-        bust = self.divergence.observe(root, prompt)
-        if bust is not None:
-            stats.cache_bust(bust)
+        self._diagnose(root, prompt)
         ids = chain(root, prompt, bs)
         restorable = min(len(ids), (len(prompt) - 1) // bs)
         stats.lookups += 1
@@ -486,6 +484,16 @@ class CacheManager:
         restore = self._count(found, len(prompt), restorable)
         return RequestPlan(bs, root, ids, restore, self.publish, self.settings.checkpoint_every,
                            branch_points, found.lease)
+
+    def _diagnose(self, root: str, prompt: list[int]) -> None:
+        """Cache-bust diagnostics; a fault in them never fails a request."""
+        try:
+            bust = self.divergence.observe(root, prompt)
+        except Exception:
+            logger.exception("model %s: cache-bust diagnostics failed", self.settings.model)
+            return
+        if bust is not None:
+            self.stats.cache_bust(bust)
 
     async def _extend_from_remote(self, req: FetchRequest, found: FetchedChain) -> FetchedChain:
         """``found`` extended with the blocks another node holds past it, where the
