@@ -525,6 +525,7 @@ ERROR_TYPES: dict[int, str] = {
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",  # ours: model not ready / replica lost, retry shortly
+    504: "timeout_error",  # ours: ingress.request_timeout_s passed
     529: "overloaded_error",
 }
 

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ from serve_app.openai_api import (
     CompletionRequest,
     OpenAIRequest,
     Usage,
+    check_message_count,
     check_prompt_size,
     checked,
     full_response,
@@ -114,22 +116,65 @@ def json_depth_over(value: Any, limit: int) -> bool:
     return False
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_json(raw: bytes) -> Any:
-    """A request body as JSON; 400 for invalid or too deeply nested JSON."""
+    """A request body as JSON; 400 for invalid or too deeply nested JSON, for integers
+    too long to convert (Python's 4300-digit limit), NaN / Infinity (not JSON), and for
+    strings with a lone surrogate (valid JSON escapes, but not encodable text)."""
     too_deep = ApiError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels",
                         code="json_too_deep")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:  # the C parser gives up near the interpreter's recursion limit
         raise too_deep from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the digit limit
+        raise ApiError(400, f"request body is not valid JSON: {str(exc)[:300]}") from None
+    if _SURROGATE_ESCAPE.search(raw):  # rare: only then walk the body
+        where = unencodable_string(body)
+        if where is not None:
+            raise ApiError(400, f"{where or 'body'}: must be valid Unicode text (a lone "
+                                "surrogate escape cannot be encoded as UTF-8)",
+                           param=where or None, code="invalid_unicode")
     # Nesting needs an opening bracket per level: few brackets, no walk.
     brackets = raw.count(b"[") + raw.count(b"{")
     if brackets > MAX_JSON_DEPTH and isinstance(body, (dict, list)):
         if json_depth_over(body, MAX_JSON_DEPTH):
             raise too_deep
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def unencodable_string(value: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string, key or value, that UTF-8
+    cannot encode; None when every string can. No recursion."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            if not _encodable(node):
+                return path
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                where = f"{path}.{k}" if path else k
+                if not _encodable(k):
+                    return path
+                stack.append((v, where))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def parsed_body(request: Request, max_bytes: int, parse: Callable[[Any], T]) -> T:
@@ -159,6 +204,13 @@ def not_ready_error(names: list[str]) -> ApiError:
     """503 for models whose replica is not up and warmed yet."""
     return _unavailable(f"not ready yet (loading or warming up): {', '.join(names)}; "
                         "retry shortly", "model_not_ready")
+
+
+def timeout_error(name: str, seconds: float) -> ApiError:
+    """504 for a request its model did not answer in time (ingress.request_timeout_s)."""
+    return ApiError(504, f"model {name!r} did not answer within {seconds:g} s "
+                         "(ingress.request_timeout_s); its work was cancelled",
+                    type="timeout_error", code="request_timeout")
 
 
 def replica_lost_error(name: str) -> ApiError:
@@ -256,7 +308,8 @@ class OpenAIIngress:
 
     async def _answer(self, request: Request, kind: str, cls, labels: dict[str, str]):
         parsed = await self._body(request, lambda body: checked(cls, body, _validation_error))
-        events, first = await self._open(parsed, caller_of(request), labels)
+        deadline = self._deadline()
+        events, first = await self._open(parsed, caller_of(request), labels, deadline)
         rid = new_id(kind)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         if parsed.stream:
@@ -265,30 +318,52 @@ class OpenAIIngress:
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        return await self._collect(events, kind, rid, parsed.model, first[1:])
+        return await self._collect(events, kind, rid, parsed.model, first[1:], deadline)
 
-    async def _open(self, parsed: OpenAIRequest, caller: Caller,
-                    labels: dict[str, str]) -> tuple[Any, list[dict]]:
+    def _deadline(self) -> float:
+        """When a request arriving now times out (``asyncio``'s clock)."""
+        return asyncio.get_running_loop().time() + self.profile.ingress.request_timeout_s
+
+    async def _open(self, parsed: OpenAIRequest, caller: Caller, labels: dict[str, str],
+                    deadline: float) -> tuple[Any, list[dict]]:
         """Send a validated request to its model: its event stream, once the replica has
-        started it (an error before that is raised here, as the HTTP error)."""
+        started it and sent its first token (an error before that is raised here, as the
+        HTTP error; so is a timeout at ``deadline``: 504, the replica's work cancelled)."""
         m = self.model_of(parsed.model)
         labels["model"] = m.name
-        check_prompt_size(parsed, m.prompt_char_limit(), m.context_length)
+        check_prompt_size(parsed, m.prompt_char_limit(), m.context_length, m.max_messages)
         if not await self.model_ready(m.name):
             raise not_ready_error([m.name])
-        events = await self.stream_events(m.name, parsed, caller)
+        events = None
         try:
-            first = await events.__anext__()
-        except StopAsyncIteration:
-            raise ApiError(500, "the model replica ended the request early",
-                           type="server_error") from None
-        except Exception as exc:
-            if not self.replica_lost(m.name, exc):
-                raise
-            raise replica_lost_error(m.name) from None
-        if first[0]["type"] == "error":
-            raise ApiError.from_event(first[0])
-        return events, first
+            async with asyncio.timeout_at(deadline):
+                events = await self.stream_events(m.name, parsed, caller)
+                return events, await self._first(events, m.name)
+        except TimeoutError:
+            if events is not None:
+                _cancel(events)
+            raise timeout_error(m.name, self.profile.ingress.request_timeout_s) from None
+
+    async def _first(self, events: Any, name: str) -> list[dict]:
+        """The replica's events up to its first one past ``start`` (the first token,
+        a finish or an error)."""
+        first: list[dict] = []
+        while not any(e["type"] != "start" for e in first):
+            try:
+                first.extend(await events.__anext__())
+            except StopAsyncIteration:
+                if first:
+                    return first  # iterating on says the request ended early
+                raise ApiError(500, "the model replica ended the request early",
+                               type="server_error") from None
+            except Exception as exc:
+                if not self.replica_lost(name, exc):
+                    raise
+                raise replica_lost_error(name) from None
+            if first[0]["type"] == "error":
+                _cancel(events)
+                raise ApiError.from_event(first[0])
+        return first
 
     def model_of(self, name: str) -> Any:
         m = self.profile.model(name)
@@ -305,12 +380,13 @@ class OpenAIIngress:
         """OpenAI Responses, stateless: the equivalent chat request, Responses shapes."""
         labels = {"model": "unknown", "status": "500"}
         try:
-            parsed = await self._body(request, responses_api.parse_request)
+            parsed = await self._body(request, responses_api.parse_request, "input")
             m = self.model_of(parsed.model)
             defaults = {"temperature": m.sampling.temperature, "top_p": m.sampling.top_p}
+            deadline = self._deadline()
             try:
                 events, first = await self._open(responses_api.to_chat_request(parsed),
-                                                 caller_of(request), labels)
+                                                 caller_of(request), labels, deadline)
             except ApiError as exc:  # named as the Responses request has it
                 raise responses_api.renamed(exc) from None
             labels["status"] = "200"
@@ -320,7 +396,7 @@ class OpenAIIngress:
                                          media_type="text/event-stream", headers=SSE_HEADERS)
             collector = responses_api.ResponseCollector(parsed, **defaults)
             try:
-                async for e in self._iter(events, parsed.model, first):
+                async for e in self._iter(events, parsed.model, first, deadline):
                     collector.feed(e)
                     if collector.done:
                         break
@@ -353,15 +429,16 @@ class OpenAIIngress:
         try:
             parsed = await self._body(request, anthropic.parse_messages_request)
             chat = anthropic.to_chat_input(parsed)
+            deadline = self._deadline()
             events, first = await self._open(chat_request(chat, parsed.model, parsed.stream),
-                                             caller_of(request), labels)
+                                             caller_of(request), labels, deadline)
             labels["status"] = "200"
             if parsed.stream:
                 return StreamingResponse(self._anthropic_sse(events, parsed.model, first),
                                          media_type="text/event-stream", headers=SSE_HEADERS)
             collector = anthropic.MessageCollector(parsed.model)
             try:
-                async for e in self._iter(events, parsed.model, first):
+                async for e in self._iter(events, parsed.model, first, deadline):
                     collector.feed(_anthropic_input(e))
                     if collector.done:
                         break
@@ -386,10 +463,15 @@ class OpenAIIngress:
             parsed = await self._body(request, anthropic.parse_count_tokens_request)
             chat = chat_request(anthropic.to_chat_input(parsed), parsed.model, False)
             m = self.model_of(parsed.model)
-            check_prompt_size(chat, m.prompt_char_limit(), m.context_length)
+            check_prompt_size(chat, m.prompt_char_limit(), m.context_length, m.max_messages)
             if not await self.model_ready(m.name):
                 raise not_ready_error([m.name])
-            n = await self.count_prompt_tokens(m.name, chat, caller_of(request))
+            timeout = self.profile.ingress.request_timeout_s
+            try:
+                n = await asyncio.wait_for(
+                    self.count_prompt_tokens(m.name, chat, caller_of(request)), timeout)
+            except TimeoutError:
+                raise timeout_error(m.name, timeout) from None
             return JSONResponse(anthropic.count_tokens_response(n))
         except ApiError as exc:
             return _anthropic_error(exc)
@@ -398,8 +480,20 @@ class OpenAIIngress:
                                   caller: Caller) -> int:
         raise NotImplementedError
 
-    async def _body(self, request: Request, parse: Callable[[Any], T]) -> T:
-        return await parsed_body(request, int(self.profile.ingress.max_request_bytes), parse)
+    async def _body(self, request: Request, parse: Callable[[Any], T],
+                    items: str = "messages") -> T:
+        """The body, parsed; the number of ``items`` (a conversation's messages) is
+        bounded before each one is validated."""
+        def bounded(body: Any) -> T:
+            if isinstance(body, dict) and isinstance(body.get(items), list):
+                name = body.get("model")
+                m = self.profile.model(name) if isinstance(name, str) else None
+                limit = m.max_messages if m is not None else max(
+                    p.max_messages for p in self.profile.models)
+                check_message_count(len(body[items]), limit, items)
+            return parse(body)
+
+        return await parsed_body(request, int(self.profile.ingress.max_request_bytes), bounded)
 
     async def _anthropic_sse(self, events, model: str, pending: list[dict]):
         stream = anthropic.MessageStream(model)
@@ -412,29 +506,44 @@ class OpenAIIngress:
         finally:
             _cancel(events)
 
-    async def _iter(self, events, model: str, pending: list[dict]) -> AsyncIterator[dict]:
+    async def _iter(self, events, model: str, pending: list[dict],
+                    deadline: float | None = None) -> AsyncIterator[dict]:
         """Events one by one; consecutive deltas of one batch merge into one.
 
-        A replica lost mid-request ends the events with a 503 error event.
+        A replica lost mid-request ends the events with a 503 error event. With a
+        ``deadline`` (a whole answer is collected), passing it raises 504.
         """
         if pending:
             for e in _merge_deltas(pending):
                 yield e
         try:
-            async for batch in events:
+            while True:
+                try:
+                    if deadline is None:
+                        batch = await events.__anext__()
+                    else:
+                        async with asyncio.timeout_at(deadline):
+                            batch = await events.__anext__()
+                except StopAsyncIteration:
+                    return
                 for e in _merge_deltas(batch):
                     yield e
+        except TimeoutError:
+            if deadline is None:
+                raise
+            raise timeout_error(model, self.profile.ingress.request_timeout_s) from None
         except Exception as exc:
             if not self.replica_lost(model, exc):
                 raise
             yield replica_lost_error(model).to_event()
 
-    async def _collect(self, events, kind: str, rid: str, model: str, pending: list[dict]):
+    async def _collect(self, events, kind: str, rid: str, model: str, pending: list[dict],
+                       deadline: float | None = None):
         parts: list[str] = []
         calls: list[dict] = []
         logprobs: list[dict] | None = None
         try:
-            async for e in self._iter(events, model, pending):
+            async for e in self._iter(events, model, pending, deadline):
                 if e["type"] == "delta":
                     parts.append(e["text"])
                     if "logprobs" in e:

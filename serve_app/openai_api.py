@@ -97,6 +97,11 @@ class ApiError(Exception):
 
 
 MAX_STOPS = 16
+MAX_CACHE_SALT_CHARS = 256
+MAX_SEED = 2**64  # seeds are unsigned 64-bit (the engine's PRNG key)
+# What one message costs in the prompt bound beyond its text: the chat template's
+# role markers and separators (about 5-10 tokens a message in common templates).
+MESSAGE_OVERHEAD_CHARS = 16
 R = TypeVar("R", bound=BaseModel)
 
 
@@ -107,7 +112,7 @@ class _Request(BaseModel):
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=0, lt=MAX_SEED)] | None = None
     # OpenAI takes 4; Anthropic's stop_sequences, carried here, may be more.
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOPS)] | None = None
     stream: StrictBool = False
@@ -132,10 +137,26 @@ class _Request(BaseModel):
                 raise ApiError(400, f"{name} is not supported", param=name)
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+        check_cache_salt(self.cache_salt)
         if self.stream_options is not None and not self.stream:
             raise ApiError(
                 400, "stream_options is only allowed when stream is true", param="stream_options"
             )
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """400 for a salt that is too long or not encodable as UTF-8 (a lone surrogate,
+    which JSON can carry): the cache and the router hash its UTF-8 bytes."""
+    if salt is None:
+        return
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ApiError(400, f"cache_salt is {len(salt)} characters, over the limit of "
+                            f"{MAX_CACHE_SALT_CHARS}", param="cache_salt", code="invalid_value")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "cache_salt must be valid Unicode text (it has a lone surrogate)",
+                       param="cache_salt", code="invalid_value") from None
 
 
 class StreamOptions(BaseModel):
@@ -295,11 +316,13 @@ class ChatCompletionRequest(_Request):
     def prompt_size(self) -> tuple[int, str]:
         """(size, unit) of the prompt before tokenizing: characters of message contents,
         tool calls and tool definitions (all of it is templated)."""
-        size = sum(len(m.text()) for m in self.messages)
+        size = sum(len(m.text()) + MESSAGE_OVERHEAD_CHARS for m in self.messages)
         size += sum(len(c.function.name) + len(c.function.arguments)
                     for m in self.messages for c in m.tool_calls or ())
         size += sum(len(json.dumps(t.to_template())) for t in self.tools or ())
-        return size, "characters"
+        if self.response_format is not None:  # its schema is compiled, not templated
+            size += len(json.dumps(self.response_format))
+        return size + sum(map(len, self.stop_list())), "characters"
 
 
 class CompletionRequest(_Request):
@@ -335,18 +358,23 @@ class CompletionRequest(_Request):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return len(prompt), "characters"
+            return len(prompt) + sum(map(len, self.stop_list())), "characters"
         return len(prompt), "token ids"
 
 
 def check_prompt_size(
-    request: ChatCompletionRequest | CompletionRequest, max_chars: int, context_length: int
+    request: ChatCompletionRequest | CompletionRequest, max_chars: int, context_length: int,
+    max_messages: int | None = None,
 ) -> None:
     """Refuse an oversized prompt before any tokenizer time is spent on it.
 
-    Characters are bounded by ``max_chars``; token ids, which need no
-    tokenizing, by the context length itself.
+    Characters are bounded by ``max_chars`` (each message counts
+    ``MESSAGE_OVERHEAD_CHARS`` beyond its text; schemas and stop strings count too);
+    token ids, which need no tokenizing, by the context length itself; a chat's
+    messages by ``max_messages``.
     """
+    if isinstance(request, ChatCompletionRequest) and max_messages is not None:
+        check_message_count(len(request.messages), max_messages, "messages")
     size, unit = request.prompt_size()
     param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     if unit == "token ids" and size >= context_length:
@@ -358,6 +386,14 @@ def check_prompt_size(
     else:
         return
     raise ApiError(400, message, param=param, code="context_length_exceeded")
+
+
+def check_message_count(count: int, limit: int, param: str = "messages") -> None:
+    """400 for a conversation of more than ``limit`` messages (the model's
+    ``max_messages``): checked before the messages are validated one by one."""
+    if count > limit:
+        raise ApiError(400, f"{param} has {count} items, over this model's limit of {limit} "
+                            "(max_messages)", param=param, code="too_many_messages")
 
 
 def checked(cls: type[R], body: Any, error: Callable[[ValidationError], ApiError]) -> R:

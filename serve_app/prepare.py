@@ -156,7 +156,8 @@ class Preparer:
 
     def count(self, request: ChatCompletionRequest | CompletionRequest) -> int:
         """The prompt's tokens as it would be served (a token count, nothing compiled)."""
-        check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length)
+        check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length,
+                          self.profile.max_messages)
         self.check_tools(request)  # the same 400 a generation would get
         return len(self.prompt_tokens(request))
 
@@ -169,7 +170,8 @@ class Preparer:
         headers, never from the body.
         """
         tic = time.perf_counter()
-        check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length)
+        check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length,
+                          self.profile.max_messages)
         chat = isinstance(request, ChatCompletionRequest)
         rendered = self.template_input(request) if chat else None
         prompt = self.prompt_tokens(request, rendered)

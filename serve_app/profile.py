@@ -118,6 +118,9 @@ class ModelProfile(_Strict):
     # Bound on a prompt's characters, checked before tokenizing so a huge
     # prompt costs no tokenizer time. Default: 32 x context_length.
     max_prompt_chars: PositiveInt | None = None
+    # Bound on a chat's messages, checked before they are validated one by one:
+    # a body of many tiny messages must not cost templating time.
+    max_messages: PositiveInt = 4096
     cache: CacheProfile = CacheProfile()
     # Prompt normalization rules (``serve_app/normalize.py``) applied before templating:
     # client quirks that would defeat the prefix cache. Default: all; [] turns them off.
@@ -165,6 +168,9 @@ class IngressProfile(_Strict):
     # Larger request bodies get 413 before they are read (Content-Length) or
     # as soon as the bytes read pass it (chunked uploads).
     max_request_bytes: Annotated[ByteSize, Field(ge=1024)] = ByteSize(16 << 20)
+    # A request whose model has not answered in this many seconds gets 504 and its
+    # replica work is cancelled; for a stream, the time to its first token.
+    request_timeout_s: Annotated[float, Field(gt=0.0)] = 600.0
 
 
 class Profile(_Strict):

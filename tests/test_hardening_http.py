@@ -23,7 +23,12 @@ import pytest
 from bench.devserver import ServerProcess, descendants, free_port, write_config
 from serve_app.embedded import materialize
 from serve_app.http import MAX_JSON_DEPTH, parse_json
-from serve_app.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
+from serve_app.openai_api import (
+    MESSAGE_OVERHEAD_CHARS,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from serve_app.profile import ModelProfile, parse_profile
 from serve_app.service import ModelService
 
@@ -245,10 +250,12 @@ def test_parse_json_bounds_nesting(raw, ok):
 
 def test_chat_prompt_over_char_limit_is_400(young):
     server, _ = young
-    # Two messages: the bound is on the sum of their contents.
+    # Two messages: the bound is on the sum of their contents, each message's markup
+    # counted as MESSAGE_OVERHEAD_CHARS.
+    user = MAX_PROMPT_CHARS + 1 - 2 * MESSAGE_OVERHEAD_CHARS - 2000
     body = {"model": MODEL, "max_tokens": 2,
             "messages": [{"role": "system", "content": "s" * 2000},
-                         {"role": "user", "content": "u" * (MAX_PROMPT_CHARS - 1999)}]}
+                         {"role": "user", "content": "u" * user}]}
     err = error_of(post(server, "/v1/chat/completions", json=body), 400)
     assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
     assert str(MAX_PROMPT_CHARS) in err["message"] and str(MAX_PROMPT_CHARS + 1) in err["message"]
