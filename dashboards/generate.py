@@ -131,6 +131,12 @@ PREFIX_CACHE = (
               "restore failures {{model}}")),
         "Cached data that did not fit the model's layout, and restores that fell back to a "
         "cold prefill. Both should stay at 0."),
+    PanelSpec("Cache-store errors", "short", (
+        Query(rate("ray_serve_app_prefix_cache_store_errors_total", "model, kind"),
+              "{{model}} {{kind}}"),),
+        "Store calls a request waited on that timed out, found the store dead or restarting, "
+        "failed, or were skipped while its circuit breaker was open: each such request was "
+        "prefilled cold (never failed). Should stay at 0."),
     PanelSpec("GDN checkpoint loads by tier", "short", (
         Query(rate("ray_serve_app_prefix_cache_checkpoint_loads_total", "model, tier"),
               "{{model}} {{tier}}"),)),

@@ -51,6 +51,7 @@ class ModelReplica:
 
     def __init__(self, profile: dict, model_home: str | None, cache_store: dict) -> None:
         from serve_app.cache.actor import DirectoryFollower, RayCacheClient, get_or_create_actor
+        from serve_app.cache.client import CircuitBreaker
         from serve_app.service import ModelService, load_model
 
         self.profile = ModelProfile.model_validate(profile)
@@ -61,21 +62,28 @@ class ModelReplica:
             store = CacheStoreProfile.model_validate(cache_store)
             # Waits for the actor (and replaces one of older code), here, not in the
             # first request; a store that never starts fails this replica with a reason.
-            actor = get_or_create_actor(int(store.hot_budget), store.model_dump())
+            config = store.model_dump()
+            actor = get_or_create_actor(int(store.hot_budget), config)
             # The replica's copy of the cluster's block directory: which other node holds
             # more of a prompt (then it fetches those blocks instead of prefilling them).
             follower = DirectoryFollower().start() if store.directory != "off" else None
-            client = RayCacheClient(actor, follower)
+            # A store that fails costs requests their cache, never the request: calls are
+            # bounded, a failing store is skipped for a while, a dead one is replaced.
+            client = RayCacheClient(
+                actor, follower, timeout=store.call_timeout_s,
+                reconnect=lambda: get_or_create_actor(int(store.hot_budget), config),
+                breaker=CircuitBreaker(store.breaker_failures, store.breaker_cool_down_s))
         recorder = RayRecorder("replica", serve=True)
         self.service = ModelService(self.profile, model, tokenizer, model_dir, client, recorder)
         if self.service.cache.enabled:
-            ray.get(actor.activate.remote(self.profile.name, self.service.cache.identity,
-                                          self.service.layout.digest), timeout=120)
+            client.activate(self.profile.name, self.service.cache.identity,
+                            self.service.layout.digest, timeout=120)
         # Serve routes nothing here before __init__ returns: warming up now keeps
         # MLX's first-use cost out of the first user request.
         seconds = self.service.warm_up()
         # Templating and tokenizing a long prompt must not stall other streams.
-        self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
+        self.stage = PrepareStage()
+        self.prepare_pool = self.stage.pool
         self.pump = MetricsPump(recorder, self.service.metric_samples).start()
         logger.info("model %s ready (source %s; warm-up %.2f s)", self.profile.name,
                     self.profile.source, seconds)

@@ -30,7 +30,7 @@ PUMP_INTERVAL_S = 1.0
 
 TIERS = ("hot", "pending", "ssd", "remote")
 MISS_REASONS = ("new_prefix", "diverged", "evicted", "no_checkpoint", "incompatible",
-                "restore_failed", "disabled")
+                "restore_failed", "disabled", "store_unavailable")
 WRITE_RESULTS = ("done", "failed", "dropped")
 PHASES = ("prepare", "plan", "queue", "prefill")
 DROP_REASONS = ("publish", "hot_full", "ssd_low_space", "ssd_budget")
@@ -135,6 +135,12 @@ METRICS: tuple[MetricDef, ...] = (
        "model's layout (dropped, never restored)."),
     _c("serve_app_prefix_cache_restore_failures", "replica",
        "Restores that failed while building the cache; the request was prefilled cold."),
+    _c("serve_app_prefix_cache_store_errors", "replica",
+       "Cache-store calls a request waited on (lookup, release) that did not answer in time "
+       "(`timeout`), found the store actor dead or restarting (`unavailable`), failed otherwise "
+       "(`error`), or were not made because the store's circuit breaker was open (`skipped`). "
+       "A failed lookup is a cold prefill (miss reason `store_unavailable`), never a failed "
+       "request.", ("model", "kind")),
     _c("serve_app_prefix_cache_ssd_read_bytes", "replica",
        "Bytes of SSD block files read for restores."),
     _c("serve_app_prefix_cache_ssd_read_seconds", "replica",
@@ -348,6 +354,8 @@ def replica_samples(model: str, engine: dict, cache: dict,
     for reason in MISS_REASONS:
         out.append(Sample("serve_app_prefix_cache_misses", {**m, "reason": reason},
                           cache["misses_by_reason"].get(reason, 0)))
+    for kind, count in cache["store_errors_by_kind"].items():
+        out.append(Sample("serve_app_prefix_cache_store_errors", {**m, "kind": kind}, count))
     for position, count in cache["cache_busts_by_position"].items():
         out.append(Sample("serve_app_prefix_cache_busts", {**m, "position": position}, count))
     for rule, count in normalized.items():

@@ -75,6 +75,13 @@ class CacheStoreProfile(_Strict):
     # Report this node's blocks to the cluster's block directory: "auto" once the
     # cluster has a second node (a one-node server pays nothing for it).
     directory: Literal["auto", "on", "off"] = "auto"
+    # A request waits at most this long for one call to a cache store (a lookup, a
+    # release) or another node's store (a fetch); then it prefills cold. After
+    # ``breaker_failures`` failed or late calls in a row a store (or a node) is skipped
+    # for ``breaker_cool_down_s``, then tried again.
+    call_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = 5.0
+    breaker_failures: Annotated[int, Field(ge=1)] = 3
+    breaker_cool_down_s: Annotated[float, Field(gt=0.0)] = 10.0
 
 
 class RoutingProfile(_Strict):

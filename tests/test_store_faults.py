@@ -276,12 +276,15 @@ def test_an_outdated_store_actor_is_replaced(local_ray, old_cls):
 
 
 def test_a_promotion_never_blocks_the_event_loop_on_a_full_publish_queue():
-    """``publish(wait=False)`` (SSD promotions, on the replica's event loop) drops and
-    counts a block the publish queue cannot take now; the engine's publishes wait."""
+    """``publish(wait=False)`` (SSD promotions on the replica's event loop, and the
+    engine's captured blocks) drops and counts a block the publish queue cannot take now."""
     import queue
     import threading
 
+    from serve_app.cache.client import CircuitBreaker
+
     client = object.__new__(RayCacheClient)  # no actor and no publisher thread: a full queue
+    client.breaker, client.timeout = CircuitBreaker(), 1.0
     client._queue = queue.Queue(maxsize=1)
     client._queue.put("taken")
     client._cv = threading.Condition()

@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from serve_app.cache.client import (
     CacheClient,
+    CircuitBreaker,
     FetchedChain,
     FetchRequest,
     LocalCacheClient,
     RemotePrefix,
+    StoreError,
+    store_error_kind,
 )
 from serve_app.cache.directory import BlockDirectory, Changes, EventBatch
 from serve_app.cache.hot import HotEntry
@@ -49,6 +53,10 @@ NAMESPACE = "serve_app"
 PUBLISH_QUEUE_BLOCKS = 256
 MAX_UNACKED_PUTS = 8  # puts one replica has in flight to the store; then its publisher waits
 ACK_WAIT_S = 30.0  # a lookup waits at most this long for the replica's earlier puts
+# A request waits at most this long for one store call (lookup, release, stats) unless
+# the profile says otherwise (``cache_store.call_timeout_s``); then it prefills cold.
+STORE_CALL_TIMEOUT_S = 5.0
+RECONNECT_EVERY_S = 1.0  # a replica looks for a replacement of a dead store this often
 REPORT_DROPS_S = 1.0
 FEED_INTERVAL_S = 0.5  # how often a store tells the block directory what changed
 FOLLOW_INTERVAL_S = 0.25  # how often a router or replica pulls the directory's changes
@@ -181,6 +189,10 @@ class CacheStore:
 
     def protocol(self) -> int:
         return self.PROTOCOL
+
+    def pid(self) -> int:
+        """The actor's process id (operators and fault tests: SIGSTOP, py-spy)."""
+        return os.getpid()
 
     def _snapshot(self) -> dict:
         out = self.tiers.snapshot()
@@ -442,13 +454,27 @@ class RayCacheClient(CacheClient):
     The actor runs calls concurrently, so the order of calls is no promise of
     visibility: each put is tracked until its reply arrives (its ack), and a
     lookup waits for the acks of the puts published before it, not after. At
-    most ``MAX_UNACKED_PUTS`` are in flight; beyond that the publisher waits,
-    then the bounded queue fills and the engine waits: backpressure, not memory.
+    most ``MAX_UNACKED_PUTS`` are in flight; beyond that the publisher waits and
+    the bounded queue fills: a block that does not fit is dropped and counted,
+    and the engine never waits.
+
+    A store that fails never fails a request: every call a request waits on is
+    bounded by ``timeout`` and raises ``StoreError`` (the cache manager prefills
+    cold and counts it). After ``breaker.threshold`` failures in a row the store
+    is skipped for a cool-down (lookups and publishes too), then probed again. A
+    store actor that died is looked up again (``reconnect``: the replica's
+    get-or-create), so a replacement is used as soon as it answers.
     """
 
-    def __init__(self, actor, follower: DirectoryFollower | None = None) -> None:
+    def __init__(self, actor, follower: DirectoryFollower | None = None, *,
+                 timeout: float = STORE_CALL_TIMEOUT_S,
+                 reconnect: Callable[[], Any] | None = None,
+                 breaker: CircuitBreaker | None = None) -> None:
         self.actor = actor
         self.follower = follower
+        self.timeout = timeout
+        self.reconnect = reconnect
+        self.breaker = breaker or CircuitBreaker()
         self.node_id = ray.get_runtime_context().get_node_id()
         self._stores: dict[str, Any] = {}  # node id -> that node's store actor
         self._queue: queue.Queue = queue.Queue(maxsize=PUBLISH_QUEUE_BLOCKS)
@@ -458,23 +484,102 @@ class RayCacheClient(CacheClient):
         self._in_flight = 0  # submitted to the store, not acknowledged yet
         self.dropped = 0  # blocks that never reached the store
         self._unreported = 0  # of those, not yet counted by the store
+        self._activation: tuple | None = None  # repeated on a replacement store
+        self._reconnecting = False
+        self._next_reconnect = 0.0
+        self.reconnects = 0
         self._thread = threading.Thread(target=self._publisher, name="cache-publish",
                                         daemon=True)
         self._thread.start()
 
+    def activate(self, name: str, model: str, layout: str, timeout: float = 120.0) -> None:
+        """Tell the store this replica serves ``model`` (repeated on a replacement)."""
+        self._activation = (name, model, layout)
+        ray.get(self.actor.activate.remote(name, model, layout), timeout=timeout)
+
     def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None,
                 wait: bool = True) -> None:
+        if self.breaker.is_open:  # the store is stuck or gone: drop, count, never wait
+            self._count_dropped(1)
+            return
         with self._cv:
             self._seq += 1
             seq = self._seq
             self._unacked.add(seq)
         try:
-            self._queue.put((seq, model, block, disk), block=wait)
-        except queue.Full:  # only without ``wait``: a promotion, never the engine's blocks
+            self._queue.put((seq, model, block, disk), block=wait, timeout=self.timeout)
+        except queue.Full:  # a store that does not keep up: dropped, counted
             with self._cv:
                 self._unacked.discard(seq)
-                self.dropped += 1
-                self._unreported += 1
+            self._count_dropped(1)
+
+    def _count_dropped(self, n: int) -> None:
+        with self._cv:
+            self.dropped += n
+            self._unreported += n
+
+    def _failed(self, exc: BaseException) -> None:
+        """A store call failed: one more failure in a row; a dead store is replaced."""
+        self.breaker.failure()
+        if isinstance(exc, ray.exceptions.RayActorError) or (
+                isinstance(exc, StoreError) and exc.kind == "unavailable"):
+            self._reconnect_soon()
+
+    def _reconnect_soon(self) -> None:
+        if self.reconnect is None:
+            return
+        with self._cv:
+            if self._reconnecting or time.monotonic() < self._next_reconnect:
+                return
+            self._reconnecting = True
+            self._next_reconnect = time.monotonic() + RECONNECT_EVERY_S
+        threading.Thread(target=self._reconnect_now, name="cache-reconnect",
+                         daemon=True).start()
+
+    def _reconnect_now(self) -> None:
+        try:
+            actor = self.reconnect()
+            if self._activation is not None:
+                ray.get(actor.activate.remote(*self._activation), timeout=self.timeout)
+            self.actor = actor
+            self.reconnects += 1
+            self.breaker.success()
+            logger.warning("cache store reached again (reconnect %d)", self.reconnects)
+        except BaseException as exc:  # no store yet (or Ray shut down): try again later
+            logger.warning("looking for a replacement cache store failed: %r", exc)
+        finally:
+            with self._cv:
+                self._reconnecting = False
+
+    async def _call(self, ref) -> Any:
+        """One store call a request waits on: bounded, failures as ``StoreError``."""
+        try:
+            out = await asyncio.wait_for(ref, self.timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._failed(exc)
+            kind = store_error_kind(exc)
+            raise StoreError(kind, repr(exc)) from None
+        self.breaker.success()
+        return out
+
+    async def fetch(self, req: FetchRequest) -> FetchedChain:
+        if not self.breaker.allow():
+            raise StoreError("skipped", "circuit breaker open")
+        try:
+            found = await super().fetch(req)
+        except asyncio.CancelledError:
+            raise
+        except StoreError as exc:  # counted by ``_call`` already, but for lookups
+            if exc.kind == "timeout":
+                self._failed(exc)
+            raise
+        except Exception as exc:
+            self._failed(exc)
+            raise
+        self.breaker.success()
+        return found
 
     def _publisher(self) -> None:
         while True:
@@ -507,6 +612,8 @@ class RayCacheClient(CacheClient):
             error = exc
         if error is not None and future is not None:
             logger.warning("publishing block %s failed: %s", block_id, error)
+            if isinstance(error, ray.exceptions.RayActorError):
+                self._reconnect_soon()  # starts a thread: no Ray call here
         with self._cv:
             self._unacked.discard(seq)
             self._in_flight -= 1
@@ -518,16 +625,27 @@ class RayCacheClient(CacheClient):
     def _report_drops(self) -> None:
         with self._cv:
             n, self._unreported = self._unreported, 0
-        if n:
+        if not n:
+            return
+
+        def told(future: Any) -> None:
             try:
-                self.actor.count_dropped.remote("publish", n)
-            except Exception:  # no store to tell now: try again later
+                failed = future.exception() is not None
+            except BaseException:
+                failed = True
+            if failed:  # no store to tell now: try again later
                 with self._cv:
                     self._unreported += n
 
-    def _wait_acked(self, seqs: set[int]) -> None:
+        try:
+            self.actor.count_dropped.remote("publish", n).future().add_done_callback(told)
+        except Exception:
+            with self._cv:
+                self._unreported += n
+
+    def _wait_acked(self, seqs: set[int], timeout: float) -> None:
         with self._cv:
-            self._cv.wait_for(lambda: not (seqs & self._unacked), timeout=ACK_WAIT_S)
+            self._cv.wait_for(lambda: not (seqs & self._unacked), timeout=timeout)
 
     async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
                       exact: bool, tails: TailQuery | None) -> dict:
@@ -535,17 +653,18 @@ class RayCacheClient(CacheClient):
         # store's acks of those puts (not of the ones published after).
         with self._cv:
             before = set(self._unacked)
-        if before:
-            await asyncio.get_running_loop().run_in_executor(None, self._wait_acked, before)
+        if before:  # bounded: a stuck store must not hold executor threads for long
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._wait_acked, before, min(ACK_WAIT_S, self.timeout))
         return await self.actor.lookup.remote(block_ids, need_checkpoint, layout, exact,
                                               tails)
 
     async def _resolve(self, handle: Any) -> BlockPayload:
-        return await resolve_hot(handle)
+        return await asyncio.wait_for(resolve_hot(handle), self.timeout)
 
     async def _drop(self, kind: str, layout: str, block_id: str,
                     token: str | None = None) -> None:
-        await self.actor.drop.remote(kind, layout, block_id, token)
+        await self._call(self.actor.drop.remote(kind, layout, block_id, token))
 
     def remote_prefix(self, block_ids: list[str]) -> RemotePrefix | None:
         if self.follower is None:
@@ -575,14 +694,20 @@ class RayCacheClient(CacheClient):
 
     async def release(self, lease: int | None) -> None:
         if lease is not None:
-            await self.actor.release.remote(lease)
+            await self._call(self.actor.release.remote(lease))
 
     async def stats(self) -> dict:
-        """The store's stats, this replica's publisher (drops, puts not acked yet) and
-        its copy of the block directory."""
-        out = await self.actor.stats.remote()
+        """The store's stats, this replica's publisher (drops, puts not acked yet), the
+        store's circuit breaker and its copy of the block directory. A store that does
+        not answer in time shows as ``unavailable`` (the stats never fail)."""
+        try:
+            out = await self._call(self.actor.stats.remote())
+        except StoreError as exc:
+            out = {"unavailable": str(exc)}
         with self._cv:
             out["publisher"] = {"dropped": self.dropped, "unacknowledged": len(self._unacked)}
+        out["breaker"] = {**self.breaker.snapshot(), "reconnects": self.reconnects,
+                          "call_timeout_s": self.timeout}
         if self.follower is not None:
             out["directory"] = self.follower.snapshot()
         return out

@@ -39,6 +39,72 @@ if TYPE_CHECKING:  # layout.py imports mlx-lm; this module (and the cache policy
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 8
+STORE_ERROR_KINDS = ("timeout", "unavailable", "error", "skipped")
+
+
+class StoreError(Exception):
+    """A cache-store call a request waited on failed: ``kind`` is "timeout" (no answer
+    in time), "unavailable" (the store actor died or is restarting), "error"
+    (anything else) or "skipped" (the store's circuit breaker is open). The request
+    goes on without the cache: a cold prefill, never a failed request."""
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        super().__init__(f"cache store {kind}: {detail}" if detail else f"cache store {kind}")
+        self.kind = kind
+
+
+def store_error_kind(exc: BaseException) -> str:
+    """How a failed store call is counted (``serve_app_prefix_cache_store_errors``)."""
+    if isinstance(exc, StoreError):
+        return exc.kind
+    if isinstance(exc, TimeoutError):  # asyncio's and Ray's GetTimeoutError both are
+        return "timeout"
+    try:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+    except ImportError:  # pragma: no cover - Ray is a dependency
+        return "error"
+    return "unavailable" if isinstance(exc, (RayActorError, ActorUnavailableError)) else "error"
+
+
+class CircuitBreaker:
+    """Skip a peer that keeps failing: after ``failures`` failures or timeouts in a row
+    it is open (skipped) for ``cool_down_s``; then one call is let through again (a
+    probe) and a success closes it. Thread-safe enough for counters read by stats."""
+
+    def __init__(self, failures: int = 3, cool_down_s: float = 10.0) -> None:
+        self.threshold = max(1, failures)
+        self.cool_down_s = cool_down_s
+        self.failures = 0  # in a row
+        self.opened = 0  # times it opened
+        self._open_until = 0.0
+
+    def allow(self) -> bool:
+        """True unless open; once the cool-down has passed, one probe at a time."""
+        now = time.monotonic()
+        if now < self._open_until:
+            return False
+        if self.failures >= self.threshold:  # half open: this call probes, others wait
+            self._open_until = now + self.cool_down_s
+        return True
+
+    @property
+    def is_open(self) -> bool:
+        return time.monotonic() < self._open_until
+
+    def success(self) -> None:
+        self.failures = 0
+        self._open_until = 0.0
+
+    def failure(self) -> None:
+        self.failures += 1
+        if self.failures >= self.threshold:
+            if self._open_until <= time.monotonic():
+                self.opened += 1
+            self._open_until = time.monotonic() + self.cool_down_s
+
+    def snapshot(self) -> dict:
+        return {"open": self.is_open, "failures_in_a_row": self.failures,
+                "opened": self.opened}
 
 
 @dataclass
@@ -60,6 +126,7 @@ class FetchedChain:
     ssd_bytes: int = 0
     ssd_seconds: float = 0.0
     trim: Trim | None = None  # the last payload is cut to ``trim.common`` tokens on restore
+    store_error: str | None = None  # the store failed (its kind): nothing was looked up
 
 
 @dataclass(frozen=True)
@@ -130,7 +197,13 @@ class BadFile(Exception):
 
 
 class CacheClient:
-    """Shared fetch logic; subclasses say how to reach the store."""
+    """Shared fetch logic; subclasses say how to reach the store.
+
+    ``timeout``: how long a request waits for one store call (None: no bound, a store
+    in this process). A call that fails or times out raises ``StoreError``.
+    """
+
+    timeout: float | None = None
 
     def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None,
                 wait: bool = True) -> None:
@@ -231,7 +304,8 @@ class CacheClient:
 
     def _release_soon(self, lease: int | None) -> None:
         """Release from a task that may be cancelled: scheduled, not awaited."""
-        asyncio.ensure_future(self.release(lease))
+        if lease is not None:
+            asyncio.ensure_future(self.release_quietly(lease))
 
     async def _pinned_lookup(self, req: FetchRequest) -> dict:
         """A lookup whose lease is released even if the caller is cancelled meanwhile.
@@ -242,14 +316,30 @@ class CacheClient:
         task = asyncio.ensure_future(self._lookup(req.block_ids, req.layout.hybrid,
                                                   req.layout.digest, req.exact, req.tails))
         try:
-            return await asyncio.shield(task)
+            return await asyncio.wait_for(asyncio.shield(task), self.timeout)
+        except TimeoutError:  # a store that answers later: its lease is released then
+            task.add_done_callback(self._release_abandoned)
+            raise StoreError("timeout", f"lookup took over {self.timeout} s") from None
         except asyncio.CancelledError:
             task.add_done_callback(self._release_abandoned)
             raise
 
     def _release_abandoned(self, task: asyncio.Future) -> None:
         if not task.cancelled() and task.exception() is None:
-            asyncio.ensure_future(self.release(task.result()["lease"]))
+            self._release_soon(task.result()["lease"])
+
+    async def release_quietly(self, lease: int | None) -> str | None:
+        """Release a lease; a store that fails or times out only costs the lease (the
+        store expires it). Returns the error kind, or None."""
+        try:
+            await self.release(lease)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            kind = store_error_kind(exc)
+            logger.warning("releasing cache lease %s failed (%s): %r", lease, kind, exc)
+            return kind
+        return None
 
     async def _load(self, req: FetchRequest, found: dict):
         payloads: list[BlockPayload] = []

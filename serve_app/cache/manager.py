@@ -13,6 +13,7 @@ No MLX and no Ray here: the policy is unit-tested in ``tests/test_manager.py``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from serve_app.cache import codecs
-from serve_app.cache.client import CacheClient, FetchedChain, FetchRequest
+from serve_app.cache.client import (
+    STORE_ERROR_KINDS,
+    CacheClient,
+    FetchedChain,
+    FetchRequest,
+    store_error_kind,
+)
 from serve_app.cache.divergence import (
     POSITION_BUCKETS,
     CacheBust,
@@ -85,6 +92,11 @@ class CacheStats:
     remote_fetch_seconds: float = 0.0
     remote_fetch_failures: int = 0
     remote_fetch_skipped: int = 0  # another node had more, but recomputing was cheaper
+    # Store calls a request waited on that failed, timed out or were skipped (the
+    # store's circuit breaker open): each such request went on without the cache.
+    store_errors_by_kind: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(STORE_ERROR_KINDS, 0))
+    last_store_error: str | None = None
     misses_by_reason: dict[str, int] = field(default_factory=dict)
     last_miss_reason: str | None = None
     # Prompts that left a cached prompt early and rejoined it (see ``divergence``), by
@@ -97,6 +109,10 @@ class CacheStats:
         """A lookup that restored less than it could (counted by its label)."""
         self.misses_by_reason[miss.label] = self.misses_by_reason.get(miss.label, 0) + 1
         self.last_miss_reason = miss.text
+
+    def store_error(self, kind: str, text: str) -> None:
+        self.store_errors_by_kind[kind] = self.store_errors_by_kind.get(kind, 0) + 1
+        self.last_store_error = text
 
     def cache_bust(self, bust: CacheBust) -> None:
         self.cache_busts_by_position[position_bucket(bust.position)] += 1
@@ -111,6 +127,8 @@ class CacheStats:
 
 def miss_reason(found: FetchedChain, restored: int, block_size: int) -> Miss:
     """The miss of a lookup that restored ``restored`` full blocks of those it asked for."""
+    if found.store_error is not None:
+        return Miss("store_unavailable", f"cache store {found.store_error}: prefilled cold")
     if found.incompatible:
         return Miss("incompatible", f"cached payload does not fit: {found.incompatible_reason}")
     if found.present > restored:
@@ -478,12 +496,27 @@ class CacheManager:
         req = FetchRequest(self.settings.model, ids[:restorable], self.layout, bs, self._expect,
                            exact=self.settings.codec == codecs.EXACT,
                            tails=TailQuery(root, prompt[:-1], bs))
-        found = await self.client.fetch(req)
+        found = await self._fetch(req)
         found = await self._extend_from_remote(req, found)
         stats.fetch_seconds += time.perf_counter() - tic
         restore = self._count(found, len(prompt), restorable)
         return RequestPlan(bs, root, ids, restore, self.publish, self.settings.checkpoint_every,
                            branch_points, found.lease)
+
+    async def _fetch(self, req: FetchRequest) -> FetchedChain:
+        """The local store's answer; a store that fails, times out or is skipped (its
+        circuit breaker open) is an empty answer, counted: the request prefills cold."""
+        try:
+            return await self.client.fetch(req)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            kind = store_error_kind(exc)
+            self.stats.store_error(kind, f"lookup: {exc}")
+            if kind != "skipped":
+                logger.warning("model %s: cache store lookup failed (%s), prefilling cold: %s",
+                               self.settings.model, kind, exc)
+            return FetchedChain(0, 0, [], None, False, store_error=kind)
 
     def _diagnose(self, root: str, prompt: list[int]) -> None:
         """Cache-bust diagnostics; a fault in them never fails a request."""
@@ -570,10 +603,14 @@ class CacheManager:
         stats.miss(Miss("restore_failed", f"restore of {planned} tokens failed; prefilled cold"))
 
     def publish(self, block: CapturedBlock) -> None:
-        """A captured block to the store (called on the engine thread; never blocks it)."""
-        self.client.publish(self.settings.model, block, self._disk)
+        """A captured block to the store (called on the engine thread; never blocks it:
+        a block the publish queue cannot take now is dropped and counted)."""
+        self.client.publish(self.settings.model, block, self._disk, wait=False)
 
     async def release(self, lease: int | None) -> None:
-        """Unpin a plan's restored blocks once the engine has copied them."""
+        """Unpin a plan's restored blocks once the engine has copied them; a store that
+        fails here is counted, never raised (the store expires the lease)."""
         if lease is not None and self.client is not None:
-            await self.client.release(lease)
+            kind = await self.client.release_quietly(lease)
+            if kind is not None:
+                self.stats.store_error(kind, f"release of lease {lease} failed")
