@@ -82,8 +82,7 @@ class ModelReplica:
         # MLX's first-use cost out of the first user request.
         seconds = self.service.warm_up()
         # Templating and tokenizing a long prompt must not stall other streams.
-        self.stage = PrepareStage()
-        self.prepare_pool = self.stage.pool
+        self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
         self.pump = MetricsPump(recorder, self.service.metric_samples).start()
         logger.info("model %s ready (source %s; warm-up %.2f s)", self.profile.name,
                     self.profile.source, seconds)
