@@ -247,8 +247,8 @@ def test_a_remover_cannot_slip_between_rename_and_index(tmp_path, monkeypatch):
     real_replace = os.replace
     removers: list[threading.Thread] = []
 
-    def replace_then_race(src, dst):
-        real_replace(src, dst)
+    def replace_then_race(src, dst, **dir_fds):
+        real_replace(src, dst, **dir_fds)
         t = threading.Thread(target=s.remove, args=(stale,))
         t.start()
         t.join(0.3)  # under the store lock it cannot finish yet
@@ -270,9 +270,9 @@ def test_files_are_0600_and_directories_0700(tmp_path, monkeypatch):
     temp_modes = []
     real_replace = os.replace
 
-    def replace(src, dst):
-        temp_modes.append(stat.S_IMODE(os.stat(src).st_mode))
-        real_replace(src, dst)
+    def replace(src, dst, src_dir_fd=None, dst_dir_fd=None):
+        temp_modes.append(stat.S_IMODE(os.stat(src, dir_fd=src_dir_fd).st_mode))
+        real_replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
     monkeypatch.setattr(ssd_module.os, "replace", replace)
     s.write("block", bid(0), tensors(), meta())

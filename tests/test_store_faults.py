@@ -90,6 +90,19 @@ def test_stats_show_why_the_ssd_tier_is_off(local_ray, tmp_path):
     ray.kill(actor)
 
 
+def test_stats_show_an_untrusted_directory(local_ray, tmp_path):
+    """A group-writable cache directory: the store serves without SSD, and its stats (the
+    ``cache_store`` section of ``/v1/stats``) name the directory and why."""
+    root = tmp_path / "kv"
+    root.mkdir()
+    root.chmod(0o775)
+    actor = CacheStoreActor.remote(1 << 20, ssd_config(root))
+    disabled = ray.get(actor.stats.remote(), timeout=60)["ssd"]["disabled"]
+    assert str(root) in disabled and "writable by group" in disabled
+    assert not (root / "v1").exists()
+    ray.kill(actor)
+
+
 def test_a_slow_put_does_not_hold_up_other_calls(local_ray, tmp_path):
     """A staging area of one byte: every put waits for room (backpressure, 0.5 s), then
     writes inline. Meanwhile stats and lookups answer at once, and a replica keeps at

@@ -43,7 +43,7 @@ from serve_app.cache.client import (
 from serve_app.cache.directory import BlockDirectory, Changes, EventBatch
 from serve_app.cache.hot import HotEntry
 from serve_app.cache.payload import BlockPayload, CapturedBlock
-from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir
+from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir, untrusted_reason
 from serve_app.cache.tiers import DiskInfo, TailQuery, TieredStore
 from serve_app.metrics import MetricsPump, RayRecorder, store_samples
 
@@ -76,10 +76,18 @@ def make_ssd(config: dict) -> tuple[SSDStore | None, str | None]:
 
     Two servers on one directory would each evict the other's files under its
     own index and budget: the second one serves without the SSD tier and says so.
+    So does a directory another local user owns or may write to (``untrusted_reason``).
     """
     if not config.get("ssd"):
         return None, None
     root = Path(ssd_dir_of(config.get("ssd_dir"))).expanduser()
+    untrusted = untrusted_reason(root)
+    if untrusted is not None:  # another local user could plant blocks in it
+        reason = (f"refusing cache directory {root}: {untrusted}; it must be owned by this "
+                  "server's user and not writable by group or others; serving without the "
+                  "SSD tier")
+        logger.error("%s", reason)
+        return None, reason
     try:
         budget = config.get("ssd_cache_max_size", "auto")
         if budget == "auto":

@@ -12,9 +12,16 @@ codec), so the index is rebuilt at start from headers alone, without reading
 a tensor. Writes go to a temporary file, are fsynced, renamed into place and
 the directory fsynced: a reader never sees half a file, and a crash leaves at
 most a temporary file, removed at the next start. Paths are built only from
-hex ids; nothing is followed through a symlink and nothing outside the
-directory is touched. Files are created 0600 and directories 0700: prompts
-can be recovered from cached KV, so the cache is private to its user.
+hex ids; nothing outside the directory is touched. Files are created 0600 and
+directories 0700: prompts can be recovered from cached KV, so the cache is
+private to its user.
+
+Nothing under the cache directory is trusted blindly. A directory that is not
+owned by this server's user, or that group or others may write to, is refused
+(``untrusted_reason``: another local user could plant blocks whose ids they can
+compute). Every file is opened relative to its directory's descriptor, each
+path component below the cache directory with ``O_NOFOLLOW``: a symlink planted
+anywhere under it is never followed (the open fails and the file is a miss).
 
 A file's ``sha256`` (its checksum, which covers a random write id) names that
 one written file: removals compare it with the indexed entry, so a caller
@@ -26,6 +33,7 @@ uses it without MLX or a model, and tests drive it directly.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import fcntl
@@ -35,6 +43,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import struct
 import threading
 import time
@@ -43,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save
+from safetensors.numpy import load, save
 
 FORMAT_VERSION = "1"
 _HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -99,6 +108,100 @@ def token_of(entry: DiskEntry) -> str | None:
     return entry.meta.get("sha256")
 
 
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+
+
+def untrusted_reason(root: Path) -> str | None:
+    """Why the cache directory ``root`` cannot be trusted, or None.
+
+    It must be owned by this process's user and not writable by group or others
+    (else another local user can plant or swap files in it). A missing directory is
+    fine: it is created 0700. The directory itself may be a symlink an operator made
+    (its target is checked); nothing below it is ever followed.
+    """
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot inspect it: {exc}"
+    return _untrusted_stat(st)
+
+
+def _untrusted_stat(st: os.stat_result) -> str | None:
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.geteuid():
+        return (f"it is owned by uid {st.st_uid}, not by this server's user "
+                f"(uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
+                           if st.st_mode & bit)
+        return (f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}; "
+                "chmod go-w it or use another directory)")
+    return None
+
+
+def open_dir(root: Path, parts: Sequence[str] = (), create: bool = False) -> int:
+    """A descriptor of ``root/parts...``: the root is checked (``untrusted_reason``)
+    on the open descriptor, then each component is opened relative to the one
+    before with ``O_NOFOLLOW`` (a symlink fails with ``OSError``), and created 0700
+    when missing if ``create``. The caller closes it."""
+    if create and not os.path.lexists(root):
+        make_dirs(Path(root))
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    try:
+        reason = _untrusted_stat(os.fstat(fd))
+        if reason is not None:
+            raise PermissionError(errno.EPERM, f"untrusted cache directory: {reason}", str(root))
+        for name in parts:
+            if name in ("", ".", "..") or "/" in name:
+                raise OSError(errno.EINVAL, "bad path component", name)
+            try:
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o700, dir_fd=fd)
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _locate(path: Path) -> tuple[Path, list[str], str]:
+    """(cache directory, directories below it, file name) of a path in the tier: the
+    cache directory is the parent of the last ``v<FORMAT_VERSION>`` component."""
+    parts = Path(path).parts
+    marker = f"v{FORMAT_VERSION}"
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i] == marker:
+            return Path(*parts[:i]), list(parts[i:-1]), parts[-1]
+    return Path(path).parent, [], Path(path).name
+
+
+@contextlib.contextmanager
+def _parent_fd(path: Path, create: bool = False) -> Iterator[tuple[int, str]]:
+    """The descriptor of a tier path's directory (``open_dir``) and the file's name."""
+    root, dirs, name = _locate(path)
+    fd = open_dir(root, dirs, create)
+    try:
+        yield fd, name
+    finally:
+        os.close(fd)
+
+
+def _open_file(path: Path, flags: int = os.O_RDONLY) -> int:
+    """A file of the tier opened without following a symlink anywhere below the root."""
+    with _parent_fd(path) as (dfd, name):
+        return os.open(name, flags | os.O_NOFOLLOW | _CLOEXEC, dir_fd=dfd)
+
+
 def make_dirs(path: Path) -> None:
     """Create ``path`` and missing parents 0700 (existing directories are left as they are)."""
     missing = []
@@ -125,17 +228,21 @@ def check_id(block_id: str) -> str:
 
 def read_header(path: Path) -> tuple[dict, dict[str, str]]:
     """The safetensors header (tensor table, metadata) without reading tensor data."""
-    with open(path, "rb", opener=_nofollow_opener) as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise SSDError(f"{path.name}: truncated header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER:
-            raise SSDError(f"{path.name}: header of {n} bytes")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise SSDError(f"{path.name}: header is not JSON") from None
+    path = Path(path)
+    with os.fdopen(_open_file(path), "rb") as f:
+        return _parse_header(path, f.read(8), f)
+
+
+def _parse_header(path: Path, raw: bytes, f) -> tuple[dict, dict[str, str]]:
+    if len(raw) != 8:
+        raise SSDError(f"{path.name}: truncated header")
+    (n,) = struct.unpack("<Q", raw)
+    if n > _MAX_HEADER:
+        raise SSDError(f"{path.name}: header of {n} bytes")
+    try:
+        header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise SSDError(f"{path.name}: header is not JSON") from None
     if not isinstance(header, dict):
         raise SSDError(f"{path.name}: header is not an object")
     meta = header.pop("__metadata__", None) or {}
@@ -150,13 +257,16 @@ def read_file(path: Path | str, expect: dict[str, str]) -> tuple[dict, dict[str,
     """
     path = Path(path)
     try:
-        _, meta = read_header(path)
+        # One open, never through a symlink: the bytes checked are the bytes loaded.
+        with os.fdopen(_open_file(path), "rb") as f:
+            data = f.read()
+        _, meta = _parse_header(path, data[:8], _Bytes(data, 8))
         if meta.get("format_version") != FORMAT_VERSION:
             raise SSDError(f"{path.name}: format version {meta.get('format_version')!r}")
         for key, value in expect.items():
             if meta.get(key) != value:
                 raise SSDError(f"{path.name}: {key} is {meta.get(key)!r}, expected {value!r}")
-        tensors = load_file(str(path))
+        tensors = load(data)
         if meta.get("sha256") != tensor_digest(tensors, meta):
             raise SSDError(f"{path.name}: checksum mismatch")
     except SSDError:
@@ -180,16 +290,16 @@ def tensor_digest(tensors: dict[str, np.ndarray], meta: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def _nofollow_opener(path, flags):
-    return os.open(path, flags | os.O_NOFOLLOW)
+class _Bytes:
+    """``read(n)`` over bytes already read, from ``offset``."""
 
+    def __init__(self, data: bytes, offset: int) -> None:
+        self.data, self.offset = data, offset
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def read(self, n: int) -> bytes:
+        out = self.data[self.offset : self.offset + n]
+        self.offset += n
+        return out
 
 
 class SSDStore:
@@ -224,8 +334,13 @@ class SSDStore:
         ``flock`` belongs to an open file description, so a second store in the
         same process is refused too.
         """
-        make_dirs(self.base)
-        fd = os.open(self.base / "LOCK", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        make_dirs(self.root)
+        dfd = open_dir(self.root, [self.base.name], create=True)
+        try:
+            fd = os.open("LOCK", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | _CLOEXEC, 0o600,
+                         dir_fd=dfd)
+        finally:
+            os.close(dfd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -239,17 +354,17 @@ class SSDStore:
     def lock_holder(self) -> str:
         """The pid written in the LOCK file by the process holding it ("?" if unreadable)."""
         try:
-            with open(self.base / "LOCK", "rb", opener=_nofollow_opener) as f:
+            with os.fdopen(_open_file(self.base / "LOCK"), "rb") as f:
                 return f.read(32).decode("ascii", "replace").strip() or "?"
         except OSError:
             return "?"
 
     def directory_in_use(self) -> bool:
         """True if another process holds the lock."""
-        path = self.base / "LOCK"
-        if not path.is_file() or path.is_symlink():
+        try:
+            fd = _open_file(self.base / "LOCK")
+        except OSError:  # none (or a symlink): no server holds it
             return False
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -264,7 +379,7 @@ class SSDStore:
 
         ``clean=False`` only counts them (``temp_files``), for a dry run.
         """
-        make_dirs(self.base)
+        os.close(open_dir(self.root, [self.base.name], create=True))
         blocks: dict[str, DiskEntry] = {}
         sidecars: dict[tuple[str, str], DiskEntry] = {}
         self.temp_files: list[Path] = []
@@ -293,21 +408,35 @@ class SSDStore:
         self.ready.set()
 
     def _walk(self) -> Iterator[Path]:
-        for top in (self.base / "blocks", self.base / "sidecars"):
-            if not top.is_dir() or top.is_symlink():
+        """Every block, sidecar and temporary file, walked by directory descriptors:
+        a symlink anywhere below the cache directory is skipped, never followed."""
+        found: list[Path] = []
+        for top in ("blocks", "sidecars"):
+            try:
+                stack = [(open_dir(self.root, [self.base.name, top]), [self.base.name, top])]
+            except OSError:  # none yet (or a symlink: not ours)
                 continue
-            stack = [top]
             while stack:
-                with os.scandir(stack.pop()) as it:
-                    for d in it:
+                fd, parts = stack.pop()
+                try:
+                    with os.scandir(fd) as it:
+                        entries = list(it)
+                    for d in entries:
                         if d.is_symlink():
                             continue
                         if d.is_dir(follow_symlinks=False):
-                            stack.append(Path(d.path))
+                            try:
+                                sub = os.open(d.name, _DIR_FLAGS, dir_fd=fd)
+                            except OSError:
+                                continue
+                            stack.append((sub, [*parts, d.name]))
                         elif d.is_file(follow_symlinks=False) and (
                             d.name.endswith(".safetensors") or TMP_MARK in d.name
                         ):
-                            yield Path(d.path)
+                            found.append(self.root.joinpath(*parts, d.name))
+                finally:
+                    os.close(fd)
+        return iter(found)
 
     def _entry_from_file(self, path: Path) -> DiskEntry | None:
         _, meta = read_header(path)
@@ -317,7 +446,8 @@ class SSDStore:
         block_id = check_id(meta.get("block_id", ""))
         if kind not in ("block", "sidecar") or path.stem != block_id:
             raise SSDError(f"{path.name}: metadata does not match its name")
-        st = path.stat(follow_symlinks=False)
+        with _parent_fd(path) as (dfd, name):
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         return DiskEntry(kind, block_id, path, st.st_size, meta.get("model", ""),
                          meta.get("layout", ""), st.st_mtime, meta)
 
@@ -358,27 +488,47 @@ class SSDStore:
             self._count("writes_skipped_low_space")
             return WriteResult.SKIPPED
         try:
-            tmp = self._write_temp(path, data)
+            dfd = self._dir_of(path, create=True)
+        except OSError:  # e.g. a symlink planted where a directory should be
+            self._count("writes_failed")
+            return WriteResult.FAILED
+        try:
+            return self._write_in(dfd, path, data, DiskEntry(
+                kind, block_id, path, len(data), meta.get("model", ""), layout, time.time(),
+                meta))
+        finally:
+            os.close(dfd)
+
+    def _dir_of(self, path: Path, create: bool = False) -> int:
+        """The descriptor of the directory of ``path`` (a path of this tier)."""
+        root, dirs, _ = _locate(path)
+        if root != self.root or not dirs or dirs[0] != self.base.name:
+            raise OSError(errno.EINVAL, "not a path of this cache directory", str(path))
+        return open_dir(self.root, dirs, create)
+
+    def _write_in(self, dfd: int, path: Path, data: bytes, entry: DiskEntry) -> WriteResult:
+        """Temp file, fsync, rename and index, all relative to the directory ``dfd``."""
+        tmp = f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}"
+        try:
+            self._write_temp(dfd, tmp, data)
         except OSError:
             self._count("writes_failed")
             return WriteResult.FAILED
-        entry = DiskEntry(kind, block_id, path, len(data), meta.get("model", ""), layout,
-                          time.time(), meta)
         try:
             with self._lock:
                 # Other writes may have filled the budget meanwhile: check again.
                 if not self._room_for(len(data)):
-                    self._unlink(tmp)
+                    _unlink_at(dfd, tmp)
                     return WriteResult.SKIPPED
-                os.replace(tmp, path)
+                os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 self._index(entry)
                 self.stats.writes_done += 1
         except OSError:
             self._count("writes_failed")
-            self._unlink(tmp)
+            _unlink_at(dfd, tmp)
             return WriteResult.FAILED
         try:
-            _fsync_dir(path.parent)
+            os.fsync(dfd)
         except OSError:  # the file is in place; only its durability across a crash is at stake
             pass
         return WriteResult.DONE
@@ -397,11 +547,10 @@ class SSDStore:
                 return False
             return True
 
-    def _write_temp(self, path: Path, data: bytes) -> Path:
-        """A fsynced temporary file beside ``path`` (0600), to be renamed into place."""
-        make_dirs(path.parent)
-        tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    def _write_temp(self, dfd: int, tmp: str, data: bytes) -> None:
+        """A fsynced temporary file ``tmp`` (0600) in directory ``dfd``, to be renamed."""
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | _CLOEXEC,
+                     0o600, dir_fd=dfd)
         try:
             view = memoryview(data)
             while view:
@@ -409,10 +558,9 @@ class SSDStore:
             os.fsync(fd)
         except OSError:
             os.close(fd)
-            self._unlink(tmp)
+            _unlink_at(dfd, tmp)
             raise
         os.close(fd)
-        return tmp
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -454,9 +602,15 @@ class SSDStore:
             return
         entry.last_used = time.time()
         try:
-            os.utime(entry.path, follow_symlinks=False)
+            dfd = self._dir_of(entry.path)
+        except OSError:
+            return
+        try:
+            os.utime(entry.path.name, dir_fd=dfd, follow_symlinks=False)
         except OSError:
             pass
+        finally:
+            os.close(dfd)
 
     # ---- pins, removal, budget -----------------------------------------------------------
 
@@ -654,18 +808,31 @@ class SSDStore:
     # ---- safety --------------------------------------------------------------------------
 
     def _unlink(self, path: Path) -> bool:
-        """Delete a file inside our directory, never through a symlink. True if deleted."""
+        """Delete a file inside our directory, never through a symlink (a symlink itself
+        is removed, not what it points to). True if deleted."""
         try:
-            parent = path.parent.resolve(strict=False)
-            if self.base.resolve() not in (parent, *parent.parents):
-                return False
-            if path.is_symlink() or path.is_file():
-                os.unlink(path)
-                return True
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
+            dfd = self._dir_of(Path(path))
+        except OSError:  # outside the directory, gone, or below a symlink: not ours
+            return False
+        try:
+            return _unlink_at(dfd, Path(path).name)
+        finally:
+            os.close(dfd)
+
+
+def _unlink_at(dfd: int, name: str) -> bool:
+    """Unlink ``name`` (not a directory) in directory ``dfd``; False if it was not there."""
+    try:
+        os.unlink(name, dir_fd=dfd)
+        return True
+    except FileNotFoundError:
         return False
+    except IsADirectoryError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.EISDIR, errno.EPERM):
+            return False
+        raise
 
 
 def auto_budget(root: Path, cap_bytes: int = 64 << 30, fraction: float = 0.5) -> int:
