@@ -281,6 +281,42 @@ def test_lookup_reports_evicted_blocks():
 # ---- model identity -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("how", ["rsync_rename", "in_place"])
+def test_new_weights_with_the_same_size_and_mtime_get_a_new_identity(tmp_path, how):
+    """``rsync -a`` of new weights keeps the file's size and mtime: the memo must not
+    keep the old digest. rsync writes a temporary file, sets its mtime and renames it
+    over the old one (a new inode and ctime); an in-place rewrite keeps the inode but
+    not the ctime (no tool can set it)."""
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(materialize("tiny-dense", tmp_path / "home"), model_dir)
+    memo = tmp_path / "digests.json"
+    first = hashing.model_identity(model_dir, "local", "t", memo)
+    weights = model_dir / "model.safetensors"
+    before = weights.stat()
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    times = (before.st_atime_ns, before.st_mtime_ns)
+    if how == "rsync_rename":
+        tmp = model_dir / ".model.safetensors.rsync"
+        tmp.write_bytes(bytes(data))
+        os.utime(tmp, ns=times)
+        os.replace(tmp, weights)
+    else:
+        weights.write_bytes(bytes(data))
+        os.utime(weights, ns=times)
+    after = weights.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    second = hashing.model_identity(model_dir, "local", "t", memo)
+    assert second != first
+    hashing._memo.clear()  # a new process: only the memo file remembers
+    assert hashing.model_identity(model_dir, "local", "t", memo) == second
+    stored = json.loads(memo.read_text())[str(weights.resolve())][-1]
+    assert stored == hashlib.sha256(bytes(data)).hexdigest()
+
+
 def test_identity_binds_weight_bytes_and_is_memoized(tmp_path, monkeypatch):
     import shutil
 
@@ -289,7 +325,7 @@ def test_identity_binds_weight_bytes_and_is_memoized(tmp_path, monkeypatch):
     memo = tmp_path / "digests.json"
     first = hashing.model_identity(model_dir, "local", "t", memo)
     weights = model_dir / "model.safetensors"
-    assert json.loads(memo.read_text())[str(weights.resolve())][2] == \
+    assert json.loads(memo.read_text())[str(weights.resolve())][-1] == \
         hashlib.sha256(weights.read_bytes()).hexdigest()
 
     reads = []

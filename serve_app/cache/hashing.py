@@ -18,7 +18,10 @@ import threading
 from pathlib import Path
 
 _memo_lock = threading.Lock()
-_memo: dict[str, tuple[int, int, str]] = {}  # real path -> (size, mtime_ns, sha256)
+_memo: dict[str, tuple] = {}  # real path -> (*memo key, sha256)
+SAMPLES = 8  # data samples in a memo key, spread over the file
+SAMPLE_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 
 def _h(*parts: bytes) -> str:
@@ -55,23 +58,51 @@ def _save_memo(memo: Path, entries: dict) -> None:
         pass
 
 
+def _sample_digest(path: str) -> str:
+    """sha256 of a file's safetensors header (tensor names, dtypes, shapes, offsets and
+    metadata) and of ``SAMPLES`` slices of its bytes spread from start to end: cheap
+    (well under a MiB read), and different for new weights of the same size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        h.update(head)
+        if len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            h.update(f.read(min(n, MAX_HEADER_BYTES)))
+        for i in range(SAMPLES):
+            f.seek(max(0, (size - SAMPLE_BYTES) * i // max(1, SAMPLES - 1)))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def _memo_key(real: str) -> tuple:
+    """What must be unchanged for a remembered digest to stand: size, mtime, inode and
+    ctime (``rsync -a`` keeps size and mtime, but its rename gives a new inode and no tool
+    can set ctime) and a digest of the header and sampled bytes."""
+    st = os.stat(real)
+    return (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns,
+            _sample_digest(real))
+
+
 def weights_digest(path: Path, memo: Path | None = None) -> str:
-    """sha256 of a weights file, computed once per (path, size, mtime_ns).
+    """sha256 of a weights file, computed once per ``_memo_key``.
 
     Real checkpoints are gigabytes: the digest is remembered in this process
-    and in ``memo`` (a JSON file), so a restart does not read them again, and a
-    file re-fused in place (new size or mtime) is hashed again.
+    and in ``memo`` (a JSON file), so a restart does not read them again. A file
+    re-fused or replaced in place (a new size, mtime, inode or ctime, or other
+    header or sampled bytes, as after ``rsync -a`` of new weights) is hashed again.
     """
     real = str(Path(path).resolve())
-    st = os.stat(real)
-    key = (st.st_size, st.st_mtime_ns)
+    key = _memo_key(real)
     with _memo_lock:
         known = _memo.get(real)
-        if known is not None and known[:2] == key:
-            return known[2]
+        if known is not None and known[:-1] == key:
+            return known[-1]
         stored = _load_memo(memo).get(real)
-    if isinstance(stored, list) and len(stored) == 3 and tuple(stored[:2]) == key:
-        digest = str(stored[2])
+    if (isinstance(stored, list) and len(stored) == len(key) + 1
+            and tuple(stored[:-1]) == key):
+        digest = str(stored[-1])
     else:
         digest = _file_sha256(Path(real))
         if memo is not None:
