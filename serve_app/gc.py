@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from serve_app.cache.ssd import SSDStore, default_cache_dir
+from serve_app.cache.ssd import SSDStore, default_cache_dir, untrusted_reason
 
 
 def parse_size(text: str) -> int:
@@ -78,17 +78,22 @@ def report(store: SSDStore, budget_given: bool, doomed: list[Doomed]) -> dict:
 
 
 def apply(store: SSDStore, doomed: list[Doomed]) -> dict:
-    """Delete the plan's files; report those actually deleted (one may vanish meanwhile)."""
-    deleted = [d for d in doomed if store._unlink(d.path)]
+    """Delete the plan's files, each under the store's lock and through its index
+    (``SSDStore.remove_path``); report those actually deleted (one may vanish meanwhile;
+    a block's sidecars go with it)."""
+    gone: set[Path] = set()
+    for d in doomed:
+        if d.path not in gone:
+            gone.update(store.remove_path(d.path))
+    deleted = [d for d in doomed if d.path in gone]
     by_reason: dict[str, int] = {}
     for d in deleted:
         by_reason[d.why] = by_reason.get(d.why, 0) + 1
-    indexed = sum(d.nbytes for d in deleted if d.why != "temp_file")
     return {
         "files": [str(d.path) for d in deleted],
         "bytes": sum(d.nbytes for d in deleted),
         "by_reason": by_reason,
-        "bytes_left": store.bytes_used() - indexed,
+        "bytes_left": store.bytes_used(),
     }
 
 
@@ -106,14 +111,20 @@ def main(argv: list[str]) -> int:
     if not (root / "v1").is_dir():
         print(f"no cache directory at {root}")
         return 0
+    untrusted = untrusted_reason(root)
+    if untrusted is not None:
+        print(f"refusing: cache directory {root}: {untrusted}")
+        return 3
     store = SSDStore(root, args.budget if args.budget is not None else 1 << 62)
+    # --apply holds the directory's lock from planning to the last deletion (no server
+    # can start on it meanwhile); --force goes on without it while a server holds it.
+    if args.apply and not store.lock_directory() and not args.force:
+        print(f"refusing: a server is using {root} (stop it, or pass --force)")
+        return 3
     store.open(clean=False)
     doomed = plan(store, args.budget is not None)
     result = {"dry_run": not args.apply, **report(store, args.budget is not None, doomed)}
     if args.apply:
-        if store.directory_in_use() and not args.force:
-            print(f"refusing: a server is using {root} (stop it, or pass --force)")
-            return 3
         result["deleted"] = apply(store, doomed)
     if args.json:
         print(json.dumps(result, indent=2))

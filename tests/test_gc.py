@@ -99,3 +99,56 @@ def test_gc_needs_no_mlx(tmp_path):
             f"{str(tmp_path)!r}]); print('MLX' if 'mlx' in sys.modules else 'NO-MLX')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip().endswith("NO-MLX"), r.stdout + r.stderr
+
+
+def test_apply_deletes_under_the_store_lock_and_keeps_its_index(tmp_path):
+    """``--apply`` deletes through the store (``SSDStore.remove_path``): each deletion
+    waits for the store's lock (held here by another thread, as a writer would) and
+    leaves the index and byte count matching the files on disk."""
+    import threading
+    import time
+
+    from serve_app import gc as gc_module
+
+    populate(tmp_path)
+    s = SSDStore(tmp_path, 10_000)
+    s.open(clean=False)
+    doomed = gc_module.plan(s, budget_given=True)
+    assert {d.why for d in doomed} == {"temp_file", "orphan", "over_budget"}
+    held = threading.Event()
+
+    def writer() -> None:
+        with s._lock:
+            held.set()
+            time.sleep(0.5)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    held.wait(5)
+    tic = time.monotonic()
+    out = gc_module.apply(s, doomed)
+    assert time.monotonic() - tic >= 0.4  # it waited for the lock
+    t.join()
+    assert set(out["files"]) == {str(d.path) for d in doomed}
+    assert s.orphans() == []
+    on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.safetensors"))
+    assert s.bytes_used() == on_disk == out["bytes_left"] <= 10_000
+    assert all(s.block_entry(b) is None or s.block_entry(b).path.exists() for b in s.block_ids())
+
+
+def test_apply_holds_the_directory_lock(tmp_path):
+    """While ``--apply`` runs no server can take the directory; a dry run takes no lock."""
+    populate(tmp_path)
+    code = ("import sys, time; from serve_app import gc; from serve_app.cache.ssd import "
+            "SSDStore; real = gc.apply\n"
+            "def slow(store, doomed):\n    print('APPLYING', flush=True); time.sleep(3)\n"
+            "    return real(store, doomed)\n"
+            f"gc.apply = slow; sys.exit(gc.main(['--dir', {str(tmp_path)!r}, '--apply']))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "APPLYING"
+        server = SSDStore(tmp_path, 1 << 30)
+        assert not server.lock_directory()  # gc holds it
+    finally:
+        assert proc.wait(60) == 0
+    assert SSDStore(tmp_path, 1 << 30).lock_directory()  # released when gc exits

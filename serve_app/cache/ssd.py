@@ -659,6 +659,34 @@ class SSDStore:
                 return False
             return self.remove(entry)
 
+    def remove_path(self, path: Path) -> list[Path]:
+        """Delete one file of this tier by its path, under the store's lock (``gc
+        --apply``): an indexed file through ``remove`` (the index and byte count stay
+        right; a block takes its sidecars with it), a temporary or unindexed file
+        directly, never through a symlink. Returns the paths deleted."""
+        path = Path(path)
+        with self._lock:
+            entry = self._entry_at(path)
+            if entry is None:
+                return [path] if self._unlink(path) else []
+            group = [entry.path]
+            if entry.kind == "block":
+                group += [self._sidecars[(layout, entry.block_id)].path
+                          for layout in self._layouts_of.get(entry.block_id, ())]
+            self.remove(entry)
+            return [p for p in group if not os.path.lexists(p)]
+
+    def _entry_at(self, path: Path) -> DiskEntry | None:
+        """The indexed entry whose file is ``path``. Under the lock."""
+        block = self._blocks.get(path.stem)
+        if block is not None and block.path == path:
+            return block
+        for layout in self._layouts_of.get(path.stem, ()):
+            sidecar = self._sidecars[(layout, path.stem)]
+            if sidecar.path == path:
+                return sidecar
+        return None
+
     def _indexed_as(self, kind: str, layout: str, block_id: str) -> DiskEntry | None:
         if kind == "block":
             return self._blocks.get(block_id)
