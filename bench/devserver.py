@@ -66,8 +66,11 @@ def write_config(path: Path, port: int, models: list[dict], **args) -> Path:
 class ServerProcess:
     """A server subprocess on loopback (its own session), with its log file."""
 
-    def __init__(self, argv: list[str], port: int, log: Path, env: dict | None = None) -> None:
+    def __init__(self, argv: list[str], port: int, log: Path, env: dict | None = None,
+                 api_key: str | None = None) -> None:
         self.port = port
+        # Sent by the readiness probes, for a server started with API keys.
+        self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = log
         self._log = open(log, "wb")
@@ -82,10 +85,15 @@ class ServerProcess:
         self._pids: set[int] = set()
 
     @classmethod
-    def serve_run(cls, config: Path, port: int, log: Path, env: dict | None = None):
+    def serve_run(cls, config: Path, port: int, log: Path, env: dict | None = None,
+                  api_key: str | None = None):
         """``serve run CONFIG``: our app, exactly as a user starts it."""
         serve_bin = str(Path(sys.executable).with_name("serve"))
-        return cls([serve_bin, "run", str(config)], port, log, env)
+        return cls([serve_bin, "run", str(config)], port, log, env, api_key)
+
+    def headers(self) -> dict[str, str]:
+        """The Authorization header of ``api_key`` (none without one)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_ready(self, models: list[str], timeout: float = 240.0,
                    generate: bool = True) -> None:
@@ -118,13 +126,14 @@ class ServerProcess:
         body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode()
         request = urllib.request.Request(
             f"{self.base_url}/v1/completions", data=body,
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **self.headers()},
         )
         with urllib.request.urlopen(request, timeout=30) as r:
             return r.status == 200
 
     def _stats_models(self) -> set[str]:
-        with urllib.request.urlopen(f"{self.base_url}/v1/stats", timeout=60) as r:
+        request = urllib.request.Request(f"{self.base_url}/v1/stats", headers=self.headers())
+        with urllib.request.urlopen(request, timeout=60) as r:
             return set(json.loads(r.read())["models"]) if r.status == 200 else set()
 
     def log_tail(self, n: int = 60) -> str:

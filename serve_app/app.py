@@ -24,6 +24,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from serve_app import auth
 from serve_app.compat import TOKENIZER_FILES, download_model, serve_replica_env
 from serve_app.http import OpenAIIngress, api
 from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition
@@ -177,6 +178,13 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         raise ProfileError(
             f"{exc}\n(`python -m serve_app check CONFIG.yaml` names the file too)"
         ) from None
+    # Keys are read here, where the application is built (in the environment of `serve
+    # run`'s Ray processes); the ingress gets their digests only.
+    try:
+        digests = auth.configured_digests(profile.ingress.api_keys_file)
+    except auth.ApiKeyError as exc:
+        raise ProfileError(str(exc)) from None
+    profile = keyed_profile(profile, bool(digests))
     handles: dict[str, Any] = {}
     for m in profile.models:
         threads = m.cpu_threads or os.cpu_count() or 1
@@ -217,7 +225,19 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                            "runtime_env": {"env_vars": serve_replica_env()}},
         max_ongoing_requests=1000,
     )
-    return ingress.bind(profile.model_dump(), handles)
+    return ingress.bind(profile.model_dump(), handles, digests)
+
+
+def keyed_profile(profile: Profile, keys_on: bool) -> Profile:
+    """The profile as deployed: without the key file's path (the builder read it; the
+    ingress may run on a node without the file), and with API keys on, every model's
+    cache isolated by key unless ``ingress.share_cache_between_keys``."""
+    models = profile.models
+    if keys_on and not profile.ingress.share_cache_between_keys:
+        models = [m.model_copy(update={"cache": m.cache.model_copy(
+            update={"isolate_by_api_key": True})}) for m in models]
+    ingress = profile.ingress.model_copy(update={"api_keys_file": None})
+    return profile.model_copy(update={"models": models, "ingress": ingress})
 
 
 # Applied at import time, in every process that loads this module: the replica
@@ -226,7 +246,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 class Ingress(OpenAIIngress):
     """The OpenAI-compatible HTTP front; routes each request to its model's handle."""
 
-    def __init__(self, profile: dict, handles: dict[str, DeploymentHandle]) -> None:
+    def __init__(self, profile: dict, handles: dict[str, DeploymentHandle],
+                 api_key_digests: list[str] | None = None) -> None:
+        # Before anything else: the keys every route but /health checks (or the
+        # WARNING that there are none).
+        auth.configure(auth.ApiKeys(api_key_digests or ()))
         self.profile = Profile.model_validate(profile)
         self.handles = handles
         # Models routed on cached prefixes: the router needs each prompt's tokens, so

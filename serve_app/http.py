@@ -8,7 +8,6 @@ error leaves as OpenAI's ``{"error": {...}}`` body with the right status.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import re
@@ -22,7 +21,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import anthropic_api as anthropic
-from serve_app import responses_api
+from serve_app import auth, responses_api
 from serve_app.metrics import Recorder
 from serve_app.openai_api import (
     ApiError,
@@ -47,6 +46,8 @@ from serve_app.validation import clean_loc
 logger = logging.getLogger("ray.serve")
 
 api = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
+# API keys (serve_app/auth.py): checked before any route runs or any body is read.
+api.add_middleware(auth.ApiKeyMiddleware)
 
 # JSON deeper than this is refused before validation: no request needs it, and
 # nesting costs recursion in every layer that walks the body.
@@ -188,11 +189,10 @@ async def parsed_body(request: Request, max_bytes: int, parse: Callable[[Any], T
 
 
 def caller_of(request: Request) -> Caller:
-    """Who is asking, from the headers only (a body can never choose its cache salt)."""
-    auth = request.headers.get("authorization", "")
-    key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-    key = key or request.headers.get("x-api-key", "").strip()  # Anthropic's SDK sends this
-    return Caller(api_key_digest=hashlib.sha256(key.encode()).hexdigest() if key else None)
+    """Who is asking, from the headers only (a body can never choose its cache salt):
+    the key the auth middleware checked, when keys are configured."""
+    key = auth.presented_key(request.headers)
+    return Caller(api_key_digest=auth.digest(key) if key else None)
 
 
 def _unavailable(message: str, code: str) -> ApiError:

@@ -172,12 +172,28 @@ class ModelProfile(_Strict):
 class IngressProfile(_Strict):
     num_cpus: Annotated[float, Field(ge=0.0)] = 0.0
     num_replicas: PositiveInt = 1
+    # A file of API keys, one a line (with SERVE_APP_API_KEYS, see serve_app/auth.py):
+    # refused unless owned by the server's user and mode 0600 (no group or other bits).
+    api_keys_file: str | None = None
+    # With API keys on, each key gets its own prefix-cache namespace unless this is
+    # true (then keys share blocks, and cached_tokens and timing tell one key about
+    # another's prompts).
+    share_cache_between_keys: bool = False
     # Larger request bodies get 413 before they are read (Content-Length) or
     # as soon as the bytes read pass it (chunked uploads).
     max_request_bytes: Annotated[ByteSize, Field(ge=1024)] = ByteSize(16 << 20)
     # A request whose model has not answered in this many seconds gets 504 and its
     # replica work is cancelled; for a stream, the time to its first token.
     request_timeout_s: Annotated[float, Field(gt=0.0)] = 600.0
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _check_key_file(cls, value: str | None) -> str | None:
+        if value is not None:
+            from serve_app.auth import keys_from_file
+
+            keys_from_file(value)  # raises naming the file: mode, owner, no key
+        return value
 
 
 class Profile(_Strict):

@@ -1,0 +1,209 @@
+"""API keys: who may use the server, checked before a request's body is read.
+
+Keys come from ``SERVE_APP_API_KEYS`` (comma-separated) in the environment of the
+process that builds the application, and from the profile's ``ingress.api_keys_file``
+(one key a line, the file mode 0600 and owned by the server's user). The builder
+reads them and hands the ingress only their SHA-256 digests: no key is ever in a
+Serve config, an actor's arguments, a log line or ``/v1/stats``.
+
+With keys configured, every route but ``/health`` needs ``Authorization: Bearer KEY``
+or ``x-api-key: KEY``; the presented key's digest is compared with every configured
+digest in constant time (``hmac.compare_digest``, no early exit). The answer otherwise
+is 401 in the API's own shape, sent by an ASGI middleware before the route runs, so
+an unauthenticated body is never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import stat
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+ENV_VAR = "SERVE_APP_API_KEYS"
+OPEN_PATHS = frozenset({"/health"})
+SHORT_KEY_CHARS = 16  # shorter keys are accepted, with a WARNING
+
+logger = logging.getLogger("ray.serve")
+
+
+class ApiKeyError(ValueError):
+    """Keys that cannot be used (the message never contains a key)."""
+
+
+def digest(key: str) -> str:
+    """A key's digest: what the ingress keeps and what a cache namespace is named by."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def presented_key(headers: Mapping[str, str]) -> str:
+    """The key a request presents: ``Authorization: Bearer KEY``, else ``x-api-key``
+    (Anthropic's SDK). The same key names the caller's cache namespace."""
+    auth = headers.get("authorization", "")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    return key or headers.get("x-api-key", "").strip()
+
+
+def _checked(keys: Iterable[str], where: str) -> list[str]:
+    out = []
+    for i, key in enumerate(keys, 1):
+        if not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+            raise ApiKeyError(f"{where}: key {i} has characters a header cannot carry "
+                            "(use printable ASCII without spaces)")
+        out.append(key)
+    return out
+
+
+def keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The keys of ``SERVE_APP_API_KEYS``; [] when unset. Set but holding no key
+    (empty, or only commas) is an error: the operator meant keys, so never serve open."""
+    environ = os.environ if environ is None else environ
+    if ENV_VAR not in environ:
+        return []
+    keys = [k.strip() for k in environ[ENV_VAR].split(",") if k.strip()]
+    if not keys:
+        raise ApiKeyError(f"{ENV_VAR} is set but holds no key; unset it to serve without keys")
+    return _checked(keys, ENV_VAR)
+
+
+def check_key_file(path: str | Path) -> Path:
+    """A key file the server may trust: a regular file owned by this user, neither
+    group- nor world-accessible (mode 0600 or stricter). Raises ``ApiKeyError`` naming it."""
+    path = Path(path).expanduser()
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ApiKeyError(f"API key file {str(path)!r}: cannot read it: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ApiKeyError(f"API key file {str(path)!r} is not a regular file")
+    if st.st_uid != os.getuid():
+        raise ApiKeyError(f"API key file {str(path)!r} is owned by uid {st.st_uid}, not by "
+                        f"this user (uid {os.getuid()})")
+    if st.st_mode & 0o077:
+        raise ApiKeyError(f"API key file {str(path)!r} has mode {stat.S_IMODE(st.st_mode):04o}; "
+                        f"other users must not read it: chmod 600 {path}")
+    return path
+
+
+def keys_from_file(path: str | Path) -> list[str]:
+    """The keys of a key file (one a line; blank lines and ``#`` comments skipped),
+    after ``check_key_file``. A file with no key is an error."""
+    path = check_key_file(path)
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ApiKeyError(f"API key file {str(path)!r}: cannot read it: {exc}") from None
+    keys = [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
+    if not keys:
+        raise ApiKeyError(f"API key file {str(path)!r} holds no key")
+    return _checked(keys, f"API key file {str(path)!r}")
+
+
+def configured_digests(key_file: str | None,
+                       environ: Mapping[str, str] | None = None) -> list[str]:
+    """Digests of every configured key (environment and file), deduplicated."""
+    keys = keys_from_env(environ) + (keys_from_file(key_file) if key_file else [])
+    if any(len(k) < SHORT_KEY_CHARS for k in keys):
+        logger.warning("an API key is shorter than %d characters: easy to guess; use e.g. "
+                       "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
+                       SHORT_KEY_CHARS)
+    return sorted({digest(k) for k in keys})
+
+
+class ApiKeys:
+    """The configured key digests; ``allows`` compares in constant time."""
+
+    def __init__(self, digests: Iterable[str] = ()) -> None:
+        self.digests = [bytes.fromhex(d) for d in digests]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.digests)
+
+    def allows(self, key: str) -> bool:
+        """Whether ``key`` is one of the configured keys. Every digest is compared (no
+        early exit), each in constant time: the answer's timing says nothing about
+        which key, or how much of one, matched."""
+        if not key:
+            return False
+        presented = hashlib.sha256(key.encode()).digest()
+        ok = False
+        for d in self.digests:
+            ok |= hmac.compare_digest(presented, d)
+        return ok
+
+    def log_startup(self) -> None:
+        if self.enabled:
+            logger.info("API keys required on every route but /health (%d key(s))",
+                        len(self.digests))
+        else:
+            logger.warning(
+                "serving WITHOUT authentication: anyone who can reach the HTTP port can use "
+                "every model, read /v1/stats and /metrics, and share the prefix cache; set "
+                "%s or ingress.api_keys_file (README: Security)", ENV_VAR)
+
+
+_keys = ApiKeys()
+
+
+def configure(keys: ApiKeys) -> None:
+    """Set the keys this process's ingress checks (the ingress's constructor calls it)."""
+    global _keys
+    _keys = keys
+    keys.log_startup()
+
+
+def _anthropic_route(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def unauthorized(path: str, present: bool) -> JSONResponse:
+    """401 in the shape of the API the path belongs to, with ``WWW-Authenticate``."""
+    from serve_app import anthropic_api
+    from serve_app.openai_api import ApiError
+
+    message = ("invalid API key" if present else
+               "no API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
+    headers = {"WWW-Authenticate": "Bearer"}
+    if _anthropic_route(path):
+        err = ApiError(401, message, type="authentication_error")
+        return JSONResponse(anthropic_api.error_reply(err).body(), status_code=401,
+                            headers=headers)
+    err = ApiError(401, message, type="invalid_request_error", code="invalid_api_key")
+    return JSONResponse(err.body(), status_code=401, headers=headers)
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: 401 before the route runs (and before the body is read) for an
+    HTTP request without a configured key, when keys are configured."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        keys = _keys
+        path = _route_path(scope)
+        if scope["type"] != "http" or not keys.enabled or path in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", ())}
+        key = presented_key(headers)
+        if keys.allows(key):
+            await self.app(scope, receive, send)
+            return
+        await unauthorized(path, bool(key))(scope, receive, send)
+
+
+def _route_path(scope: dict) -> str:
+    """The path as the app's routes see it (without the application's route prefix)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):] or "/"
+    return path
