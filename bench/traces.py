@@ -467,6 +467,16 @@ def outputs_vs(ours: list[dict], theirs: list[dict]) -> dict:
 # ---------------------------------------------------------------- main
 
 
+def git_commit() -> str:
+    """The commit the bench (and the server it starts) runs from, if it is a checkout."""
+    from bench.__main__ import git_commit as commit
+
+    try:
+        return commit()
+    except Exception:  # noqa: BLE001 (not a checkout, no git: recorded as unknown)
+        return ""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_option(parser, "tiny-hybrid")
@@ -561,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                      "system_prompt_tokens": len(system),
                      "traces_file": str(args.traces), "quick": args.quick},
         "source": "github.com/callanjfox/kv-cache-tester traces (Apache-2.0)",
+        "git_commit": git_commit() or None,
         "sessions": [{"session": p.session, "trace": p.trace, "turns": len(p.turns),
                       "trace_requests": p.trace_requests, "ended": p.ended,
                       "last_prompt_estimate": p.turns[-1].estimated_tokens if p.turns else 0}
@@ -582,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from bench.report import plot_traces
 
-        print(f"plot: {plot_traces(args.model, result, out.parent)}")
+        label = out.stem.partition("-")[2] or args.model  # as the report names it
+        print(f"plot: {plot_traces(label, result, out.parent)}")
     except ImportError as e:  # matplotlib is the bench extra's
         print(f"no plot ({e}); pip install -e '.[bench]'", file=sys.stderr)
     print(table(result))
