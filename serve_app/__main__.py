@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> int:
                            help="run a Ray cluster of several nodes on this machine (to try "
                                 "configs/qwen-cluster.yaml without several Macs)")
     local.add_argument("--nodes", type=int, default=2)
-    local.add_argument("--ssd-root", default="/tmp/serve_app_cluster",
-                       help="node i keeps its SSD cache in SSD_ROOT/node-i")
+    local.add_argument("--ssd-root", default=None,
+                       help="node i keeps its SSD cache in SSD_ROOT/node-i (default: "
+                            "~/.cache/serve_app/cluster, created 0700)")
     args = parser.parse_args(argv)
 
     if args.command == "check":

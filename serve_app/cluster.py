@@ -4,30 +4,67 @@ Each node is a real raylet with its own object store and its own SSD directory
 (``SERVE_APP_SSD_DIR`` in its environment), as ``ray.cluster_utils.Cluster`` runs
 them for Ray's own multi-node tests. ``serve run --address ADDRESS
 configs/qwen-cluster.yaml`` then places one replica on each.
+
+The SSD directories default to a per-user directory (``~/.cache/serve_app/cluster``),
+created 0700: under a shared ``/tmp`` another local user could plant block files.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import stat
 import threading
 from pathlib import Path
 
 from serve_app.cache.actor import SSD_DIR_ENV
 
 
-def run_local_cluster(nodes: int, ssd_root: str) -> int:
+def default_ssd_root() -> Path:
+    """This user's directory for the nodes' SSD caches (beside the default ``kv``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "serve_app" / "cluster"
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only this user can change: created 0700 if missing;
+    an existing one must be this user's and not writable by group or others.
+    Raises ``ValueError`` saying what is wrong."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{path} is not a directory")
+    if st.st_uid != os.getuid():
+        raise ValueError(f"{path} is owned by uid {st.st_uid}, not by this user "
+                         f"(uid {os.getuid()}); choose another --ssd-root")
+    if st.st_mode & 0o022:
+        raise ValueError(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
+                         f"could plant cache files in it; chmod 700 {path}")
+    return path
+
+
+def run_local_cluster(nodes: int, ssd_root: str | None = None) -> int:
     """Start ``nodes`` Ray nodes here and keep them until Ctrl-C (or SIGTERM)."""
     from ray.cluster_utils import Cluster
 
     if nodes < 1:
         print("error: --nodes must be at least 1")
         return 2
-    root = Path(ssd_root).expanduser()
+    root = Path(ssd_root).expanduser() if ssd_root else default_ssd_root()
+    try:
+        private_dir(root)
+        for i in range(1, nodes + 1):
+            private_dir(root / f"node-{i}")
+    except (ValueError, OSError) as exc:
+        print(f"error: SSD root: {exc}")
+        return 2
     cpus = max(1, (os.cpu_count() or 2) // nodes)
 
     def node_args(i: int) -> dict:
-        (root / f"node-{i}").mkdir(parents=True, exist_ok=True)
         return {"num_cpus": cpus, "env_vars": {SSD_DIR_ENV: str(root / f"node-{i}")}}
 
     cluster = Cluster(initialize_head=True,

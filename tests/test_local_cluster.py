@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from bench.devserver import descendants
+from serve_app.cluster import default_ssd_root, private_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,11 +25,15 @@ REPO = Path(__file__).resolve().parents[1]
 def test_local_cluster_runs_nodes_with_their_own_ssd_directories(tmp_path):
     # A short temp dir: Ray's socket paths must fit in 107 bytes.
     ray_tmp = tempfile.mkdtemp(prefix="rlc", dir="/tmp")
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0"}
+    # The README's command as it is: the SSD directories go to this user's cache
+    # directory (XDG_CACHE_HOME here, ~/.cache by default), not to a shared /tmp.
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0",
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    root = tmp_path / "cache" / "serve_app" / "cluster"
     log = tmp_path / "cluster.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "serve_app", "local-cluster", "--nodes",
-                                 "2", "--ssd-root", str(tmp_path / "kv")], cwd=REPO, env=env,
+                                 "2"], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     pids: set[int] = set()
     try:
@@ -51,8 +57,9 @@ def test_local_cluster_runs_nodes_with_their_own_ssd_directories(tmp_path):
                 node, soft=False)).remote() for node in nodes], timeout=120)
         finally:
             ray.shutdown()
-        assert sorted(dirs) == [str(tmp_path / "kv" / "node-1"), str(tmp_path / "kv" / "node-2")]
-        assert all(Path(d).is_dir() for d in dirs)
+        assert sorted(dirs) == [str(root / "node-1"), str(root / "node-2")]
+        for d in [root, *map(Path, dirs)]:  # only this user can list or plant files
+            assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
         pids.update(descendants(proc.pid))
         proc.send_signal(signal.SIGTERM)  # stops the nodes it started
         assert proc.wait(timeout=60) == 0
@@ -65,3 +72,40 @@ def test_local_cluster_runs_nodes_with_their_own_ssd_directories(tmp_path):
             except ProcessLookupError:
                 pass
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_the_default_ssd_root_is_this_users_and_private(tmp_path, monkeypatch):
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_ssd_root() == tmp_path / ".cache" / "serve_app" / "cluster"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = default_ssd_root()
+    assert root == tmp_path / "xdg" / "serve_app" / "cluster"
+    old = os.umask(0)  # even with a permissive umask
+    try:
+        private_dir(root)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    private_dir(root)  # an existing private directory is fine
+
+
+def test_a_shared_or_foreign_ssd_root_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp
+    out = subprocess.run([sys.executable, "-m", "serve_app", "local-cluster", "--ssd-root",
+                          str(shared)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "other users could plant cache files" in out.stdout, out
+    if os.getuid() == 0:  # root can hand a directory to another user
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 65534, 65534)
+    else:
+        foreign = Path("/")
+    try:
+        private_dir(foreign)
+    except ValueError as exc:
+        assert "not by this user" in str(exc)
+    else:
+        raise AssertionError("a directory of another user was accepted")
