@@ -329,7 +329,8 @@ class ModelService:
         remote = self.cache.remote
         cache["remote_fetch_policy"] = {
             "bandwidth_bytes_per_s": round(remote.bandwidth),
-            "prefill_tokens_per_s": round(remote.prefill_rate) if remote.prefill_rate else None}
+            "prefill_tokens_per_s": round(remote.prefill_rate) if remote.prefill_rate else None,
+            "nodes": remote.snapshot()}  # per node: bandwidth, fetches, failures, breaker
         cache["checkpoint_bytes_per_1k_tokens"] = (
             round(engine["captured_checkpoint_bytes"] * 1000 / tokens) if tokens else None)
         out = {"model": self.profile.name, "engine": engine, "cache": cache,

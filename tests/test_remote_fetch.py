@@ -33,7 +33,9 @@ class TwoNodeClient(LocalCacheClient):
         self.peer_up = peer_up
         self.exports: list[FetchRequest] = []
 
-    def remote_prefix(self, block_ids: list[str]) -> RemotePrefix | None:
+    def remote_prefix(self, block_ids: list[str], usable=None) -> RemotePrefix | None:
+        if usable is not None and not usable("node-b"):
+            return None
         held = {e.block_id for e in self.peer.store.directory_events(full=True)}
         n = next((i for i, b in enumerate(block_ids) if b not in held), len(block_ids))
         return RemotePrefix("node-b", n) if n else None
@@ -195,3 +197,89 @@ def test_blocks_another_node_holds_only_on_ssd_restore_exactly(name, storage, ho
     assert stats.hit_tokens_by_tier == {"remote": 5 * BS} and warm["cached"] == 5 * BS
     assert stats.incompatible_payloads == 0 and stats.checkpoint_rejects == 0
     node_a.shutdown()
+
+
+class ManyNodeClient(LocalCacheClient):
+    """Node A's client with several peers; a ``wedged`` peer never answers (its fetch
+    runs into the timeout), the others answer like their store actors would."""
+
+    def __init__(self, store: TieredStore, peers: dict[str, TieredStore]) -> None:
+        super().__init__(store)
+        self.peers = {n: LocalCacheClient(s) for n, s in peers.items()}
+        self.wedged: set[str] = set()
+        self.asked: list[str] = []
+
+    def remote_prefix(self, block_ids: list[str], usable=None) -> RemotePrefix | None:
+        best = None
+        for node_id, peer in self.peers.items():
+            if usable is not None and not usable(node_id):
+                continue
+            held = {e.block_id for e in peer.store.directory_events(full=True)}
+            n = next((i for i, b in enumerate(block_ids) if b not in held), len(block_ids))
+            if n and (best is None or n > best.blocks):
+                best = RemotePrefix(node_id, n)
+        return best
+
+    async def _export(self, node_id: str, req: FetchRequest,
+                      timeout: float) -> FetchedChain | None:
+        self.asked.append(node_id)
+        if node_id in self.wedged:  # no answer: the caller's timeout runs out
+            await asyncio.sleep(timeout)
+            return None
+        peer = self.peers[node_id]
+        found = await peer.fetch(req)
+        await peer.release(found.lease)
+        return found
+
+
+def test_a_wedged_node_is_skipped_and_spares_fetches_from_healthy_ones(home):
+    """Node B (holding whole prompts) is wedged: each fetch from it runs into its timeout
+    until its breaker opens after 2 in a row; then requests fetch from node C (holding
+    half of each prompt) at once, with the timeout of C's own link. After the cool-down
+    B is tried again, and once it answers it is used again. Tokens are always exact."""
+    import time
+
+    name = "tiny-dense"
+    cold = load(name, home)[3]
+    store_a, store_b, store_c = (TieredStore(1 << 30, None) for _ in range(3))
+    prompts = [prompt_of(20 + i, 4) for i in range(5)]
+    node_b = service(name, home, LocalCacheClient(store_b))
+    node_c = service(name, home, LocalCacheClient(store_c))
+    for p in prompts:
+        ask(node_b, p)
+        ask(node_c, p[: 2 * BS + 1])
+    node_b.shutdown()
+    node_c.shutdown()
+    client = ManyNodeClient(store_a, {"node-b": store_b, "node-c": store_c})
+    client.wedged.add("node-b")
+    node_a = service(name, home, client)
+    policy = node_a.cache.remote
+    policy.min_timeout, policy.breaker_failures, policy.breaker_cool_down_s = 0.5, 2, 1.0
+    try:
+        def timed(p):
+            tic = time.monotonic()
+            out = ask(node_a, p)
+            assert out["text"] == ask(cold, p)["text"]
+            return out, time.monotonic() - tic
+
+        for p in prompts[:2]:  # B is asked and times out: prefilled instead
+            out, _ = timed(p)
+            assert out["cached"] < BS  # (every prompt_of starts with the same token)
+        assert client.asked == ["node-b", "node-b"]
+        assert policy.links["node-b"].breaker.is_open
+        out, took = timed(prompts[2])  # B skipped: C's two blocks, without waiting on B
+        assert client.asked[-1] == "node-c" and out["cached"] == 2 * BS
+        assert took < 0.5, took
+        assert policy.links["node-c"].failures == 0
+        assert policy.timeout(0, "node-c") == policy.min_timeout  # C's link is unharmed
+        time.sleep(1.1)  # cool-down over: B is probed again, and now it answers
+        client.wedged.clear()
+        out, _ = timed(prompts[3])
+        assert client.asked[-1] == "node-b" and out["cached"] == 4 * BS
+        assert not policy.links["node-b"].breaker.is_open
+        stats = node_a.cache_stats
+        assert stats.remote_fetch_failures == 2 and stats.remote_fetches == 2
+        snapshot = policy.snapshot()
+        assert snapshot["node-b"]["failures"] == 2 and snapshot["node-c"]["fetches"] == 1
+    finally:
+        node_a.shutdown()

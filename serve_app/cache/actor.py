@@ -674,11 +674,14 @@ class RayCacheClient(CacheClient):
                     token: str | None = None) -> None:
         await self._call(self.actor.drop.remote(kind, layout, block_id, token))
 
-    def remote_prefix(self, block_ids: list[str]) -> RemotePrefix | None:
+    def remote_prefix(self, block_ids: list[str],
+                      usable: Callable[[str], bool] | None = None) -> RemotePrefix | None:
         if self.follower is None:
             return None
         runs = self.follower.prefix_by_node(block_ids)
         runs.pop(self.node_id, None)
+        if usable is not None:
+            runs = {node_id: tiers for node_id, tiers in runs.items() if usable(node_id)}
         if not runs:
             return None
         # The longest run; between equals, the one with more of it in RAM.

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -228,10 +229,12 @@ class CacheClient:
     async def stats(self) -> dict:
         raise NotImplementedError
 
-    def remote_prefix(self, block_ids: list[str]) -> RemotePrefix | None:
+    def remote_prefix(self, block_ids: list[str],
+                      usable: Callable[[str], bool] | None = None) -> RemotePrefix | None:
         """The other node holding the longest leading run of ``block_ids`` (from this
-        replica's copy of the cluster's block directory; no remote call). None: no
-        cluster, or no other node holds the first block."""
+        replica's copy of the cluster's block directory; no remote call), among those
+        ``usable`` says may be asked now (a node whose breaker is open is not). None: no
+        cluster, or no such node holds the first block."""
         return None
 
     async def _export(self, node_id: str, req: FetchRequest,

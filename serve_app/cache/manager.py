@@ -25,6 +25,7 @@ from serve_app.cache import codecs
 from serve_app.cache.client import (
     STORE_ERROR_KINDS,
     CacheClient,
+    CircuitBreaker,
     FetchedChain,
     FetchRequest,
     store_error_kind,
@@ -174,9 +175,30 @@ def find_branch_points(messages: list[dict[str, str]], prompt: list[int],
 
 
 @dataclass
+class NodeLink:
+    """What this replica measured of fetching from one other node, and its breaker."""
+
+    bandwidth: float
+    latency: float
+    breaker: CircuitBreaker
+    fetches: int = 0
+    failures: int = 0
+
+    def snapshot(self) -> dict:
+        return {"bandwidth_bytes_per_s": round(self.bandwidth), "fetches": self.fetches,
+                "failures": self.failures, **self.breaker.snapshot()}
+
+
+@dataclass
 class RemoteFetchPolicy:
     """Whether fetching blocks from another node beats prefilling them here: measured
     fetch bandwidth against measured prefill rate (moving averages).
+
+    Bandwidth is measured per node (``links``): a wedged or slow node never makes
+    fetches from healthy ones look slower, and a node whose fetches fail or time out
+    ``breaker_failures`` times in a row is skipped for ``breaker_cool_down_s`` (its
+    circuit breaker), then tried again. ``bandwidth`` and ``latency`` are what a node
+    not measured yet starts from (and, without a node, the replica-wide average).
 
     Until this replica has measured a prefill, fetching wins: KV bytes per token are
     small against what a token of prefill costs on any real model and link.
@@ -187,28 +209,68 @@ class RemoteFetchPolicy:
     prefill_rate: float | None = None  # tokens/s, once measured
     min_timeout: float = 2.0
     weight: float = 0.3  # of a new measurement in the moving averages
+    breaker_failures: int = 3
+    breaker_cool_down_s: float = 10.0
+    links: dict[str, NodeLink] = field(default_factory=dict)
 
-    def worth(self, nbytes: int, tokens: int) -> bool:
+    def link(self, node_id: str) -> NodeLink:
+        link = self.links.get(node_id)
+        if link is None:
+            link = self.links[node_id] = NodeLink(
+                self.bandwidth, self.latency,
+                CircuitBreaker(self.breaker_failures, self.breaker_cool_down_s))
+        return link
+
+    def usable(self, node_id: str) -> bool:
+        """False while the node's breaker is open (it is skipped; nothing consumed)."""
+        link = self.links.get(node_id)
+        return link is None or not link.breaker.is_open
+
+    def allow(self, node_id: str) -> bool:
+        """Fetch from this node now? (After a cool-down: one probe at a time.)"""
+        return self.link(node_id).breaker.allow()
+
+    def worth(self, nbytes: int, tokens: int, node_id: str | None = None) -> bool:
         if self.prefill_rate is None:
             return True
-        return self.fetch_seconds(nbytes) < tokens / self.prefill_rate
+        return self.fetch_seconds(nbytes, node_id) < tokens / self.prefill_rate
 
-    def fetch_seconds(self, nbytes: int) -> float:
-        return self.latency + nbytes / self.bandwidth
+    def fetch_seconds(self, nbytes: int, node_id: str | None = None) -> float:
+        link = self.link(node_id) if node_id is not None else self
+        return link.latency + nbytes / link.bandwidth
 
-    def timeout(self, nbytes: int) -> float:
+    def timeout(self, nbytes: int, node_id: str | None = None) -> float:
         """How long to wait for a fetch before prefilling instead: far past its estimate."""
-        return max(self.min_timeout, 4 * self.fetch_seconds(nbytes))
+        return max(self.min_timeout, 4 * self.fetch_seconds(nbytes, node_id))
 
-    def fetched(self, nbytes: int, seconds: float) -> None:
+    def fetched(self, nbytes: int, seconds: float, node_id: str | None = None) -> None:
         if nbytes > 0 and seconds > 0:
             self.bandwidth = self._mix(self.bandwidth, nbytes / seconds)
+            if node_id is not None:
+                link = self.link(node_id)
+                link.bandwidth = self._mix(link.bandwidth, nbytes / seconds)
+        if node_id is not None:
+            link = self.link(node_id)
+            link.fetches += 1
+            link.breaker.success()
+
+    def failed(self, node_id: str, nbytes: int = 0, timed_out_after: float = 0.0) -> None:
+        """A fetch from ``node_id`` brought nothing (``timed_out_after``: it ran into its
+        timeout, so that link is slower than thought). Only that node's link learns it."""
+        link = self.link(node_id)
+        link.failures += 1
+        link.breaker.failure()
+        if nbytes > 0 and timed_out_after > 0:
+            link.bandwidth = self._mix(link.bandwidth, nbytes / timed_out_after)
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             rate = tokens / seconds
             self.prefill_rate = rate if self.prefill_rate is None else self._mix(
                 self.prefill_rate, rate)
+
+    def snapshot(self) -> dict:
+        return {node_id: link.snapshot() for node_id, link in self.links.items()}
 
     def _mix(self, old: float, new: float) -> float:
         return (1 - self.weight) * old + self.weight * new
@@ -452,7 +514,9 @@ class CacheManager:
                         "block_size": str(settings.block_size)}
         self._disk = DiskInfo(identity, layout.digest, settings.block_size, settings.storage,
                               settings.codec)
-        self.remote = RemoteFetchPolicy()
+        breaker = getattr(client, "breaker", None)  # the store's settings, for nodes too
+        self.remote = RemoteFetchPolicy() if breaker is None else RemoteFetchPolicy(
+            breaker_failures=breaker.threshold, breaker_cool_down_s=breaker.cool_down_s)
         # A "long" cached prompt, for cache-bust diagnostics: four blocks or more.
         self.divergence = DivergenceTracker(settings.model, 4 * settings.block_size)
 
@@ -497,7 +561,11 @@ class CacheManager:
                            exact=self.settings.codec == codecs.EXACT,
                            tails=TailQuery(root, prompt[:-1], bs))
         found = await self._fetch(req)
-        found = await self._extend_from_remote(req, found)
+        try:
+            found = await self._extend_from_remote(req, found)
+        except Exception:  # never a failed request: the blocks are prefilled instead
+            logger.exception("model %s: fetching from another node failed", self.settings.model)
+            stats.remote_fetch_failures += 1
         stats.fetch_seconds += time.perf_counter() - tic
         restore = self._count(found, len(prompt), restorable)
         return RequestPlan(bs, root, ids, restore, self.publish, self.settings.checkpoint_every,
@@ -531,7 +599,7 @@ class CacheManager:
     async def _extend_from_remote(self, req: FetchRequest, found: FetchedChain) -> FetchedChain:
         """``found`` extended with the blocks another node holds past it, where the
         directory says one holds more and fetching is cheaper than prefilling them."""
-        offer = self.client.remote_prefix(req.block_ids)
+        offer = self.client.remote_prefix(req.block_ids, usable=self.remote.usable)
         bs = self.settings.block_size
         full = len(found.block_tokens) - bool(found.tail_tokens)  # local full blocks
         if offer is None or offer.blocks * bs <= sum(found.block_tokens):
@@ -540,20 +608,21 @@ class CacheManager:
         nbytes = (offer.blocks - full) * self.layout.block_nbytes(bs) + (
             self.layout.state_nbytes() if self.layout.hybrid else 0)
         gain = offer.blocks * bs - sum(found.block_tokens)
-        if not self.remote.worth(nbytes, gain):
+        node = offer.node_id
+        if not self.remote.worth(nbytes, gain, node) or not self.remote.allow(node):
             stats.remote_fetch_skipped += 1
             return found
-        timeout = self.remote.timeout(nbytes)
+        timeout = self.remote.timeout(nbytes, node)
         tic = time.perf_counter()
-        chain = await self.client.fetch_remote(req, full, offer.node_id, timeout)
+        chain = await self.client.fetch_remote(req, full, node, timeout)
         if chain is None:
             stats.remote_fetch_failures += 1
-            if time.perf_counter() - tic >= timeout:  # too slow: the link is worse than thought
-                self.remote.fetched(nbytes, timeout)
+            late = time.perf_counter() - tic >= timeout  # the link is worse than thought
+            self.remote.failed(node, nbytes, timeout if late else 0.0)
             logger.warning("model %s: fetching %d blocks from node %s failed; prefilling them",
-                           self.settings.model, offer.blocks - full, offer.node_id)
+                           self.settings.model, offer.blocks - full, node)
             return found
-        self.remote.fetched(chain.nbytes, chain.seconds)
+        self.remote.fetched(chain.nbytes, chain.seconds, node)
         stats.remote_fetches += 1
         stats.remote_fetch_blocks += len(chain.payloads)
         stats.remote_fetch_bytes += chain.nbytes
