@@ -89,6 +89,76 @@ def test_followers_replay_deltas_and_reset_when_too_far_behind():
     assert leader.changes_since(leader.version).changes == ()
 
 
+def test_a_follower_of_a_replaced_directory_resyncs_instead_of_grafting():
+    """A new directory (restarted or replaced actor) has a new incarnation. Its log has
+    passed the version a follower of the old one reached: a bare version would get a
+    delta of the new log applied onto the old copy (b0 would stay, wrongly). Naming its
+    incarnation, the follower gets everything and matches the new directory."""
+    from serve_app.cache.directory import StaleCopy
+
+    old = BlockDirectory()
+    copy = BlockDirectory(log_limit=1, incarnation="")
+    old.apply(batch("A", 1, ("b0", "hot"), full=True))
+    copy.follow(old.changes_since(copy.version, copy.incarnation))
+    assert copy.incarnation == old.incarnation and state(copy) == state(old)
+
+    new = BlockDirectory()
+    assert new.incarnation != old.incarnation
+    new.apply(batch("B", 1, ("b1", "hot"), ("b2", "ssd"), full=True))
+    new.apply(batch("B", 2, ("b3", "hot")))
+    assert new.version > copy.version  # the grafting case: a plausible delta
+    grafted = new.changes_since(copy.version)  # what a follower got before
+    assert not grafted.reset
+    with pytest.raises(StaleCopy):  # a delta of another incarnation is refused
+        copy.follow(grafted)
+    answer = new.changes_since(copy.version, copy.incarnation)
+    assert answer.reset and answer.incarnation == new.incarnation
+    copy.follow(answer)
+    assert state(copy) == state(new) and copy.holders("b0") == {}
+    assert copy.incarnation == new.incarnation and copy.version == new.version
+    assert not new.changes_since(copy.version, copy.incarnation).reset  # in step now
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_follower_resyncs_with_a_new_directory_actor():
+    """On a real Ray: the directory actor is killed and a new one (another incarnation,
+    fed other blocks, further along its log) takes its name; the follower drops its copy
+    and matches the new directory."""
+    import time
+
+    import ray
+
+    from serve_app.cache.actor import DirectoryFollower, get_or_create_directory
+
+    def until(predicate, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    first = get_or_create_directory()
+    ray.get(first.apply.remote(batch("A", 1, ("b0", "hot"), full=True)), timeout=60)
+    follower = DirectoryFollower(0.05).start()
+    try:
+        until(lambda: follower.prefix_by_node(["b0"]) == {"A": ["hot"]})
+        seen = follower.snapshot()["incarnation"]
+        assert seen == ray.get(first.incarnation.remote())
+        ray.kill(first, no_restart=True)
+        second = get_or_create_directory()
+        ray.get(second.apply.remote(batch("B", 1, ("b1", "hot"), ("b2", "hot"), full=True)),
+                timeout=60)
+        ray.get(second.apply.remote(batch("B", 2, ("b3", "ssd"))), timeout=60)
+        until(lambda: follower.snapshot()["incarnation"] == ray.get(
+            second.incarnation.remote()))
+        until(lambda: follower.prefix_by_node(["b1", "b2", "b3"]) == {
+            "B": ["hot", "hot", "ssd"]})
+        assert follower.prefix_by_node(["b0"]) == {}  # nothing of the old directory left
+        assert follower.snapshot()["resyncs"] >= 1
+        ray.kill(second, no_restart=True)
+    finally:
+        follower.stop()
+
+
 # ---- the feed: a node's tiers as directory events ------------------------------------
 
 

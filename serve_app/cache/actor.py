@@ -63,7 +63,9 @@ FOLLOW_INTERVAL_S = 0.25  # how often a router or replica pulls the directory's 
 LOOK_FOR_DIRECTORY_S = 1.0  # how often a follower looks for a directory not there yet
 FEED_TIMEOUT_S = 10.0
 NODE_CHECK_S = 5.0  # how often the directory looks for nodes that died
-DIRECTORY_NAME = "block-directory"
+# The suffix changes with the directory's method signatures (2: ``changes_since`` takes
+# the follower's incarnation): the actor is detached and outlives a redeploy.
+DIRECTORY_NAME = "block-directory-2"
 SSD_DIR_ENV = "SERVE_APP_SSD_DIR"  # a node's own SSD directory (several nodes, one machine)
 # Options of the actor (and of test subclasses): threaded, puts in a group of their own.
 # Exports to other nodes (SSD reads of long chains) have a group too: never all threads.
@@ -242,7 +244,8 @@ class DirectoryFollower:
 
     def __init__(self, interval: float = FOLLOW_INTERVAL_S) -> None:
         self.interval = interval
-        self.copy = BlockDirectory(log_limit=1)
+        self.copy = BlockDirectory(log_limit=1, incarnation="")  # follows none yet
+        self.resyncs = 0  # copies dropped: the directory was replaced (a new incarnation)
         self.connected = False
         self.last_error: str | None = None
         self._lock = threading.Lock()
@@ -262,6 +265,7 @@ class DirectoryFollower:
     def snapshot(self) -> dict:
         with self._lock:
             return {"connected": self.connected, "version": self.copy.version,
+                    "incarnation": self.copy.incarnation, "resyncs": self.resyncs,
                     "nodes": self.copy.nodes(), "last_error": self.last_error}
 
     def _run(self) -> None:
@@ -273,18 +277,21 @@ class DirectoryFollower:
                 if directory is None:
                     directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
                 with self._lock:
-                    version = self.copy.version
-                changes: Changes = ray.get(directory.changes_since.remote(version),
-                                           timeout=FEED_TIMEOUT_S)
-                if changes.version < version and not changes.reset:
-                    # The directory restarted and counts from 0 again: start over.
-                    with self._lock:
-                        self.copy = BlockDirectory(log_limit=1)
+                    version, incarnation = self.copy.version, self.copy.incarnation
+                # A directory of another incarnation (restarted or replaced) answers a
+                # copy of the old one with everything: never a delta grafted onto it.
+                changes: Changes = ray.get(
+                    directory.changes_since.remote(version, incarnation),
+                    timeout=FEED_TIMEOUT_S)
+                if not changes.reset and (changes.incarnation != incarnation
+                                          or changes.version < version):
+                    self._start_over()  # cannot happen with a directory of this code
                     continue
                 if changes.reset:  # everything: built aside, so readers never wait on it
-                    fresh = BlockDirectory(log_limit=1)
+                    fresh = BlockDirectory(log_limit=1, incarnation="")
                     fresh.follow(changes)
                     with self._lock:
+                        self.resyncs += bool(incarnation) and incarnation != fresh.incarnation
                         self.copy = fresh
                 else:
                     with self._lock:
@@ -303,6 +310,12 @@ class DirectoryFollower:
                     self.last_error = repr(exc)
                 directory = None
             self._stop.wait(self.interval)
+
+
+    def _start_over(self) -> None:
+        with self._lock:
+            self.copy = BlockDirectory(log_limit=1, incarnation="")
+            self.resyncs += 1
 
 
 class DirectoryFeed:
@@ -383,9 +396,12 @@ class BlockDirectoryService:
         with self._lock:
             return self.directory.apply(batch)
 
-    def changes_since(self, version: int) -> Changes:
+    def changes_since(self, version: int, incarnation: str | None = None) -> Changes:
         with self._lock:
-            return self.directory.changes_since(version)
+            return self.directory.changes_since(version, incarnation)
+
+    def incarnation(self) -> str:
+        return self.directory.incarnation
 
     def nodes(self) -> dict[str, int]:
         with self._lock:

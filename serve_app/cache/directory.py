@@ -12,10 +12,17 @@ A restarted store has a new epoch: its first batch is a full snapshot that repla
 everything known about that node. A gap in the sequence is refused, and the store
 answers with a full snapshot. A node that is lost is ``forget``-ed. Plain data, no
 Ray: the actor that hosts it is a thin wrapper.
+
+The directory has an incarnation of its own (``incarnation``): a new directory (a
+restarted or replaced actor) has a new one. A follower names the incarnation its copy
+follows; asked by a follower of another incarnation, the directory answers with
+everything (a reset), so no follower ever grafts a new directory's log onto a copy of
+an old one.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,6 +67,12 @@ class Changes:
     version: int
     changes: tuple[Change, ...]
     reset: bool = False
+    incarnation: str = ""  # of the directory that answered
+
+
+class StaleCopy(Exception):
+    """A follower's copy follows another incarnation of the directory than the one
+    that answered: it must be dropped and resynced, never patched."""
 
 
 @dataclass
@@ -72,7 +85,9 @@ class _Node:
 class BlockDirectory:
     """Blocks by node and tier, versioned; ``changes_since`` feeds followers."""
 
-    def __init__(self, log_limit: int = 200_000) -> None:
+    def __init__(self, log_limit: int = 200_000, incarnation: str | None = None) -> None:
+        # A leader's own id; a follower's copy takes its leader's at each reset ("": none).
+        self.incarnation = uuid.uuid4().hex if incarnation is None else incarnation
         self.version = 0
         self._nodes: dict[str, _Node] = {}
         self._holders: dict[str, dict[str, str]] = {}  # block id -> node -> tier
@@ -123,24 +138,36 @@ class BlockDirectory:
                 runs.setdefault(node_id, []).append(holders[node_id])
         return runs
 
-    def changes_since(self, version: int) -> Changes:
-        """The changes a follower at ``version`` has not seen yet."""
-        if version >= self.version:
-            return Changes(self.version, ())
+    def changes_since(self, version: int, incarnation: str | None = None) -> Changes:
+        """The changes a follower at ``version`` has not seen yet. A follower of another
+        incarnation (``incarnation``: the one its copy follows; None: not checked) gets
+        everything: its versions count in another directory's log."""
+        inc = self.incarnation
+        stale = incarnation is not None and incarnation != inc
+        if version >= self.version and not stale:
+            return Changes(self.version, (), incarnation=inc)
         oldest = self._log[0].version if self._log else self.version + 1
-        if version + 1 < oldest:  # the log no longer reaches back that far
+        if stale or version + 1 < oldest:  # the log does not reach back that far
             every = tuple(Change(self.version, node_id, block_id, tier)
                           for node_id, node in self._nodes.items()
                           for block_id, tier in node.blocks.items())
-            return Changes(self.version, every, reset=True)
-        return Changes(self.version, tuple(c for c in self._log if c.version > version))
+            return Changes(self.version, every, reset=True, incarnation=inc)
+        return Changes(self.version, tuple(c for c in self._log if c.version > version),
+                       incarnation=inc)
 
     def follow(self, changes: Changes) -> None:
-        """Replay a leader's ``changes_since`` answer on this copy."""
+        """Replay a leader's ``changes_since`` answer on this copy. A delta of another
+        incarnation than this copy follows is refused (``StaleCopy``): start over."""
         if changes.reset:
             self._nodes.clear()
             self._holders.clear()
             self._log.clear()
+            self.incarnation = changes.incarnation
+        elif self.version == 0 and not self._nodes:  # an empty copy: any delta from 0
+            self.incarnation = changes.incarnation
+        elif changes.incarnation != self.incarnation:
+            raise StaleCopy(f"a delta of directory {changes.incarnation[:8]!r} on a copy of "
+                            f"{self.incarnation[:8]!r}")
         for change in changes.changes:
             node = self._nodes.setdefault(change.node_id, _Node("", 0))
             self._set(change.node_id, node, change.block_id, change.tier, log=False)
