@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and wher
 logger = logging.getLogger("ray.serve")
 
 METRICS_FETCH_TIMEOUT_S = 5.0
+METRICS_CACHE_S = 1.5  # /metrics answers from one gather of every node for this long
 READY_PROBE_TIMEOUT_S = 0.5  # how long /health or a request waits on a model's probe
 ROUTING_STATS_PERIOD_S = 2.0  # how often Serve polls a replica's record_routing_stats
 
@@ -323,8 +324,43 @@ class Ingress(OpenAIIngress):
         return await gather_node_metrics()
 
 
-async def gather_node_metrics() -> str:
-    """serve_app's families from every alive node's Ray metrics export, merged."""
+class _ScrapeCache:
+    """The last merged ``/metrics`` text, kept ``METRICS_CACHE_S``; scrapes that arrive
+    while one gathers wait for it instead of calling every node again."""
+
+    def __init__(self) -> None:
+        self.text: str | None = None
+        self.at = 0.0
+        self.pending: asyncio.Future | None = None
+        self.gathers = 0  # fan-outs to every node so far
+
+    async def get(self, max_age: float) -> str:
+        loop = asyncio.get_running_loop()
+        if self.text is not None and loop.time() - self.at < max_age:
+            return self.text
+        pending = self.pending
+        if pending is None or pending.done() or pending.get_loop() is not loop:
+            pending = self.pending = asyncio.ensure_future(self._gather())
+        return await asyncio.shield(pending)
+
+    async def _gather(self) -> str:
+        self.gathers += 1
+        text = await _gather_node_metrics()
+        self.text, self.at = text, asyncio.get_running_loop().time()
+        return text
+
+
+_scrapes = _ScrapeCache()
+
+
+async def gather_node_metrics(max_age: float | None = None) -> str:
+    """serve_app's families from every alive node's Ray metrics export, merged; at most
+    one fan-out to the nodes per ``METRICS_CACHE_S`` however often (or however many at
+    once) Prometheus scrapes."""
+    return await _scrapes.get(METRICS_CACHE_S if max_age is None else max_age)
+
+
+async def _gather_node_metrics() -> str:
     nodes = await asyncio.to_thread(ray.nodes)
     urls = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
             for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
