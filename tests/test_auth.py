@@ -22,8 +22,8 @@ import yaml
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app import auth
-from serve_app.app import keyed_profile
-from serve_app.profile import parse_profile
+from serve_app.app import build_app, keyed_profile
+from serve_app.profile import ProfileError, parse_profile
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE = "auth-dense"
@@ -355,6 +355,36 @@ def test_keys_on_isolate_every_models_cache_unless_shared():
     assert all(m.cache.isolate_by_api_key for m in keyed_profile(profile, True).models)
     shared = parse_profile({**args, "ingress": {"share_cache_between_keys": True}})
     assert not any(m.cache.isolate_by_api_key for m in keyed_profile(shared, True).models)
+
+
+def test_the_builder_hands_on_digests_never_keys(tmp_path, monkeypatch):
+    """What `serve run` deploys: the ingress's arguments hold the keys' digests, no key
+    and no key-file path; every model replica's profile isolates by key."""
+    key_file = tmp_path / "keys"
+    key_file.write_text(KEY_FILE_KEY + "\n")
+    key_file.chmod(0o600)
+    monkeypatch.setenv(auth.ENV_VAR, f"{KEY_A},{KEY_B}")
+    app = build_app({"models": MODELS, "ingress": {"api_keys_file": str(key_file)}})
+    profile, handles, digests = app._bound_deployment.init_args
+    assert sorted(digests) == sorted(auth.digest(k) for k in (KEY_A, KEY_B, KEY_FILE_KEY))
+    assert profile["ingress"]["api_keys_file"] is None
+    assert all(m["cache"]["isolate_by_api_key"] for m in profile["models"])
+    for handle in handles.values():
+        assert handle._bound_deployment.init_args[0]["cache"]["isolate_by_api_key"]
+    text = repr([profile, digests] + [h._bound_deployment.init_args for h in handles.values()])
+    assert not any(k in text for k in (KEY_A, KEY_B, KEY_FILE_KEY, str(key_file)))
+    # Set but empty, or a key file others can read: no deploy (never served open).
+    monkeypatch.setenv(auth.ENV_VAR, " ")
+    with pytest.raises(ProfileError, match="holds no key"):
+        build_app({"models": MODELS})
+    monkeypatch.delenv(auth.ENV_VAR)
+    key_file.chmod(0o644)
+    with pytest.raises(ProfileError, match="mode 0644"):
+        build_app({"models": MODELS, "ingress": {"api_keys_file": str(key_file)}})
+    # No keys: nothing changes.
+    profile, _, digests = build_app({"models": MODELS})._bound_deployment.init_args
+    assert digests == [] and not any(m["cache"]["isolate_by_api_key"]
+                                     for m in profile["models"])
 
 
 def test_no_keys_logs_one_warning(caplog):
