@@ -72,31 +72,37 @@ def keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
     return _checked(keys, ENV_VAR)
 
 
-def check_key_file(path: str | Path) -> Path:
+def check_key_file(path: str | Path, st: os.stat_result | None = None) -> Path:
     """A key file the server may trust: a regular file owned by this user, neither
-    group- nor world-accessible (mode 0600 or stricter). Raises ``ApiKeyError`` naming it."""
+    group- nor world-accessible (mode 0600 or stricter). Raises ``ApiKeyError`` naming it.
+    ``st``: the stat of the file as opened (so the file checked is the file read)."""
     path = Path(path).expanduser()
-    try:
-        st = path.stat()
-    except OSError as exc:
-        raise ApiKeyError(f"API key file {str(path)!r}: cannot read it: {exc.strerror}") from None
+    if st is None:
+        try:
+            st = path.stat()
+        except OSError as exc:
+            raise ApiKeyError(f"API key file {str(path)!r}: cannot read it: "
+                              f"{exc.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
         raise ApiKeyError(f"API key file {str(path)!r} is not a regular file")
     if st.st_uid != os.getuid():
         raise ApiKeyError(f"API key file {str(path)!r} is owned by uid {st.st_uid}, not by "
-                        f"this user (uid {os.getuid()})")
+                          f"this user (uid {os.getuid()})")
     if st.st_mode & 0o077:
-        raise ApiKeyError(f"API key file {str(path)!r} has mode {stat.S_IMODE(st.st_mode):04o}; "
-                        f"other users must not read it: chmod 600 {path}")
+        raise ApiKeyError(f"API key file {str(path)!r} has mode "
+                          f"{stat.S_IMODE(st.st_mode):04o}; other users must not read it: "
+                          f"chmod 600 {path}")
     return path
 
 
 def keys_from_file(path: str | Path) -> list[str]:
     """The keys of a key file (one a line; blank lines and ``#`` comments skipped),
-    after ``check_key_file``. A file with no key is an error."""
+    after ``check_key_file`` on the opened file. A file with no key is an error."""
     path = check_key_file(path)
     try:
-        lines = path.read_text().splitlines()
+        with open(path, "rb") as f:
+            check_key_file(path, os.fstat(f.fileno()))
+            lines = f.read().decode().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ApiKeyError(f"API key file {str(path)!r}: cannot read it: {exc}") from None
     keys = [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
