@@ -154,8 +154,8 @@ PREFIX_CACHE = (
         Query(rate("ray_serve_app_routing_decisions_total", "model, reason"),
               "{{model}} {{reason}}"),),
         "Prefix-affinity routing (several replicas): to the replica with the least to "
-        "prefill (`prefix`), elsewhere for load (`load_fallback`), or no node held any of the "
-        "prompt (`no_prefix`)."),
+        "prefill (`prefix`), elsewhere for load (`load_fallback`), no node held any of the "
+        "prompt (`no_prefix`), or ranking failed and the least loaded got it (`router_error`)."),
     PanelSpec("Blocks fetched from other nodes", "short", (
         Query(rate("ray_serve_app_remote_fetch_blocks_total", "model"), "blocks {{model}}"),
         Query(rate("ray_serve_app_remote_fetch_failures_total", "model"),

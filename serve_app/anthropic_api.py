@@ -31,7 +31,7 @@ from pydantic import (
     ValidationError,
 )
 
-from serve_app.openai_api import ApiError, checked
+from serve_app.openai_api import MAX_TOKENS, ApiError, checked
 from serve_app.tools import ToolCall
 from serve_app.validation import clean_loc
 
@@ -151,7 +151,7 @@ class _Conversation(BaseModel):
 class MessagesRequest(_Conversation):
     """POST /v1/messages."""
 
-    max_tokens: Annotated[StrictInt, Field(ge=1)]
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)]
     stop_sequences: list[StrictStr] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None

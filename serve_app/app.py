@@ -46,6 +46,45 @@ METRICS_FETCH_TIMEOUT_S = 5.0
 METRICS_CACHE_S = 1.5  # /metrics answers from one gather of every node for this long
 READY_PROBE_TIMEOUT_S = 0.5  # how long /health or a request waits on a model's probe
 ROUTING_STATS_PERIOD_S = 2.0  # how often Serve polls a replica's record_routing_stats
+# Requests waiting for (or in) a prepare pool, where templating, tokenizing and grammar
+# compiling run, beyond which a replica or the ingress answers 429 before doing any of it.
+MAX_PREPARING = 16
+RETRY_AFTER_S = 1
+
+
+def queue_full_error(message: str) -> ApiError:
+    """429 ``queue_full`` with Retry-After: the model (or its prepare stage) is full."""
+    return ApiError(429, message, type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+class PrepareStage:
+    """A prepare pool and the requests admitted to it, waiting or running: a request
+    leaves when its work ends or is cancelled before it started (a caller that gave up
+    on work already running still holds its place until the work ends)."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
+        self.busy = 0
+        self.runs = 0  # calls run (or queued) so far
+
+    def admit(self, name: str) -> None:
+        """429 ``queue_full`` when ``MAX_PREPARING`` requests are in the stage already."""
+        if self.busy >= MAX_PREPARING:
+            raise queue_full_error(f"model {name!r} is at capacity: {self.busy} requests are "
+                                   f"waiting to be templated (at most {MAX_PREPARING}); "
+                                   "retry shortly")
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        future = self.pool.submit(fn, *args)
+        self.busy += 1
+        self.runs += 1
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._leave))
+        return await asyncio.wrap_future(future)
+
+    def _leave(self) -> None:
+        self.busy -= 1
 
 
 class ModelReplica:
@@ -84,7 +123,8 @@ class ModelReplica:
         # MLX's first-use cost out of the first user request.
         seconds = self.service.warm_up()
         # Templating and tokenizing a long prompt must not stall other streams.
-        self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
+        self.stage = PrepareStage()
+        self.prepare_pool = self.stage.pool
         self.pump = MetricsPump(recorder, self.service.metric_samples).start()
         logger.info("model %s ready (source %s; warm-up %.2f s)", self.profile.name,
                     self.profile.source, seconds)
@@ -100,14 +140,12 @@ class ModelReplica:
         from serve_app.prepare import PreparedRequest
 
         prepared = request
-        loop = asyncio.get_running_loop()
         try:
+            self._admit()  # before any templating: a full model costs nothing more
             if not isinstance(request, PreparedRequest):
-                prepared = await loop.run_in_executor(self.prepare_pool, self.service.prepare,
-                                                      request, caller)
+                prepared = await self.stage.run(self.service.prepare, request, caller)
             # Grammars compile here, off the event loop (cached per schema).
-            processors = await loop.run_in_executor(self.prepare_pool, self.service.constraints,
-                                                    prepared)
+            processors = await self.stage.run(self.service.constraints, prepared)
         except ApiError as exc:
             yield [exc.to_event()]
             return
@@ -116,9 +154,15 @@ class ModelReplica:
 
     async def count_tokens(self, request: OpenAIRequest, caller: Caller) -> int:
         """Prompt tokens of a request, templated as it would be served (no generation)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.prepare_pool, self.service.preparer.count,
-                                          request)
+        self._admit()  # the same admission as a generation
+        return await self.stage.run(self.service.preparer.count, request)
+
+    def _admit(self) -> None:
+        """429 when the engine is full or too many requests wait to be prepared."""
+        engine = self.service.engine
+        if engine.at_capacity():
+            raise queue_full_error(engine.capacity_message())
+        self.stage.admit(self.profile.name)
 
     def record_routing_stats(self) -> dict:
         """What the prefix-affinity router needs of this replica (polled by Serve)."""
@@ -136,7 +180,8 @@ class ModelReplica:
         out = await self.service.stats()
         # Where Serve runs our code: its main loop ("AsyncIO Thread: default") once
         # SERVE_REPLICA_ENV took effect, not a "Thread-N (_run_user_code_event_loop)".
-        out["replica"] = {"pid": os.getpid(), "user_code_thread": threading.current_thread().name}
+        out["replica"] = {"pid": os.getpid(), "user_code_thread": threading.current_thread().name,
+                          "preparing": self.stage.busy, "prepare_runs": self.stage.runs}
         return out
 
     def __del__(self) -> None:
@@ -258,7 +303,10 @@ class Ingress(OpenAIIngress):
         # requests are prepared here (the replica takes them as they are).
         self.preparers = {m.name: load_preparer(m, self.profile.model_home)
                           for m in self.profile.models if m.prefix_routing}
-        self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
+        self.stage = PrepareStage()
+        self.prepare_pool = self.stage.pool
+        # Requests this ingress has admitted to each prefix-routed model and not seen end.
+        self.sent: dict[str, int] = {}
         self.recorder = RayRecorder("ingress", serve=True)
         for m in self.profile.models:  # known series exist before the first request
             self.recorder.zero("serve_app_requests", {"model": m.name, "status": "200"})
@@ -267,19 +315,38 @@ class Ingress(OpenAIIngress):
 
     async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller):
         preparer = self.preparers.get(name)
-        if preparer is not None:
-            loop = asyncio.get_running_loop()
-            request = await loop.run_in_executor(self.prepare_pool, preparer.prepare,
-                                                 request, caller)
-        return self.handles[name].options(stream=True).generate.remote(request, caller)
+        if preparer is None:  # the replica admits, then prepares
+            return self.handles[name].options(stream=True).generate.remote(request, caller)
+        self._admit(name)  # before templating here
+        sent = _Sent(self.sent, name)
+        try:
+            request = await self.stage.run(preparer.prepare, request, caller)
+        except BaseException:
+            sent.done()
+            raise
+        return sent.watch(self.handles[name].options(stream=True).generate.remote(request,
+                                                                                  caller))
 
     async def count_prompt_tokens(self, name: str, request: OpenAIRequest,
                                   caller: Caller) -> int:
         preparer = self.preparers.get(name)
         if preparer is not None:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.prepare_pool, preparer.count, request)
+            self._admit(name)
+            return await self.stage.run(preparer.count, request)
         return await self.handles[name].count_tokens.remote(request, caller)
+
+    def _admit(self, name: str) -> None:
+        """429 before templating at the ingress: when this ingress already has as many
+        requests at the model as its replicas take (batch + queue each), or its prepare
+        stage is full. The replica still checks its own engine."""
+        m = self.profile.model(name)
+        capacity = m.num_replicas * (m.max_batch_size + m.max_queued_requests)
+        if self.sent.get(name, 0) >= capacity:
+            raise queue_full_error(f"model {name!r} is at capacity: {self.sent[name]} "
+                                   f"requests in flight ({m.num_replicas} replicas x "
+                                   f"(max_batch_size {m.max_batch_size} + max_queued_requests "
+                                   f"{m.max_queued_requests}))")
+        self.stage.admit(name)
 
     async def model_ready(self, name: str) -> bool:
         """Ready once a probe of the model's replica answered; a probe is shared by
@@ -322,6 +389,41 @@ class Ingress(OpenAIIngress):
 
     async def metrics_text(self) -> str:
         return await gather_node_metrics()
+
+
+class _Sent:
+    """One request counted in ``counts[name]`` until its event stream ends, fails or is
+    cancelled (or is collected unread)."""
+
+    def __init__(self, counts: dict[str, int], name: str) -> None:
+        self.counts, self.name, self.events, self.open = counts, name, None, True
+        counts[name] = counts.get(name, 0) + 1
+
+    def watch(self, events: Any) -> _Sent:
+        self.events = events
+        return self
+
+    def done(self) -> None:
+        if self.open:
+            self.open = False
+            self.counts[self.name] -= 1
+
+    def __aiter__(self) -> _Sent:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.events.__anext__()
+        except BaseException:  # the end, an error, or the caller cancelled
+            self.done()
+            raise
+
+    def cancel(self) -> None:
+        self.done()
+        self.events.cancel()
+
+    def __del__(self) -> None:
+        self.done()
 
 
 class _ScrapeCache:

@@ -327,8 +327,8 @@ class OpenAIIngress:
     async def _open(self, parsed: OpenAIRequest, caller: Caller, labels: dict[str, str],
                     deadline: float) -> tuple[Any, list[dict]]:
         """Send a validated request to its model: its event stream, once the replica has
-        started it and sent its first token (an error before that is raised here, as the
-        HTTP error; so is a timeout at ``deadline``: 504, the replica's work cancelled)."""
+        admitted it (its first event; an error before that is raised here, as the HTTP
+        error; so is a timeout at ``deadline``: 504, the replica's work cancelled)."""
         m = self.model_of(parsed.model)
         labels["model"] = m.name
         check_prompt_size(parsed, m.prompt_char_limit(), m.context_length, m.max_messages)
@@ -345,24 +345,19 @@ class OpenAIIngress:
             raise timeout_error(m.name, self.profile.ingress.request_timeout_s) from None
 
     async def _first(self, events: Any, name: str) -> list[dict]:
-        """The replica's events up to its first one past ``start`` (the first token,
-        a finish or an error)."""
-        first: list[dict] = []
-        while not any(e["type"] != "start" for e in first):
-            try:
-                first.extend(await events.__anext__())
-            except StopAsyncIteration:
-                if first:
-                    return first  # iterating on says the request ended early
-                raise ApiError(500, "the model replica ended the request early",
-                               type="server_error") from None
-            except Exception as exc:
-                if not self.replica_lost(name, exc):
-                    raise
-                raise replica_lost_error(name) from None
-            if first[0]["type"] == "error":
-                _cancel(events)
-                raise ApiError.from_event(first[0])
+        """The replica's first event batch: ``start`` (admitted) or an error."""
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            raise ApiError(500, "the model replica ended the request early",
+                           type="server_error") from None
+        except Exception as exc:
+            if not self.replica_lost(name, exc):
+                raise
+            raise replica_lost_error(name) from None
+        if first[0]["type"] == "error":
+            _cancel(events)
+            raise ApiError.from_event(first[0])
         return first
 
     def model_of(self, name: str) -> Any:

@@ -149,7 +149,8 @@ METRICS: tuple[MetricDef, ...] = (
     _c("serve_app_routing_decisions", "router",
        "Requests routed by the prefix-affinity router, by reason: `prefix` (to the replica with "
        "the least to prefill, whose node holds part of the prompt), `load_fallback` (another "
-       "replica, for load), `no_prefix` (no node holds any of the prompt: least loaded).",
+       "replica, for load), `no_prefix` (no node holds any of the prompt: least loaded), "
+       "`router_error` (ranking failed: the least loaded replica; logged once).",
        ("model", "reason")),
     _c("serve_app_remote_fetch_blocks", "replica",
        "Blocks fetched from another node's cache store instead of prefilled."),

@@ -99,6 +99,7 @@ class ApiError(Exception):
 MAX_STOPS = 16
 MAX_CACHE_SALT_CHARS = 256
 MAX_SEED = 2**64  # seeds are unsigned 64-bit (the engine's PRNG key)
+MAX_TOKENS = 2**31 - 1  # beyond any context: a larger max_tokens is a mistake (400)
 # What one message costs in the prompt bound beyond its text: the chat template's
 # role markers and separators (about 5-10 tokens a message in common templates).
 MESSAGE_OVERHEAD_CHARS = 16
@@ -109,7 +110,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, lt=MAX_SEED)] | None = None
@@ -255,7 +256,7 @@ MAX_TOP_LOGPROBS = 20
 
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None

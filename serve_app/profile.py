@@ -183,7 +183,7 @@ class IngressProfile(_Strict):
     # as soon as the bytes read pass it (chunked uploads).
     max_request_bytes: Annotated[ByteSize, Field(ge=1024)] = ByteSize(16 << 20)
     # A request whose model has not answered in this many seconds gets 504 and its
-    # replica work is cancelled; for a stream, the time to its first token.
+    # replica work is cancelled; a stream is bounded until the replica admits it.
     request_timeout_s: Annotated[float, Field(gt=0.0)] = 600.0
 
     @field_validator("api_keys_file")

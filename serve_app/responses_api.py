@@ -47,7 +47,7 @@ from pydantic import (
     ValidationError,
 )
 
-from serve_app.openai_api import ApiError, ChatCompletionRequest, checked
+from serve_app.openai_api import MAX_TOKENS, ApiError, ChatCompletionRequest, checked
 from serve_app.validation import clean_loc
 
 # Tool names as the chat API's FunctionDef takes them.
@@ -182,7 +182,7 @@ class ResponsesRequest(_Open):
     tools: list[FunctionToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = None
-    max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_output_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     text: TextConfig | None = None

@@ -32,7 +32,7 @@ logger = logging.getLogger("ray.serve")
 
 # What restoring a block costs, as a fraction of prefilling it.
 TIER_COST = {"hot": 0.0, "ssd": 0.1, "remote": 0.3}
-REASONS = ("prefix", "load_fallback", "no_prefix")
+REASONS = ("prefix", "load_fallback", "no_prefix", "router_error")
 DECIDED_MEMORY = 4096
 
 
@@ -126,19 +126,40 @@ class PrefixAffinityRouter(RequestRouter):
             self.recorder.zero("serve_app_routing_decisions", {"model": model, "reason": reason})
         self.ongoing: dict[ReplicaID, int] = {}
         self.decided: OrderedDict[str, None] = OrderedDict()  # requests counted already
+        self.error_logged = False
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
+        """The candidates best first; should ranking fail, the least loaded first (Ray
+        would otherwise never resolve the request): counted as ``router_error``, logged
+        once per router."""
+        try:
+            return self._choose(candidate_replicas, pending_request)
+        except Exception:  # any bug or bad input here would leave the request hanging
+            if not self.error_logged:
+                self.error_logged = True
+                logger.exception("prefix routing failed for model %s; routing to the least "
+                                 "loaded replica (logged once)", self.model)
+            if pending_request is not None:
+                self._count(pending_request.metadata.internal_request_id, "router_error")
+            return self._least_loaded(candidate_replicas)
+
+    def _least_loaded(self, candidate_replicas: list[RunningReplica]
+                      ) -> list[list[RunningReplica]]:
+        ordered = sorted(candidate_replicas,
+                         key=lambda r: (self.ongoing.get(r.replica_id, 0), random.random()))
+        return [[r] for r in ordered]
+
+    def _choose(self, candidate_replicas: list[RunningReplica],
+                pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         prepared = _prepared(pending_request)
         by_key = {r.replica_id: r for r in candidate_replicas}
         reported = {r.replica_id: ReplicaInfo.from_stats(r.routing_stats)
                     for r in candidate_replicas}
         info = next((i for i in reported.values() if i is not None), None)
         if prepared is None or info is None:  # not a generation, or no replica reported yet
-            ordered = sorted(candidate_replicas,
-                             key=lambda r: (self.ongoing.get(r.replica_id, 0), random.random()))
-            return [[r] for r in ordered]
+            return self._least_loaded(candidate_replicas)
         bs = info.block_size
         root = salted_root(info.root, prepared.salt, prepared.api_key_digest)
         restorable = (len(prepared.prompt) - 1) // bs

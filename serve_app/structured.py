@@ -61,6 +61,21 @@ logger = logging.getLogger(__name__)
 JSON_OBJECT_SCHEMA: dict = {"type": "object"}
 JSON_OPTIONS = {"whitespace_flexible": False}  # llguidance's defaults; "x-guidance" overrides
 MAX_CACHED_GRAMMARS = 256  # per tokenizer
+# llguidance's resource limits, set here rather than left to the library's defaults, so a
+# pathological schema is a 400 in milliseconds, never seconds of a prepare thread (an
+# allOf of four 8-way anyOfs, 2.8 KB, takes 2 s to compile under the defaults, 0.2 s to
+# refuse here). Measured: a 300-way anyOf of objects is ~4,000 symbols, Claude Code's
+# tools ~200. The per-token fuel and item limits are llguidance's defaults (about 15 ms
+# and 2.5 ms of a mask at most); lexer states are capped at a fifth of its default
+# (~1-2 kB each, per cached grammar).
+GRAMMAR_LIMITS = {
+    "max_grammar_size": 50_000,  # symbols in the grammar's productions (default 500,000)
+    "initial_lexer_fuel": 1_000_000,  # building the lexer's regexes (~20 ms)
+    "step_lexer_fuel": 200_000,  # one mask's lexer work
+    "step_max_items": 50_000,  # one mask's Earley items
+    "max_items_in_row": 2_000,  # branching of one production
+    "max_lexer_states": 50_000,  # default 250,000
+}
 MAX_ERROR_CHARS = 500
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -310,7 +325,8 @@ def _compile(schema: dict, vocab: _Vocab) -> llguidance.LLMatcher | str:
 
 def _matcher(grammar: str, vocab: _Vocab) -> llguidance.LLMatcher | str:
     """A fresh matcher for llguidance's ``grammar``, or the error."""
-    matcher = llguidance.LLMatcher(vocab.lltok, grammar, log_level=0)
+    limits = llguidance.LLParserLimits(**GRAMMAR_LIMITS, verbose_errors=False)
+    matcher = llguidance.LLMatcher(vocab.lltok, grammar, log_level=0, limits=limits)
     if matcher.is_error():
         return matcher.get_error()[:MAX_ERROR_CHARS]
     matcher.compute_bitmask()  # builds the lexer's first states, shared by every copy
