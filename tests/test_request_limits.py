@@ -483,3 +483,31 @@ def test_grammar_limits_are_what_refuses_the_pathological_schema(model_home):
     ok = {"type": "json_schema", "json_schema": {"name": "ok", "schema": {
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
     assert compile_response_format(ok, tokenizer) is not None
+
+
+def test_the_prepare_stage_admits_a_bounded_number():
+    """MAX_PREPARING requests in the stage (waiting or running): the next is refused
+    before it is queued; a request leaves when its work ends, or is cancelled unstarted."""
+    from serve_app.app import MAX_PREPARING, PrepareStage
+
+    async def scenario() -> None:
+        stage = PrepareStage()
+        gate = threading.Event()
+        tasks = [asyncio.ensure_future(stage.run(gate.wait, 30)) for _ in range(MAX_PREPARING)]
+        await asyncio.sleep(0.05)
+        assert stage.busy == MAX_PREPARING
+        with pytest.raises(ApiError) as info:
+            stage.admit("m")
+        assert info.value.status == 429 and info.value.code == "queue_full"
+        assert info.value.headers["Retry-After"] == "1"
+        tasks[-1].cancel()  # waiting behind the two workers: cancelled unstarted
+        await asyncio.sleep(0.05)
+        assert stage.busy == MAX_PREPARING - 1
+        stage.admit("m")
+        gate.set()
+        await asyncio.gather(*tasks[:-1])
+        await asyncio.sleep(0.05)
+        assert stage.busy == 0 and stage.runs == MAX_PREPARING
+        stage.pool.shutdown()
+
+    asyncio.run(scenario())
