@@ -234,14 +234,23 @@ def test_nesting_within_the_limit_in_an_ignored_field_is_served(young):
         (nested(100_000), False),  # the C parser's RecursionError
         (json.dumps({"s": "[" * 1000, "l": list(range(1000))}), True),  # brackets in a string
         (json.dumps([[i] for i in range(1000)]), True),  # many brackets, shallow
+        # Escaped quotes and backslashes do not end a string early: its brackets never count.
+        (json.dumps({"s": '\\"' + "[" * 100, "t": "\\", "u": "]" * 100}), True),
+        (json.dumps({"s": '\\"]]', "l": json.loads(nested(MAX_JSON_DEPTH))}), False),
+        ("[]," * 100_000 + "[]", True),  # wide: the depth comes from the bytes, not a walk
+        (nested(MAX_JSON_DEPTH + 1).encode("utf-16"), False),  # json.loads takes UTF-16 too
+        (nested(MAX_JSON_DEPTH).encode("utf-16"), True),
     ],
 )
 def test_parse_json_bounds_nesting(raw, ok):
+    raw = raw if isinstance(raw, bytes) else raw.encode()
+    if raw.startswith(b"[],"):
+        raw = b"[" + raw + b"]"
     if ok:
-        parse_json(raw.encode())
+        parse_json(raw)
         return
     with pytest.raises(ApiError) as info:
-        parse_json(raw.encode())
+        parse_json(raw)
     assert info.value.status == 400 and info.value.code == "json_too_deep"
 
 
