@@ -192,6 +192,9 @@ class IngressProfile(_Strict):
         if value is not None:
             from serve_app.auth import keys_from_file
 
+            # Serve's builder runs in a Ray worker, whose working directory is not yours.
+            if not Path(value).expanduser().is_absolute():
+                raise ValueError(f"{value!r}: must be an absolute path (or start with ~)")
             keys_from_file(value)  # raises naming the file: mode, owner, no key
         return value
 

@@ -422,6 +422,8 @@ def test_check_refuses_a_key_file_others_can_read(tmp_path):
 def test_check_refuses_missing_empty_and_foreign_key_files(tmp_path):
     out = _check(tmp_path, tmp_path / "absent")
     assert out.returncode == 2 and "cannot read it" in out.stderr
+    out = _check(tmp_path, Path("keys"))  # relative: to which directory?
+    assert out.returncode == 2 and "must be an absolute path" in out.stderr
     empty = tmp_path / "empty"
     empty.write_text("# no key yet\n\n")
     empty.chmod(0o600)
