@@ -305,6 +305,8 @@ def traces_rows(model: str, d: dict) -> list[Row]:
     errors = d.get("errors")
     rows.append(count_row("traces", model, "requests without error, every server",
                           None if errors is None else sent - errors, sent))
+    if d.get("vs_mlx_lm_server_outputs"):
+        rows.append(identical_row("traces", model, d))
     return rows
 
 
