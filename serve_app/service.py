@@ -177,6 +177,7 @@ class ModelService:
         calls = ToolCallStream(support, prepared.tools) if support is not None else None
         called = 0
         done = False
+        releasing: asyncio.Future | None = None
         last_token_at: float | None = None
         try:
             yield [{"type": "start", "prompt_tokens": len(prepared.prompt),
@@ -190,7 +191,8 @@ class ModelService:
                     await asyncio.sleep(wait)
                 batch = await events.take()
                 if lease is not None:  # the engine has copied the restored blocks by now
-                    await self.cache.release(lease)
+                    # Released beside the stream: a slow store never holds up tokens.
+                    releasing = asyncio.ensure_future(self.cache.release(lease))
                     lease = None
                 out: list[dict] = []
                 for event in batch:
@@ -245,6 +247,8 @@ class ModelService:
                 self.engine.cancel(rid)
             if lease is not None:
                 await self.cache.release(lease)
+            if releasing is not None:
+                await releasing
             self.metrics.observe("serve_app_request_duration_seconds",
                                  time.perf_counter() - arrived, self._labels)
 

@@ -71,6 +71,7 @@ def served(local_ray, model):
     try:
         yield warm, cold, client
     finally:
+        client.close()  # no replacement for the store killed next
         warm.shutdown()
         cold.shutdown()
         ray.kill(client.actor, no_restart=True)

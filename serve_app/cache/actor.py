@@ -448,6 +448,8 @@ def get_or_create_actor(hot_budget: int, config: dict, timeout: float = 120.0):
     node_id = ray.get_runtime_context().get_node_id()
     deadline = time.monotonic() + timeout
     while True:
+        if not ray.is_initialized():  # shut down meanwhile: never auto-start a Ray
+            raise RuntimeError("Ray is shut down")
         actor = CacheStoreActor.options(
             name=f"cache-store-{node_id}",
             namespace=NAMESPACE,
@@ -512,9 +514,15 @@ class RayCacheClient(CacheClient):
         self._reconnecting = False
         self._next_reconnect = 0.0
         self.reconnects = 0
+        self._closed = False
         self._thread = threading.Thread(target=self._publisher, name="cache-publish",
                                         daemon=True)
         self._thread.start()
+
+    def close(self) -> None:
+        """Stop publishing and reconnecting (blocks still queued are dropped)."""
+        self._closed = True
+        self.reconnect = None
 
     def activate(self, name: str, model: str, layout: str, timeout: float = 120.0) -> None:
         """Tell the store this replica serves ``model`` (repeated on a replacement)."""
@@ -562,6 +570,8 @@ class RayCacheClient(CacheClient):
 
     def _reconnect_now(self) -> None:
         try:
+            if not ray.is_initialized():  # shut down: never auto-start a Ray of our own
+                return
             actor = self.reconnect()
             if self._activation is not None:
                 ray.get(actor.activate.remote(*self._activation), timeout=self.timeout)
@@ -610,7 +620,14 @@ class RayCacheClient(CacheClient):
             try:
                 seq, model, block, disk = self._queue.get(timeout=REPORT_DROPS_S)
             except queue.Empty:
-                self._report_drops()
+                if not self._closed and ray.is_initialized():  # never auto-start a Ray
+                    self._report_drops()
+                continue
+            if self._closed or not ray.is_initialized():
+                # Closed or Ray shut down: drop it and idle. The thread is not left to end:
+                # a thread that used Ray ending after shutdown can take the process down.
+                with self._cv:
+                    self._unacked.discard(seq)
                 continue
             with self._cv:
                 self._cv.wait_for(lambda: self._in_flight < MAX_UNACKED_PUTS)
@@ -720,8 +737,11 @@ class RayCacheClient(CacheClient):
             return None
 
     async def release(self, lease: int | None) -> None:
-        if lease is not None:
-            await self._call(self.actor.release.remote(lease))
+        if lease is None:
+            return
+        if self.breaker.is_open:  # a stuck store: it expires the lease itself
+            raise StoreError("skipped", "circuit breaker open")
+        await self._call(self.actor.release.remote(lease))
 
     async def stats(self) -> dict:
         """The store's stats, this replica's publisher (drops, puts not acked yet), the
