@@ -211,6 +211,7 @@ class CacheStore:
         if self.ssd_disabled is not None:
             out["ssd"] = {"disabled": self.ssd_disabled}
         out["directory_feed"] = self.feed.snapshot()
+        out["pid"] = os.getpid()  # the store's process (operators: py-spy, a frozen store)
         return out
 
 
