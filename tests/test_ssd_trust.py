@@ -112,3 +112,35 @@ def test_a_symlinked_version_directory_is_refused_at_start(tmp_path, caplog):
         store, reason = make_ssd(config(root))
     assert store is None and str(root) in reason
     assert not (tmp_path / "elsewhere" / "LOCK").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="files of another user need root")
+def test_a_directory_or_file_of_another_user_below_the_cache_is_not_trusted(tmp_path):
+    """The cache directory is ours and private now, but a fan-out directory (or a block
+    file) in it belongs to another user (made before it was locked down): not indexed,
+    not read, not written through."""
+    evil, victim = planted(tmp_path, 11)
+    path = victim.block_path(bid(11))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(evil.block_path(bid(11)), path)  # a valid block file, in place...
+    os.chown(path, 4242, -1)  # ...but another user's
+    with pytest.raises(SSDError):
+        read_file(path, {"model": MODEL})
+    again = SSDStore(tmp_path / "kv", 1 << 30)
+    again.open()
+    assert not again.has_block(bid(11))
+    os.chown(path, os.geteuid(), -1)
+    os.chown(path.parent, 4242, -1)  # now the directory is another user's
+    with pytest.raises(SSDError):
+        read_file(path, {"model": MODEL})
+    other = next(j for j in range(10_000) if bid(j)[:2] == bid(11)[:2] and j != 11)
+    assert not again.write("block", bid(other), tensors(), meta())
+    fresh = SSDStore(tmp_path / "kv", 1 << 30)
+    fresh.open()
+    assert not fresh.has_block(bid(11))
+    os.chown(path.parent, os.geteuid(), -1)
+    path.parent.chmod(0o770)  # ours, but group-writable
+    with pytest.raises(SSDError):
+        read_file(path, {"model": MODEL})
+    path.parent.chmod(0o700)
+    assert read_file(path, {"model": MODEL})[1]["block_id"] == bid(11)  # trusted again

@@ -168,10 +168,21 @@ def open_dir(root: Path, parts: Sequence[str] = (), create: bool = False) -> int
                 sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = sub
+            _check_owned(fd, name, directory=True)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _check_owned(fd: int, name: str, directory: bool) -> None:
+    """Refuse (``PermissionError``) a directory or file below the cache directory that is
+    not this user's, or a directory group or others may write to (one made before the
+    cache directory was locked down, say)."""
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or (directory and st.st_mode & 0o022):
+        raise PermissionError(errno.EPERM, "not this server's user's, or writable by others",
+                              name)
 
 
 def _locate(path: Path) -> tuple[Path, list[str], str]:
@@ -199,7 +210,13 @@ def _parent_fd(path: Path, create: bool = False) -> Iterator[tuple[int, str]]:
 def _open_file(path: Path, flags: int = os.O_RDONLY) -> int:
     """A file of the tier opened without following a symlink anywhere below the root."""
     with _parent_fd(path) as (dfd, name):
-        return os.open(name, flags | os.O_NOFOLLOW | _CLOEXEC, dir_fd=dfd)
+        fd = os.open(name, flags | os.O_NOFOLLOW | _CLOEXEC, dir_fd=dfd)
+    try:
+        _check_owned(fd, name, directory=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def make_dirs(path: Path) -> None:
@@ -428,6 +445,11 @@ class SSDStore:
                             try:
                                 sub = os.open(d.name, _DIR_FLAGS, dir_fd=fd)
                             except OSError:
+                                continue
+                            try:
+                                _check_owned(sub, d.name, directory=True)
+                            except OSError:  # another user's, or open to others: skipped
+                                os.close(sub)
                                 continue
                             stack.append((sub, [*parts, d.name]))
                         elif d.is_file(follow_symlinks=False) and (
