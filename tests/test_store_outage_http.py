@@ -112,6 +112,11 @@ def test_a_killed_then_frozen_store_never_fails_a_request(server):
     assert text(again) == text(cold)
     new_pid = stats(server)["cache_store"]["pid"]
     assert new_pid != pid
+    # The restarted store was told again which model this node serves.
+    deadline = time.monotonic() + 30
+    while stats(server)["cache_store"]["served_models"] != [MODEL]:
+        assert time.monotonic() < deadline, stats(server)["cache_store"]
+        time.sleep(0.2)
 
     # Frozen while requests run: each waits at most the call timeout, then goes cold.
     before = errors(server)

@@ -177,7 +177,9 @@ class CacheStore:
 
     def lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
                exact: bool = True, tails: TailQuery | None = None) -> dict:
-        return self.tiers.lookup(block_ids, need_checkpoint, layout, exact, tails)
+        found = self.tiers.lookup(block_ids, need_checkpoint, layout, exact, tails)
+        found["store_epoch"] = self.feed.epoch  # new after every (re)start of the store
+        return found
 
     def release(self, lease: int | None) -> None:
         self.tiers.release(lease)
@@ -212,6 +214,8 @@ class CacheStore:
             out["ssd"] = {"disabled": self.ssd_disabled}
         out["directory_feed"] = self.feed.snapshot()
         out["pid"] = os.getpid()  # the store's process (operators: py-spy, a frozen store)
+        with self._lock:
+            out["served_models"] = sorted(set(self.names.values()))  # activated by replicas
         return out
 
 
@@ -515,6 +519,7 @@ class RayCacheClient(CacheClient):
         self._reconnecting = False
         self._next_reconnect = 0.0
         self.reconnects = 0
+        self._epoch: str | None = None  # of the store last answering a lookup
         self._closed = False
         self._thread = threading.Thread(target=self._publisher, name="cache-publish",
                                         daemon=True)
@@ -698,8 +703,29 @@ class RayCacheClient(CacheClient):
         if before:  # bounded: a stuck store must not hold executor threads for long
             await asyncio.get_running_loop().run_in_executor(
                 None, self._wait_acked, before, min(ACK_WAIT_S, self.timeout))
-        return await self.actor.lookup.remote(block_ids, need_checkpoint, layout, exact,
-                                              tails)
+        found = await self.actor.lookup.remote(block_ids, need_checkpoint, layout, exact,
+                                               tails)
+        self._seen_epoch(found.get("store_epoch"))
+        return found
+
+    def _seen_epoch(self, epoch: str | None) -> None:
+        """A store that Ray restarted (a new epoch) has forgotten which models are served
+        here: tell it again, from a thread (the request does not wait)."""
+        if epoch is None or epoch == self._epoch:
+            return
+        known, self._epoch = self._epoch, epoch
+        if known is None or self._activation is None:
+            return
+        actor, activation = self.actor, self._activation
+
+        def again() -> None:
+            try:
+                ray.get(actor.activate.remote(*activation), timeout=self.timeout)
+                logger.warning("cache store restarted (epoch %s): activated again", epoch[:8])
+            except Exception as exc:
+                logger.warning("activating a restarted cache store failed: %r", exc)
+
+        threading.Thread(target=again, name="cache-activate", daemon=True).start()
 
     async def _resolve(self, handle: Any) -> BlockPayload:
         return await asyncio.wait_for(resolve_hot(handle), self.timeout)
