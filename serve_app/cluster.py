@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
-import stat
 import threading
 from pathlib import Path
 
 from serve_app.cache.actor import SSD_DIR_ENV
+from serve_app.cache.ssd import make_dirs, untrusted_reason
 
 
 def default_ssd_root() -> Path:
@@ -27,23 +27,14 @@ def default_ssd_root() -> Path:
 
 
 def private_dir(path: Path) -> Path:
-    """``path`` as a directory only this user can change: created 0700 if missing;
-    an existing one must be this user's and not writable by group or others.
-    Raises ``ValueError`` saying what is wrong."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        path.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    st = path.lstat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"{path} is not a directory")
-    if st.st_uid != os.getuid():
-        raise ValueError(f"{path} is owned by uid {st.st_uid}, not by this user "
-                         f"(uid {os.getuid()}); choose another --ssd-root")
-    if st.st_mode & 0o022:
-        raise ValueError(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
-                         f"could plant cache files in it; chmod 700 {path}")
+    """``path`` as a directory only this user can change: created 0700 if missing; an
+    existing one must pass the SSD tier's own check (``untrusted_reason``: this user's,
+    not writable by group or others). Raises ``ValueError`` saying what is wrong."""
+    make_dirs(path)
+    reason = untrusted_reason(path)
+    if reason is not None:
+        raise ValueError(f"{path}: {reason}: other users could plant cache files in it; "
+                         "choose another --ssd-root")
     return path
 
 

@@ -106,6 +106,6 @@ def test_a_shared_or_foreign_ssd_root_is_refused(tmp_path):
     try:
         private_dir(foreign)
     except ValueError as exc:
-        assert "not by this user" in str(exc)
+        assert "not by this server's user" in str(exc)
     else:
         raise AssertionError("a directory of another user was accepted")
