@@ -274,7 +274,7 @@ class DirectoryFollower:
                     "nodes": self.copy.nodes(), "last_error": self.last_error}
 
     def _run(self) -> None:
-        directory = None
+        directory: Any = None  # an actor handle (Ray does not type its methods' .remote())
         while not self._stop.is_set():
             if not ray.is_initialized():  # shut down: never auto-start a Ray of our own
                 return
@@ -433,8 +433,9 @@ def alive_node_ids() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
-BlockDirectoryActor = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=8)(
-    BlockDirectoryService)
+# Ray's typed overloads of ray.remote omit actor-only options such as max_concurrency.
+BlockDirectoryActor = ray.remote(num_cpus=0, max_restarts=-1,  # type: ignore[call-overload]
+                                 max_concurrency=8)(BlockDirectoryService)
 
 
 def get_or_create_directory():
@@ -455,7 +456,9 @@ def get_or_create_actor(hot_budget: int, config: dict, timeout: float = 120.0):
     while True:
         if not ray.is_initialized():  # shut down meanwhile: never auto-start a Ray
             raise RuntimeError("Ray is shut down")
-        actor = CacheStoreActor.options(
+        # Ray types the handle as ``ActorHandle[T] | type[T]``, whose methods' .remote()
+        # it types only under @ray.method: a plain handle here.
+        actor: Any = CacheStoreActor.options(
             name=f"cache-store-{node_id}",
             namespace=NAMESPACE,
             lifetime="detached",
@@ -496,6 +499,8 @@ class RayCacheClient(CacheClient):
     store actor that died is looked up again (``reconnect``: the replica's
     get-or-create), so a replacement is used as soon as it answers.
     """
+
+    timeout: float  # always bounded here
 
     def __init__(self, actor, follower: DirectoryFollower | None = None, *,
                  timeout: float = STORE_CALL_TIMEOUT_S,
@@ -578,7 +583,10 @@ class RayCacheClient(CacheClient):
         try:
             if not ray.is_initialized():  # shut down: never auto-start a Ray of our own
                 return
-            actor = self.reconnect()
+            reconnect = self.reconnect
+            if reconnect is None:  # closed since this thread was started
+                return
+            actor = reconnect()
             if self._activation is not None:
                 ray.get(actor.activate.remote(*self._activation), timeout=self.timeout)
             self.actor = actor
@@ -752,7 +760,7 @@ class RayCacheClient(CacheClient):
                       timeout: float) -> FetchedChain | None:
         loop = asyncio.get_running_loop()
         try:
-            store = self._stores.get(node_id)
+            store: Any = self._stores.get(node_id)  # an actor handle
             if store is None:  # a GCS lookup: off the event loop, once per node
                 store = await loop.run_in_executor(None, lambda: ray.get_actor(
                     f"cache-store-{node_id}", namespace=NAMESPACE))

@@ -150,7 +150,7 @@ def _resync(cached: np.ndarray, prompt: np.ndarray, at: int) -> tuple[int, int] 
     for j in range(at, end + 1):
         runs.setdefault(cached[j:j + RESYNC_RUN].tobytes(), j)
     for i in range(at, min(len(prompt) - RESYNC_RUN, at + RESYNC_WINDOW) + 1):
-        j = runs.get(prompt[i:i + RESYNC_RUN].tobytes())
-        if j is not None:
-            return j, i
+        found = runs.get(prompt[i:i + RESYNC_RUN].tobytes())
+        if found is not None:
+            return found, i
     return None

@@ -429,8 +429,11 @@ class RequestPlan:
         return self._send([held]) if held is not None else []
 
     def _send(self, items: list[Published]) -> list[Published]:
+        sink = self.sink
+        if sink is None:  # restore only: nothing is ever captured
+            return []
         for item in items:
-            self.sink(item.block)
+            sink(item.block)
         return items
 
     def _is_checkpoint(self, position: int, prompt_len: int) -> bool:
@@ -529,6 +532,7 @@ class CacheManager:
         if reason is not None:
             logger.warning("model %s: prefix caching off: %s", profile.name, reason)
             return cls(settings, layout, None, disabled=reason)
+        assert model_dir is not None  # else disabled: "no cache store"
         identity = model_identity(model_dir, profile.source, chat_template,
                                   memo=default_home() / "weights-digests.json")
         return cls(settings, layout, client, identity)
@@ -547,8 +551,9 @@ class CacheManager:
         token is always left to compute.
         """
         stats = self.stats
-        if self.client is None:
-            stats.miss(Miss("disabled", stats.disabled_reason))
+        client = self.client
+        if client is None:
+            stats.miss(Miss("disabled", stats.disabled_reason or "no cache store"))
             return None
         bs = self.settings.block_size
         root = salted_root(self.root, salt, api_key_digest)
@@ -560,9 +565,9 @@ class CacheManager:
         req = FetchRequest(self.settings.model, ids[:restorable], self.layout, bs, self._expect,
                            exact=self.settings.codec == codecs.EXACT,
                            tails=TailQuery(root, prompt[:-1], bs))
-        found = await self._fetch(req)
+        found = await self._fetch(client, req)
         try:
-            found = await self._extend_from_remote(req, found)
+            found = await self._extend_from_remote(client, req, found)
         except Exception:  # never a failed request: the blocks are prefilled instead
             logger.exception("model %s: fetching from another node failed", self.settings.model)
             stats.remote_fetch_failures += 1
@@ -571,11 +576,11 @@ class CacheManager:
         return RequestPlan(bs, root, ids, restore, self.publish, self.settings.checkpoint_every,
                            branch_points, found.lease)
 
-    async def _fetch(self, req: FetchRequest) -> FetchedChain:
+    async def _fetch(self, client: CacheClient, req: FetchRequest) -> FetchedChain:
         """The local store's answer; a store that fails, times out or is skipped (its
         circuit breaker open) is an empty answer, counted: the request prefills cold."""
         try:
-            return await self.client.fetch(req)
+            return await client.fetch(req)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -596,10 +601,11 @@ class CacheManager:
         if bust is not None:
             self.stats.cache_bust(bust)
 
-    async def _extend_from_remote(self, req: FetchRequest, found: FetchedChain) -> FetchedChain:
+    async def _extend_from_remote(self, client: CacheClient, req: FetchRequest,
+                                  found: FetchedChain) -> FetchedChain:
         """``found`` extended with the blocks another node holds past it, where the
         directory says one holds more and fetching is cheaper than prefilling them."""
-        offer = self.client.remote_prefix(req.block_ids, usable=self.remote.usable)
+        offer = client.remote_prefix(req.block_ids, usable=self.remote.usable)
         bs = self.settings.block_size
         full = len(found.block_tokens) - bool(found.tail_tokens)  # local full blocks
         if offer is None or offer.blocks * bs <= sum(found.block_tokens):
@@ -614,7 +620,7 @@ class CacheManager:
             return found
         timeout = self.remote.timeout(nbytes, node)
         tic = time.perf_counter()
-        chain = await self.client.fetch_remote(req, full, node, timeout)
+        chain = await client.fetch_remote(req, full, node, timeout)
         if chain is None:
             stats.remote_fetch_failures += 1
             late = time.perf_counter() - tic >= timeout  # the link is worse than thought
@@ -674,7 +680,8 @@ class CacheManager:
     def publish(self, block: CapturedBlock) -> None:
         """A captured block to the store (called on the engine thread; never blocks it:
         a block the publish queue cannot take now is dropped and counted)."""
-        self.client.publish(self.settings.model, block, self._disk, wait=False)
+        if self.client is not None:  # caching off: no plan captures anything
+            self.client.publish(self.settings.model, block, self._disk, wait=False)
 
     async def release(self, lease: int | None) -> None:
         """Unpin a plan's restored blocks once the engine has copied them; a store that

@@ -117,7 +117,7 @@ class TieredStore:
         hot_budget: int,
         ssd: SSDStore | None = None,
         pending_max_bytes: int = 512 * 1000 * 1000,
-        resolve: Callable[[Any], tuple[dict, dict]] = lambda handle: handle,
+        resolve: Callable[[Any], BlockPayload] = lambda handle: handle,
     ) -> None:
         self.hot = HotStore(hot_budget)
         self.ssd = ssd
@@ -137,20 +137,22 @@ class TieredStore:
         if ssd is not None:
             ssd.on_block_change = self._mark_changed
         if ssd is not None:
-            threading.Thread(target=self._open_ssd, name="ssd-open", daemon=True).start()
-            threading.Thread(target=self._writer, name="ssd-writer", daemon=True).start()
+            threading.Thread(target=self._open_ssd, args=(ssd,), name="ssd-open",
+                             daemon=True).start()
+            threading.Thread(target=self._writer, args=(ssd,), name="ssd-writer",
+                             daemon=True).start()
 
-    def _open_ssd(self) -> None:
+    def _open_ssd(self, ssd: SSDStore) -> None:
         """Index the directory, then reconcile: orphan sidecars go, the budget holds."""
         try:
-            self.ssd.open()
-            for orphan in self.ssd.orphans():
-                self.ssd.remove(orphan)
-            self.ssd.enforce_budget()
+            ssd.open()
+            for orphan in ssd.orphans():
+                ssd.remove(orphan)
+            ssd.enforce_budget()
         except Exception:
             logger.exception("indexing the SSD cache directory failed; serving without it")
         finally:
-            self.ssd.ready.set()
+            ssd.ready.set()
 
     # ---- puts and write-behind -----------------------------------------------------------
 
@@ -164,7 +166,8 @@ class TieredStore:
                     self.staging.dropped_hot_full += 1
                     return False
                 return True
-            if self.ssd.has_block(entry.block_id) and not self._needs_sidecar(entry, disk):
+            if self.ssd.has_block(entry.block_id) and not self._needs_sidecar(self.ssd, entry,
+                                                                              disk):
                 return True
             if self.staging.pending_bytes + entry.nbytes > self.pending_max_bytes:
                 tic = time.perf_counter()
@@ -182,30 +185,30 @@ class TieredStore:
                 self._cv.notify_all()
                 return True
             self.staging.inline_writes += 1
-        self._write(PendingWrite(entry, disk))  # staging full: write now, never drop
+        self._write(self.ssd, PendingWrite(entry, disk))  # staging full: write now, never drop
         return True  # a skipped SSD write is counted by the SSD store (writes_dropped)
 
-    def _needs_sidecar(self, entry: HotEntry, disk: DiskInfo) -> bool:
+    def _needs_sidecar(self, ssd: SSDStore, entry: HotEntry, disk: DiskInfo) -> bool:
         """A checkpoint to store beside a block already on disk (or an exact one to
         replace a lossy sidecar, when this model asks for exactness)."""
         if not (entry.has_checkpoint and disk.storage == "ssd_sidecar"):
             return False
-        sidecar = self.ssd.sidecar_entry(disk.layout, entry.block_id)
+        sidecar = ssd.sidecar_entry(disk.layout, entry.block_id)
         return sidecar is None or (disk.codec == codecs.EXACT and not _exact(sidecar))
 
-    def _writer(self) -> None:
-        self.ssd.ready.wait()  # indexing removes temporary files; ours must come after
+    def _writer(self, ssd: SSDStore) -> None:
+        ssd.ready.wait()  # indexing removes temporary files; ours must come after
         while True:
             with self._lock:
                 self._cv.wait_for(lambda: bool(self._pending))
                 block_id, item = next(iter(self._pending.items()))
-            self._write(item)
+            self._write(ssd, item)
             with self._lock:
                 self._pending.pop(block_id, None)
                 self.staging.pending_bytes -= item.entry.nbytes
                 self._cv.notify_all()
 
-    def _write(self, item: PendingWrite) -> None:
+    def _write(self, ssd: SSDStore, item: PendingWrite) -> None:
         entry, disk = item.entry, item.disk
         try:
             payload: BlockPayload = self._resolve(entry.handle)
@@ -217,11 +220,11 @@ class TieredStore:
             if embedded:
                 meta["checkpoint"] = "embedded"
             result = WriteResult.DONE
-            if not self.ssd.has_block(entry.block_id):
-                result = self.ssd.write("block", entry.block_id, tensors, meta)
+            if not ssd.has_block(entry.block_id):
+                result = ssd.write("block", entry.block_id, tensors, meta)
             if result and payload.has_state and disk.storage == "ssd_sidecar":
                 state, codec_meta = codecs.encode_state(state_tensors(payload.state), disk.codec)
-                result = self.ssd.write("sidecar", entry.block_id, state,
+                result = ssd.write("sidecar", entry.block_id, state,
                                         {**meta, "dtypes": "{}", "codec": disk.codec,
                                          "codec_meta": codec_meta})
         except Exception:
@@ -292,10 +295,12 @@ class TieredStore:
                 ids.append(tail.block_id)
                 sources.append(tail.source)
             sidecar = None
-            if need_checkpoint and sources and not self._inline_checkpoint(ids[-1], sources[-1]):
+            # (without an SSD tier, a restore point always carries its checkpoint inline)
+            if (need_checkpoint and sources and self.ssd is not None
+                    and not self._inline_checkpoint(ids[-1], sources[-1])):
                 disk = self._disk_checkpoint(ids[-1], layout, exact)
                 if disk == "embedded":  # the state is in the block file: read that file
-                    sources[-1] = self._block_file(ids[-1], seen)
+                    sources[-1] = self._block_file(self.ssd, ids[-1], seen)
                 elif disk is not None:
                     sidecar = self.ssd.sidecar_entry(layout, ids[-1])
                     sources[-1].checkpoint_token = token_of(sidecar) if sidecar else GONE
@@ -306,7 +311,7 @@ class TieredStore:
             if ids:
                 lease = next(self._lease_ids)
                 self._leases[lease] = (self.hot.pin(hot_ids), ssd_ids, time.monotonic())
-                if ssd_ids:
+                if ssd_ids and self.ssd is not None:
                     self.ssd.pin(ssd_ids)
             for bid in block_ids[:present]:
                 self.hot.touch(bid)
@@ -318,8 +323,9 @@ class TieredStore:
             self.hot.stats.hit_blocks += restore
             self.hot.stats.walkbacks += present - restore
             self.hot.stats.trim_hits += tail is not None and tail.trim is not None
-        for disk_entry in touched if self.ssd is not None else ():
-            self.ssd.touch(disk_entry)  # file mtimes: outside the lock
+        if self.ssd is not None:
+            for disk_entry in touched:
+                self.ssd.touch(disk_entry)  # file mtimes: outside the lock
         return {"present": present, "walkbacks": present - restore, "lease": lease,
                 "sources": sources, "first_missing_evicted": evicted, "ids": ids,
                 "tail_tokens": tail.tokens if tail is not None else 0,
@@ -383,8 +389,11 @@ class TieredStore:
         match = self.hot.best_child(parent, q.tokens[start : start + q.block_size])
         if match is None or match.whole or match.common < MIN_TRIM_TOKENS:
             return None
-        return PartialHit(match.block_id, match.common,
-                          Source("hot", self.hot.entry(match.block_id).handle), match.stored)
+        entry = self.hot.entry(match.block_id)  # present: found under this same lock
+        if entry is None:
+            return None
+        return PartialHit(match.block_id, match.common, Source("hot", entry.handle),
+                          match.stored)
 
     def _expire_leases(self) -> None:
         """Leases of clients that vanished mid-restore must not pin blocks for ever."""
@@ -408,12 +417,12 @@ class TieredStore:
                 return Source("ssd", str(disk.path), token=token_of(disk))
         return None
 
-    def _block_file(self, bid: str, seen: dict[str, DiskEntry]) -> Source:
+    def _block_file(self, ssd: SSDStore, bid: str, seen: dict[str, DiskEntry]) -> Source:
         """The block's file as a source: the entry this lookup saw, else the one indexed
         now; if it is gone already, its path (reading it is a clean miss)."""
-        disk = seen.get(bid) or self.ssd.block_entry(bid)
+        disk = seen.get(bid) or ssd.block_entry(bid)
         if disk is None:
-            return Source("ssd", str(self.ssd.block_path(bid)), token=GONE)
+            return Source("ssd", str(ssd.block_path(bid)), token=GONE)
         seen[bid] = disk
         return Source("ssd", str(disk.path), token=token_of(disk))
 
@@ -428,18 +437,22 @@ class TieredStore:
         Hot and pending payloads are always exact: a block promoted from a lossy
         sidecar is promoted without its state.
         """
-        if source.tier == "hot":
-            return self.hot.entry(bid).has_checkpoint
+        if source.tier == "hot":  # present: the source was found under this same lock
+            entry = self.hot.entry(bid)
+            return entry is not None and entry.has_checkpoint
         if source.tier == "pending":
             return self._pending[bid].entry.has_checkpoint
         return False
 
     def _disk_checkpoint(self, bid: str, layout: str, exact: bool = True) -> str | None:
         """The sidecar's path, "embedded", or None; a lossy sidecar is None when ``exact``."""
-        sidecar = self.ssd.sidecar_entry(layout, bid)
+        ssd = self.ssd
+        if ssd is None:
+            return None
+        sidecar = ssd.sidecar_entry(layout, bid)
         if sidecar is not None and (_exact(sidecar) or not exact):
             return str(sidecar.path)
-        block = self.ssd.block_entry(bid)
+        block = ssd.block_entry(bid)
         if block is not None and block.meta.get("checkpoint") == "embedded":
             return "embedded"
         return None
@@ -449,9 +462,11 @@ class TieredStore:
             self._release_locked(lease)
 
     def _release_locked(self, lease: int | None) -> None:
+        if lease is None:
+            return
         hot_lease, ssd_ids, _ = self._leases.pop(lease, (None, [], 0.0))
         self.hot.release(hot_lease)
-        if ssd_ids:
+        if ssd_ids and self.ssd is not None:
             self.ssd.unpin(ssd_ids)
 
     def drop(self, kind: str, layout: str, block_id: str, token: str | None = None) -> None:
