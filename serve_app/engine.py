@@ -18,6 +18,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -271,7 +272,7 @@ class Engine:
             raise TimeoutError(f"engine {self.name!r} did not start in {timeout} s")
         if self._start_error is not None:
             raise RuntimeError(f"engine {self.name!r} failed to start") from self._start_error
-        return self.layout
+        return self._probed_layout
 
     def cancel(self, rid: int) -> None:
         """Stop a request and free its batch slot before the next decode step."""
@@ -287,6 +288,20 @@ class Engine:
         self._stopped.wait(timeout)
 
     # ---- engine thread ------------------------------------------------------------
+
+    @property
+    def _probed_layout(self) -> Layout:
+        """The cache layout, probed on the engine thread before it serves anything."""
+        if self.layout is None:
+            raise RuntimeError(f"engine {self.name!r} has not probed its model")
+        return self.layout
+
+    @property
+    def _batch(self) -> BatchGenerator:
+        """The running batch (made on the engine thread before it serves anything)."""
+        if self._generator is None:
+            raise RuntimeError(f"engine {self.name!r} is not running")
+        return self._generator
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -373,7 +388,7 @@ class Engine:
             return None
         tic = time.perf_counter()
         try:
-            cache = build_cache(self.model, self.layout, plan)
+            cache = build_cache(self.model, self._probed_layout, plan)
         except Exception:
             logger.exception("engine %s: restore of request %d failed; prefilling it cold",
                              self.name, req.rid)
@@ -396,7 +411,7 @@ class Engine:
             req.cache.start(req.restored)
         # Every request learns when it left the queue and what it really restored.
         _deliver(req, EngineEvent(restored=req.restored))
-        (uid,) = self._generator.insert_segments(
+        (uid,) = self._batch.insert_segments(
             [self._segments(req)],
             max_tokens=[req.params.max_tokens],
             caches=caches,
@@ -417,12 +432,13 @@ class Engine:
         req = self._requests.pop(rid, None)
         if req is None:
             return
+        assert req.uid is not None  # set by _insert before the request is in _requests
         self._by_uid.pop(req.uid, None)
-        if req.cache is not None and req.uid is not None and req.generated:
+        if req.cache is not None and req.generated:
             # Still in the batch: the cache and the state are at the last token returned.
             self._capture(req, len(req.prompt) + req.generated, None, state_valid=True,
                           decoding=True, ended=True)
-        self._generator.remove([req.uid])
+        self._batch.remove([req.uid])
         self._publish_held(req)
         with self._lock:
             self.stats.cancelled += 1
@@ -431,7 +447,7 @@ class Engine:
 
     def _step(self) -> None:
         tic = time.perf_counter()
-        prompt_responses, responses = self._generator.next()
+        prompt_responses, responses = self._batch.next()
         toc = time.perf_counter()
         batch = len(responses)
         for p in prompt_responses:
@@ -480,7 +496,7 @@ class Engine:
         rows = mx.stack([r.logprobs for r in responses])  # (n, vocab), after processors
         tokens = mx.array([[r.token] for r in responses])
         chosen = mx.take_along_axis(rows, tokens, axis=-1)[:, 0].astype(mx.float32)
-        ks = [self._by_uid[r.uid].params.logprobs for r in responses]
+        ks = [self._by_uid[r.uid].params.logprobs or 0 for r in responses]  # all set
         k = min(max(ks), rows.shape[-1])
         if k:
             top = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
@@ -489,15 +505,17 @@ class Engine:
             top = mx.take_along_axis(top, order, axis=-1)
             values = mx.take_along_axis(values, order, axis=-1).astype(mx.float32)
             mx.eval(chosen, top, values)
-            ids, lps = top.tolist(), values.tolist()
+            # (n, k) arrays: lists of lists (mlx types any tolist() as a scalar or list)
+            ids = cast(list[list[int]], top.tolist())
+            lps = cast(list[list[float]], values.tolist())
         else:
             mx.eval(chosen)
-            ids = lps = [[] for _ in responses]
-        chosen = chosen.tolist()
+            ids, lps = [[] for _ in responses], [[] for _ in responses]
+        chosen_lps = cast(list[float], chosen.tolist())
         return {
             r.uid: (lp, tuple((t, v) for t, v in zip(i[:n], p[:n], strict=True)
                               if v != -math.inf))
-            for r, lp, n, i, p in zip(responses, chosen, ks, ids, lps, strict=True)
+            for r, lp, n, i, p in zip(responses, chosen_lps, ks, ids, lps, strict=True)
         }
 
     def _batch_caches(self, uid: int) -> tuple[list, int]:
@@ -506,7 +524,7 @@ class Engine:
         Reads mlx-lm internals, kept in ``serve_app.compat``: the public
         ``extract_cache`` copies the whole history (quadratic capture).
         """
-        return batch_row_caches(self._generator, uid)
+        return batch_row_caches(self._batch, uid)
 
     def _capture(self, req: _Request, covered: int, finished_cache: list | None, *,
                  state_valid: bool, decoding: bool = False, ended: bool = False) -> None:
@@ -517,8 +535,11 @@ class Engine:
         A tail that fails to capture is logged and skipped: a cache that misses
         a tail is slower, never wrong.
         """
-        captures = req.cache.captures(covered, req.prompt, req.output, state_valid=state_valid,
-                                      decoding=decoding, ended=ended)
+        plan = req.cache
+        if plan is None:  # a request without a plan captures nothing
+            return
+        captures = plan.captures(covered, req.prompt, req.output, state_valid=state_valid,
+                                 decoding=decoding, ended=ended)
         if not captures:
             return
         tic = time.perf_counter()
@@ -526,10 +547,11 @@ class Engine:
         for capture in captures:
             try:
                 if source is None:
+                    assert req.uid is not None  # in the batch: inserted
                     source = self._batch_caches(req.uid)
-                payload = capture_block(source[0], source[1], self.layout, capture.start,
-                                        capture.end, capture.with_state)
-                published = req.cache.publish(capture, payload)
+                payload = capture_block(source[0], source[1], self._probed_layout,
+                                        capture.start, capture.end, capture.with_state)
+                published = plan.publish(capture, payload)
             except Exception:
                 if not capture.tail:
                     raise
@@ -557,7 +579,8 @@ class Engine:
 
     def _finish(self, req: _Request, reason: str) -> None:
         self._requests.pop(req.rid, None)
-        self._by_uid.pop(req.uid, None)
+        if req.uid is not None:
+            self._by_uid.pop(req.uid, None)
         self._publish_held(req)
         with self._lock:
             self.stats.finished += 1

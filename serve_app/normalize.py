@@ -80,8 +80,8 @@ def normalize(messages: Sequence[ChatMessage], rules: Sequence[Rule]) -> Normali
     for message, rendered in zip(messages, out, strict=True):
         if message.role not in SYSTEM_ROLES or message.content is None:
             continue
-        parts = message.content if isinstance(message.content, list) else None
-        blocks = [p.text for p in parts] if parts is not None else [message.content]
+        content = message.content
+        blocks = [p.text for p in content] if isinstance(content, list) else [content]
         kept: list[str] = []
         for block in blocks:
             changed = False

@@ -45,7 +45,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import llguidance
 import llguidance.hf
@@ -54,12 +54,15 @@ import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
     from serve_app.tools import ToolSupport
 
 logger = logging.getLogger(__name__)
 
 JSON_OBJECT_SCHEMA: dict = {"type": "object"}
-JSON_OPTIONS = {"whitespace_flexible": False}  # llguidance's defaults; "x-guidance" overrides
+# llguidance's defaults; "x-guidance" overrides
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 MAX_CACHED_GRAMMARS = 256  # per tokenizer
 # llguidance's resource limits, set here rather than left to the library's defaults, so a
 # pathological schema is a 400 in milliseconds, never seconds of a prepare thread (an
@@ -68,7 +71,20 @@ MAX_CACHED_GRAMMARS = 256  # per tokenizer
 # tools ~200. The per-token fuel and item limits are llguidance's defaults (about 15 ms
 # and 2.5 ms of a mask at most); lexer states are capped at a fifth of its default
 # (~1-2 kB each, per cached grammar).
-GRAMMAR_LIMITS = {
+
+
+class _ParserLimits(TypedDict):
+    """The integer limits of ``llguidance.LLParserLimits`` set here."""
+
+    max_grammar_size: int
+    initial_lexer_fuel: int
+    step_lexer_fuel: int
+    step_max_items: int
+    max_items_in_row: int
+    max_lexer_states: int
+
+
+GRAMMAR_LIMITS: _ParserLimits = {
     "max_grammar_size": 50_000,  # symbols in the grammar's productions (default 500,000)
     "initial_lexer_fuel": 1_000_000,  # building the lexer's regexes (~20 ms)
     "step_lexer_fuel": 200_000,  # one mask's lexer work
@@ -183,16 +199,18 @@ class GrammarProcessor:
         if self._start is None:
             self._start = tokens.size  # the first call sees only the prompt
         elif self.error is None:
-            self._follow(tokens)
+            self._follow(tokens, self._start)
         # In an error state llguidance's mask is EOS alone: the request ends.
         self._matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
         return logits + self._bias(logits.shape[-1], logits.dtype)
 
-    def _follow(self, tokens: mx.array) -> None:
-        """Bring the matcher to ``tokens``: roll back what changed, feed what is new."""
-        fed, start = self._fed, self._start
+    def _follow(self, tokens: mx.array, start: int) -> None:
+        """Bring the matcher to ``tokens`` (generated from ``start`` on): roll back what
+        changed, feed what is new."""
+        fed = self._fed
         low = max(start, min(start + len(fed), tokens.size) - self.REWIND)
-        window = tokens[low:].tolist()  # usually the one token sampled last step
+        # usually the one token sampled last step (1-D: a list of ints; mlx types any tolist)
+        window = cast(list[int], tokens[low:].tolist())
         old = fed[low - start :]
         same = 0
         while same < min(len(old), len(window)) and old[same] == window[same]:
@@ -382,9 +400,10 @@ def compile_tool_choice(tools: list[dict] | None, choice: str | dict | None, tok
     elif isinstance(choice, dict):
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
-        _require(choice.get("type") == "function" and isinstance(name, str),
-                 f'{p} must be "none", "auto", "required" or {{"type": "function", '
-                 f'"function": {{"name": ...}}}}', p)
+        if not (choice.get("type") == "function" and isinstance(name, str)):
+            raise StructuredOutputError(
+                f'{p} must be "none", "auto", "required" or {{"type": "function", '
+                f'"function": {{"name": ...}}}}', p)
         _require(name in functions,
                  f"{p} names function {name!r}, which is not among the request's tools "
                  f"({', '.join(sorted(functions)) or 'none'})", p)
@@ -425,9 +444,10 @@ def _functions(tools: list[dict] | None) -> dict[str, dict]:
     for i, tool in enumerate(tools or ()):
         function = tool.get("function") if isinstance(tool, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
-        _require(isinstance(name, str) and bool(name),
-                 f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                 f"tools[{i}]")
+        if not (isinstance(function, dict) and isinstance(name, str) and name):
+            raise StructuredOutputError(
+                f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                f"tools[{i}]")
         params = function.get("parameters")
         _require(params is None or isinstance(params, dict),
                  f"tools[{i}].function.parameters must be a JSON Schema object",
