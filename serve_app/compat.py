@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlx_lm.models.base import BaseModelArgs
 
 # What ``mlx_lm.utils.load_tokenizer`` downloads (mlx-lm 0.32): a tokenizer, no weights.
 TOKENIZER_FILES = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt",
@@ -32,7 +35,7 @@ def download_model(path_or_repo: str, revision: str | None = None,
     return Path(_download(path_or_repo, revision=revision))
 
 
-def model_classes(config: dict) -> tuple[type, type]:
+def model_classes(config: dict) -> tuple[type, type[BaseModelArgs]]:
     """mlx-lm's (Model, ModelArgs) classes for a config's ``model_type``.
 
     Relies on ``mlx_lm.utils._get_classes`` (mlx-lm 0.32): there is no public way

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -290,7 +291,8 @@ def _build(spec: EmbeddedSpec, path: Path) -> None:
 
     model_cls, args_cls = model_classes(spec.config)
     model = model_cls(args_cls.from_dict(spec.config))
-    params = tree_flatten(model.parameters())
+    # a list of (name, array) pairs (mlx types the result as a list or a dict)
+    params = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
     new = [(k, mx.array(_random_value(spec.seed, k, tuple(v.shape)))) for k, v in params]
     # Zero logits for the special tokens: greedy decoding never ends early, so
     # benchmarks against other servers generate the same number of tokens.

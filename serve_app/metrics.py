@@ -15,6 +15,7 @@ so the engine and the cache store stay free of Ray and of metric code.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -229,10 +230,9 @@ class RayRecorder(Recorder):
     """
 
     def __init__(self, where: Where, serve: bool) -> None:
-        if serve:
-            from ray.serve import metrics as mod
-        else:
-            from ray.util import metrics as mod
+        # Two modules with the same three classes, so typed as a module (ray.serve.metrics
+        # also types tag_keys as a 1-tuple where ray.util.metrics takes any tuple).
+        mod = importlib.import_module("ray.serve.metrics" if serve else "ray.util.metrics")
         self._metrics: dict[str, Any] = {}
         for d in METRICS:
             if d.where != where:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 
 from serve_app.embedded import EMBEDDED_MODELS, EMBEDDED_PREFIX
 from serve_app.normalize import RULE_NAMES
@@ -255,7 +256,7 @@ def _format_loc(prefix: str, loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _describe(err: dict) -> str:
+def _describe(err: ErrorDetails) -> str:
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
