@@ -172,8 +172,8 @@ class Preparer:
         tic = time.perf_counter()
         check_prompt_size(request, self.profile.prompt_char_limit(), self.profile.context_length,
                           self.profile.max_messages)
-        chat = isinstance(request, ChatCompletionRequest)
-        rendered = self.template_input(request) if chat else None
+        chat = request if isinstance(request, ChatCompletionRequest) else None
+        rendered = self.template_input(chat) if chat is not None else None
         prompt = self.prompt_tokens(request, rendered)
         if not prompt:
             raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
@@ -197,16 +197,16 @@ class Preparer:
             seed=request.seed,
         )
         self.check_tools(request)
-        offered = chat and request.wants_tools()
-        isolate = self.profile.cache.isolate_by_api_key and caller is not None
+        offered = chat is not None and rendered is not None and chat.wants_tools()
+        isolate = self.profile.cache.isolate_by_api_key
         prepared = PreparedRequest(
             prompt=prompt, params=params, stops=request.stop_list(), salt=request.cache_salt,
-            api_key_digest=caller.api_key_digest if isolate else None,
+            api_key_digest=caller.api_key_digest if isolate and caller is not None else None,
             logprobs=request.top_logprobs_wanted(),
-            response_format=request.response_format if chat else None,
-            tools=rendered.tools if offered else None,
-            tool_choice=_choice(request) if offered else None,
-            parallel_tool_calls=not chat or request.parallel_tool_calls is not False)
+            response_format=chat.response_format if chat is not None else None,
+            tools=rendered.tools if offered and rendered is not None else None,
+            tool_choice=_choice(chat) if offered and chat is not None else None,
+            parallel_tool_calls=chat is None or chat.parallel_tool_calls is not False)
         self.grammar(prepared)  # a schema or tool choice that does not compile: 400 now
         prepared.normalized = rendered.normalized if rendered else ()
         prepared.branch_points = self.branch_points(request, prompt, rendered)

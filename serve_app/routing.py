@@ -114,8 +114,10 @@ def rank(candidates: list[Candidate], runs: dict[str, list[str]], prompt_tokens:
 class PrefixAffinityRouter(RequestRouter):
     """Ray Serve request router for the model deployments (see the module docstring)."""
 
-    def initialize_state(self, model: str = "", load_cost_tokens: float = 512.0,
-                         follow_s: float = 0.25) -> None:
+    # Ray calls this with the deployment's request_router_kwargs as keywords; its base
+    # declares them as **kwargs, so any named parameters "break" the override.
+    def initialize_state(self, model: str = "",  # type: ignore[override]
+                         load_cost_tokens: float = 512.0, follow_s: float = 0.25) -> None:
         from serve_app.cache.actor import DirectoryFollower
 
         self.model = model
@@ -158,7 +160,8 @@ class PrefixAffinityRouter(RequestRouter):
         reported = {r.replica_id: ReplicaInfo.from_stats(r.routing_stats)
                     for r in candidate_replicas}
         info = next((i for i in reported.values() if i is not None), None)
-        if prepared is None or info is None:  # not a generation, or no replica reported yet
+        if prepared is None or info is None or pending_request is None:
+            # not a generation, or no replica reported yet
             return self._least_loaded(candidate_replicas)
         bs = info.block_size
         root = salted_root(info.root, prepared.salt, prepared.api_key_digest)
