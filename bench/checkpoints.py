@@ -21,6 +21,7 @@ import mlx_lm
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
+from serve_app.events import Delta, Finish
 from serve_app.openai_api import CompletionRequest
 from serve_app.profile import ModelProfile
 from serve_app.service import ModelService
@@ -31,7 +32,7 @@ async def _ttft(service: ModelService, prompt: list[int]) -> float:
                                                  temperature=0))
     tic = time.perf_counter()
     async for events in service.stream(prepared):
-        if any(e["type"] in ("delta", "finish") for e in events):
+        if any(isinstance(e, (Delta, Finish)) for e in events):
             break
     return time.perf_counter() - tic
 

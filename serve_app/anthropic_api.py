@@ -2,8 +2,8 @@
 
 Pure translation, no model and no Ray: a ``/v1/messages`` body becomes a
 ``ChatInput`` (OpenAI-style chat messages, as a chat template expects them),
-and the service's internal events (``start``, ``delta``, ``finish``, ``error``
-dicts, plus ``ToolCall`` objects) become Anthropic's ``message`` object or its
+and the replica's typed events (``serve_app.events``: ``Start``, ``Delta``,
+``ToolCall``, ``Finish``, ``Failure``) become Anthropic's ``message`` object or its
 SSE event sequence. Shapes are checked against the ``anthropic`` SDK in
 ``tests/test_anthropic_units.py``.
 
@@ -31,6 +31,7 @@ from pydantic import (
     ValidationError,
 )
 
+from serve_app.events import Delta, Event, Failure, Finish, Start
 from serve_app.openai_api import MAX_TOKENS, ApiError, checked
 from serve_app.tools import ToolCall
 from serve_app.validation import clean_loc
@@ -618,24 +619,22 @@ class MessageStream:
         self._index = -1
         self._tool_calls = 0
 
-    def feed(self, event: dict[str, Any] | ToolCall) -> list[dict[str, Any]]:
-        """Dispatch one internal event (``start``/``delta``/``finish``/``error`` dict or
-        a ``ToolCall``)."""
+    def feed(self, event: Event) -> list[dict[str, Any]]:
+        """Dispatch one replica event (``serve_app.events``)."""
         if isinstance(event, ToolCall):
             return self.tool_call(event)
-        kind = event["type"]
-        if kind == "start":
-            return self.start(event["prompt_tokens"], event.get("cached_tokens", 0))
-        if kind == "delta":
-            return self.text(event["text"])
-        if kind == "finish":
-            return self.finish(event["finish_reason"], prompt_tokens=event["prompt_tokens"],
-                               completion_tokens=event["completion_tokens"],
-                               cached_tokens=event.get("cached_tokens", 0),
-                               stop_sequence=event.get("stop_sequence"))
-        if kind == "error":
-            return self.error(ApiError.from_event(event))
-        raise ValueError(f"unknown internal event type {kind!r}")
+        if isinstance(event, Start):
+            return self.start(event.prompt_tokens, event.cached_tokens)
+        if isinstance(event, Delta):
+            return self.text(event.text)
+        if isinstance(event, Finish):
+            return self.finish(event.finish_reason, prompt_tokens=event.prompt_tokens,
+                               completion_tokens=event.completion_tokens,
+                               cached_tokens=event.cached_tokens,
+                               stop_sequence=event.stop_sequence)
+        if isinstance(event, Failure):
+            return self.error(ApiError.from_failure(event))
+        raise ValueError(f"unknown event {event!r}")
 
     def start(self, prompt_tokens: int, cached_tokens: int = 0) -> list[dict[str, Any]]:
         self._check(started=False)
@@ -737,11 +736,11 @@ class MessageCollector:
     def done(self) -> bool:
         return self._stream.done
 
-    def feed(self, event: dict[str, Any] | ToolCall) -> None:
-        """Take one internal event; an error event raises its ``ApiError``."""
-        if isinstance(event, dict) and event["type"] == "error":
+    def feed(self, event: Event) -> None:
+        """Take one replica event; a ``Failure`` raises its ``ApiError``."""
+        if isinstance(event, Failure):
             self._stream.done = True
-            raise ApiError.from_event(event)
+            raise ApiError.from_failure(event)
         self._events += self._stream.feed(event)
 
     def message(self) -> dict[str, Any]:

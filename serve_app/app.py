@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app import auth
 from serve_app.compat import TOKENIZER_FILES, download_model, serve_replica_env
+from serve_app.events import Event
 from serve_app.http import OpenAIIngress, api
 from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition
 from serve_app.openai_api import ApiError, Caller, OpenAIRequest
@@ -134,7 +135,7 @@ class ModelReplica:
         return True
 
     async def generate(self, request: OpenAIRequest | PreparedRequest,
-                       caller: Caller) -> AsyncIterator[list[dict]]:
+                       caller: Caller) -> AsyncIterator[list[Event]]:
         """Event batches for one request, which the ingress has already validated (and,
         where replicas are routed on prefixes, prepared: the router needed its tokens)."""
         from serve_app.prepare import PreparedRequest
@@ -147,7 +148,7 @@ class ModelReplica:
             # Grammars compile here, off the event loop (cached per schema).
             processors = await self.stage.run(self.service.constraints, prepared)
         except ApiError as exc:
-            yield [exc.to_event()]
+            yield [exc.to_failure()]
             return
         async for events in self.service.stream(prepared, processors):
             yield events

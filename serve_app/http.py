@@ -23,24 +23,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import anthropic_api as anthropic
 from serve_app import auth, responses_api
+from serve_app.events import Delta, Event, Failure, Start
 from serve_app.metrics import Recorder
 from serve_app.openai_api import (
+    CHAT,
+    COMPLETION,
     ApiError,
     Caller,
     ChatCompletionRequest,
+    CompletionCollector,
     CompletionRequest,
+    CompletionStream,
     OpenAIRequest,
-    Usage,
+    Wire,
     check_message_count,
     check_prompt_size,
     checked,
-    full_response,
-    logprobs_out,
-    new_id,
-    now,
-    stream_chunk,
-    tool_call_out,
-    usage_chunk,
 )
 from serve_app.validation import clean_loc
 
@@ -250,7 +248,8 @@ class OpenAIIngress:
     recorder: Recorder = Recorder()
 
     async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller) -> Any:
-        """The model's event batches for ``request`` (an async iterator)."""
+        """The model's event batches (lists of ``serve_app.events``) for ``request``
+        (an async iterator)."""
         raise NotImplementedError
 
     async def model_stats(self) -> dict:
@@ -311,17 +310,17 @@ class OpenAIIngress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._complete(request, "chat", ChatCompletionRequest)
+        return await self._complete(request, CHAT, ChatCompletionRequest)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._complete(request, "completion", CompletionRequest)
+        return await self._complete(request, COMPLETION, CompletionRequest)
 
-    async def _complete(self, request: Request, kind: str, cls):
+    async def _complete(self, request: Request, wire: Wire, cls):
         """One completion request, counted by model and HTTP status."""
         labels = {"model": "unknown", "status": "500"}
         try:
-            response = await self._answer(request, kind, cls, labels)
+            response = await self._answer(request, wire, cls, labels)
             labels["status"] = "200"
             return response
         except ApiError as exc:
@@ -330,28 +329,30 @@ class OpenAIIngress:
         finally:
             self.recorder.inc("serve_app_requests", 1, labels)
 
-    async def _answer(self, request: Request, kind: str, cls, labels: dict[str, str]):
+    async def _answer(self, request: Request, wire: Wire, cls, labels: dict[str, str]):
         parsed = await self._body(request, lambda body: checked(cls, body, _validation_error))
         deadline = self._deadline()
-        events, first = await self._open(parsed, caller_of(request), labels, deadline)
-        rid = new_id(kind)
-        include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        events, start = await self._open(parsed, caller_of(request), labels, deadline)
         if parsed.stream:
+            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+            stream = CompletionStream(wire, parsed.model, include_usage=include_usage)
             return StreamingResponse(
-                self._sse(events, kind, rid, parsed.model, first[1:], include_usage),
+                self._stream(events, stream, start, parsed.model, sse, end=b"data: [DONE]\n\n"),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        return await self._collect(events, kind, rid, parsed.model, first[1:], deadline)
+        collector = CompletionCollector(wire, parsed.model)
+        await self._collect(events, collector, start, parsed.model, deadline)
+        return collector.response()
 
     def _deadline(self) -> float:
         """When a request arriving now times out (``asyncio``'s clock)."""
         return asyncio.get_running_loop().time() + self.profile.ingress.request_timeout_s
 
     async def _open(self, parsed: OpenAIRequest, caller: Caller, labels: dict[str, str],
-                    deadline: float) -> tuple[Any, list[dict]]:
-        """Send a validated request to its model: its event stream, once the replica has
-        admitted it (its first event; an error before that is raised here, as the HTTP
+                    deadline: float) -> tuple[Any, Start]:
+        """Send a validated request to its model: its event stream and its ``Start``, once
+        the replica has admitted it (an error before that is raised here, as the HTTP
         error; so is a timeout at ``deadline``: 504, the replica's work cancelled)."""
         m = self.model_of(parsed.model)
         labels["model"] = m.name
@@ -368,8 +369,8 @@ class OpenAIIngress:
                 _cancel(events)
             raise timeout_error(m.name, self.profile.ingress.request_timeout_s) from None
 
-    async def _first(self, events: Any, name: str) -> list[dict]:
-        """The replica's first event batch: ``start`` (admitted) or an error."""
+    async def _first(self, events: Any, name: str) -> Start:
+        """The replica's first event batch: ``[Start]`` (admitted) or ``[Failure]``."""
         try:
             first = await events.__anext__()
         except StopAsyncIteration:
@@ -379,10 +380,14 @@ class OpenAIIngress:
             if not self.replica_lost(name, exc):
                 raise
             raise replica_lost_error(name) from None
-        if first[0]["type"] == "error":
-            _cancel(events)
-            raise ApiError.from_event(first[0])
-        return first
+        head = first[0] if len(first) == 1 else None
+        if isinstance(head, Start):
+            return head
+        _cancel(events)
+        if isinstance(head, Failure):
+            raise ApiError.from_failure(head)
+        raise ApiError(500, f"the model replica began the request with {first!r}, not a "
+                            "start event", type="server_error")
 
     def model_of(self, name: str) -> Any:
         m = self.profile.model(name)
@@ -404,40 +409,24 @@ class OpenAIIngress:
             defaults = {"temperature": m.sampling.temperature, "top_p": m.sampling.top_p}
             deadline = self._deadline()
             try:
-                events, first = await self._open(responses_api.to_chat_request(parsed),
+                events, start = await self._open(responses_api.to_chat_request(parsed),
                                                  caller_of(request), labels, deadline)
             except ApiError as exc:  # named as the Responses request has it
                 raise responses_api.renamed(exc) from None
             labels["status"] = "200"
             if parsed.stream:
                 stream = responses_api.ResponseStream(parsed, **defaults)
-                return StreamingResponse(self._responses_sse(events, stream, first),
-                                         media_type="text/event-stream", headers=SSE_HEADERS)
+                return StreamingResponse(
+                    self._stream(events, stream, start, parsed.model, responses_api.sse_event),
+                    media_type="text/event-stream", headers=SSE_HEADERS)
             collector = responses_api.ResponseCollector(parsed, **defaults)
-            try:
-                async for e in self._iter(events, parsed.model, first, deadline):
-                    collector.feed(e)
-                    if collector.done:
-                        break
-            finally:
-                _cancel(events)
+            await self._collect(events, collector, start, parsed.model, deadline)
             return JSONResponse(collector.response())
         except ApiError as exc:
             labels["status"] = str(exc.status)
             raise
         finally:
             self.recorder.inc("serve_app_requests", 1, labels)
-
-    async def _responses_sse(self, events, stream: responses_api.ResponseStream,
-                             pending: list[dict]):
-        try:
-            async for e in self._iter(events, stream.response["model"], pending):
-                for out in stream.feed(e):
-                    yield responses_api.sse_event(out)
-                if stream.done:
-                    break
-        finally:
-            _cancel(events)
 
     # ---- Anthropic's Messages API ------------------------------------------------------
 
@@ -449,20 +438,16 @@ class OpenAIIngress:
             parsed = await self._body(request, anthropic.parse_messages_request)
             chat = anthropic.to_chat_input(parsed)
             deadline = self._deadline()
-            events, first = await self._open(chat_request(chat, parsed.model, parsed.stream),
+            events, start = await self._open(chat_request(chat, parsed.model, parsed.stream),
                                              caller_of(request), labels, deadline)
             labels["status"] = "200"
             if parsed.stream:
-                return StreamingResponse(self._anthropic_sse(events, parsed.model, first),
-                                         media_type="text/event-stream", headers=SSE_HEADERS)
+                stream = anthropic.MessageStream(parsed.model)
+                return StreamingResponse(
+                    self._stream(events, stream, start, parsed.model, anthropic.sse_event),
+                    media_type="text/event-stream", headers=SSE_HEADERS)
             collector = anthropic.MessageCollector(parsed.model)
-            try:
-                async for e in self._iter(events, parsed.model, first, deadline):
-                    collector.feed(_anthropic_input(e))
-                    if collector.done:
-                        break
-            finally:
-                _cancel(events)
+            await self._collect(events, collector, start, parsed.model, deadline)
             return JSONResponse(collector.message())
         except ApiError as exc:
             labels["status"] = str(exc.status)
@@ -514,27 +499,46 @@ class OpenAIIngress:
         return await parsed_body(request, int(self.profile.ingress.max_request_bytes), parse,
                                  bounded)
 
-    async def _anthropic_sse(self, events, model: str, pending: list[dict]):
-        stream = anthropic.MessageStream(model)
+    async def _stream(self, events, stream: Any, start: Start, model: str,
+                      encode: Callable[[dict], bytes], end: bytes = b""):
+        """An API's SSE body: ``stream`` (that API's consumer) fed ``start`` and then the
+        replica's events until it is done, each of its outputs through ``encode``; then
+        ``end``."""
         try:
-            async for e in self._iter(events, model, pending):
-                for out in stream.feed(_anthropic_input(e)):
-                    yield anthropic.sse_event(out)
+            for out in stream.feed(start):
+                yield encode(out)
+            async for e in self._iter(events, model):
+                for out in stream.feed(e):
+                    yield encode(out)
                 if stream.done:
+                    break
+            if end:
+                yield end
+        finally:
+            _cancel(events)
+
+    async def _collect(self, events, collector: Any, start: Start, model: str,
+                       deadline: float) -> None:
+        """A non-streamed answer: ``collector`` (that API's consumer of the same events)
+        fed ``start`` and then the replica's events until it is done; a ``Failure`` raises
+        there, passing ``deadline`` raises 504."""
+        try:
+            collector.feed(start)
+            async for e in self._iter(events, model, deadline):
+                collector.feed(e)
+                if collector.done:
                     break
         finally:
             _cancel(events)
 
-    async def _iter(self, events, model: str, pending: list[dict],
-                    deadline: float | None = None) -> AsyncIterator[dict]:
-        """Events one by one; consecutive deltas of one batch merge into one.
+    async def _iter(self, events, model: str,
+                    deadline: float | None = None) -> AsyncIterator[Event]:
+        """Events one by one, after the ``Start``; consecutive deltas of one batch merge
+        into one.
 
-        A replica lost mid-request ends the events with a 503 error event. With a
+        A replica lost mid-request ends the events with a 503 ``Failure``. With a
         ``deadline`` (a whole answer is collected), passing it raises 504.
         """
-        if pending:
-            for e in _merge_deltas(pending):
-                yield e
         try:
             while True:
                 try:
@@ -554,62 +558,7 @@ class OpenAIIngress:
         except Exception as exc:
             if not self.replica_lost(model, exc):
                 raise
-            yield replica_lost_error(model).to_event()
-
-    async def _collect(self, events, kind: str, rid: str, model: str, pending: list[dict],
-                       deadline: float | None = None):
-        parts: list[str] = []
-        calls: list[dict] = []
-        logprobs: list[dict] | None = None
-        try:
-            async for e in self._iter(events, model, pending, deadline):
-                if e["type"] == "delta":
-                    parts.append(e["text"])
-                    if "logprobs" in e:
-                        logprobs = logprobs if logprobs is not None else []
-                        logprobs.extend(e["logprobs"])
-                elif e["type"] == "tool_call":
-                    calls.append(e)
-                elif e["type"] == "error":
-                    raise ApiError.from_event(e)
-                elif e["type"] == "finish":
-                    usage = Usage(e["prompt_tokens"], e["completion_tokens"], e["cached_tokens"])
-                    return full_response(kind, rid, model, "".join(parts), e["finish_reason"],
-                                         usage, calls, logprobs)
-        finally:
-            _cancel(events)
-        raise ApiError(500, "the model replica ended the request early", type="server_error")
-
-    async def _sse(self, events, kind, rid, model, pending, include_usage):
-        created = now()
-        try:
-            if kind == "chat":
-                yield sse(stream_chunk(kind, rid, model, created, text="", role=True))
-            calls = offset = 0
-            async for e in self._iter(events, model, pending):
-                if e["type"] == "delta":
-                    logprobs = logprobs_out(kind, e.get("logprobs"), offset)
-                    offset += len(e["text"])
-                    yield sse(stream_chunk(kind, rid, model, created, text=e["text"],
-                                           logprobs=logprobs))
-                elif e["type"] == "tool_call":
-                    yield sse(stream_chunk(kind, rid, model, created,
-                                           tool_calls=[tool_call_out(e, calls)]))
-                    calls += 1
-                elif e["type"] == "error":
-                    yield sse({"error": e["error"]})
-                    break
-                elif e["type"] == "finish":
-                    yield sse(stream_chunk(kind, rid, model, created,
-                                           finish_reason=e["finish_reason"]))
-                    if include_usage:
-                        usage = Usage(e["prompt_tokens"], e["completion_tokens"],
-                                      e["cached_tokens"])
-                        yield sse(usage_chunk(kind, rid, model, created, usage))
-                    break
-            yield b"data: [DONE]\n\n"
-        finally:
-            _cancel(events)
+            yield replica_lost_error(model).to_failure()
 
 
 def chat_request(chat: anthropic.ChatInput, model: str, stream: bool) -> ChatCompletionRequest:
@@ -630,25 +579,17 @@ def chat_request(chat: anthropic.ChatInput, model: str, stream: bool) -> ChatCom
     return parsed
 
 
-def _anthropic_input(event: dict) -> dict | anthropic.ToolCall:
-    if event["type"] == "tool_call":
-        return anthropic.ToolCall(event["id"], event["name"], event["arguments"])
-    return event
-
-
 def _anthropic_error(exc: ApiError) -> JSONResponse:
     reply = anthropic.error_reply(exc)
     return JSONResponse(reply.body(), status_code=reply.status, headers=reply.headers)
 
 
-def _merge_deltas(batch: list[dict]) -> list[dict]:
-    out: list[dict] = []
+def _merge_deltas(batch: list[Event]) -> list[Event]:
+    out: list[Event] = []
     for e in batch:
-        if e["type"] == "delta" and out and out[-1]["type"] == "delta":
-            merged = {"type": "delta", "text": out[-1]["text"] + e["text"]}
-            if "logprobs" in out[-1] or "logprobs" in e:
-                merged["logprobs"] = out[-1].get("logprobs", []) + e.get("logprobs", [])
-            out[-1] = merged
+        last = out[-1] if out else None
+        if isinstance(e, Delta) and isinstance(last, Delta):
+            out[-1] = last.merged(e)
         else:
             out.append(e)
     return out

@@ -26,6 +26,8 @@ from pydantic import (
     ValidationError,
 )
 
+from serve_app.events import Delta, Event, Failure, Finish, Start, TokenLogprob, ToolCall
+
 
 @dataclass(frozen=True)
 class Caller:
@@ -61,8 +63,8 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def __reduce__(self):
-        """Picklable (it crosses Ray from a replica): rebuilt from its event form."""
-        return (ApiError.from_event, (self.to_event(),))
+        """Picklable (it crosses Ray from a replica): rebuilt from its ``Failure``."""
+        return (ApiError.from_failure, (self.to_failure(),))
 
     def body(self) -> dict:
         return {
@@ -74,26 +76,15 @@ class ApiError(Exception):
             }
         }
 
-    def to_event(self) -> dict:
-        """A picklable form, to cross from a replica to the ingress."""
-        return {
-            "type": "error",
-            "status": self.status,
-            "error": self.body()["error"],
-            "headers": self.headers,
-        }
+    def to_failure(self) -> Failure:
+        """The error as a replica's event, to cross from a replica to the ingress."""
+        return Failure(self.status, self.message, self.type, self.param, self.code,
+                       dict(self.headers))
 
     @classmethod
-    def from_event(cls, event: dict) -> ApiError:
-        e = event["error"]
-        return cls(
-            event["status"],
-            e["message"],
-            type=e["type"],
-            param=e["param"],
-            code=e["code"],
-            headers=event.get("headers"),
-        )
+    def from_failure(cls, failure: Failure) -> ApiError:
+        return cls(failure.status, failure.message, type=failure.type, param=failure.param,
+                   code=failure.code, headers=dict(failure.headers))
 
 
 MAX_STOPS = 16
@@ -432,85 +423,40 @@ class Usage:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-
-def new_id(kind: str) -> str:
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    return f"{prefix}-{uuid.uuid4().hex}"
+    @classmethod
+    def of(cls, finish: Finish) -> Usage:
+        return cls(finish.prompt_tokens, finish.completion_tokens, finish.cached_tokens)
 
 
 def now() -> int:
     return int(time.time())
 
 
-def tool_call_out(call: dict, index: int | None = None) -> dict:
-    """A ``tool_call`` event in OpenAI's shape (``index`` in stream deltas)."""
-    out = {"id": call["id"], "type": "function",
-           "function": {"name": call["name"], "arguments": call["arguments"]}}
+def tool_call_out(call: ToolCall, index: int | None = None) -> dict:
+    """A tool call in OpenAI's shape (``index`` in stream deltas)."""
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments}}
     return {"index": index, **out} if index is not None else out
 
 
-def logprobs_out(kind: str, entries: list[dict] | None, offset: int = 0) -> dict | None:
-    """Token logprobs in the shape of the endpoint: chat's ``{"content": [...]}`` or the
-    completions API's parallel lists (``text_offset`` from ``offset``)."""
-    if entries is None:
-        return None
-    if kind == "chat":
-        return {"content": entries, "refusal": None}
-    offsets, at = [], offset
-    for e in entries:
-        offsets.append(at)
-        at += len(e["token"])
-    return {"tokens": [e["token"] for e in entries],
-            "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
-                             for e in entries],
-            "text_offset": offsets}
+def _token_entry(t: TokenLogprob) -> dict:
+    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
 
 
-def full_response(
-    kind: str, rid: str, model: str, text: str, finish_reason: str, usage: Usage,
-    tool_calls: list[dict] | None = None, logprobs: list[dict] | None = None,
-) -> dict:
-    if kind == "chat":
-        message: dict[str, Any] = {"role": "assistant", "content": text or None}
-        if tool_calls:
-            message["tool_calls"] = [tool_call_out(c) for c in tool_calls]
-        else:
-            message["content"] = text
-        choice = {
-            "index": 0,
-            "message": message,
-            "finish_reason": finish_reason,
-            "logprobs": logprobs_out(kind, logprobs),
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason,
-                  "logprobs": logprobs_out(kind, logprobs)}
-        obj = "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": now(),
-        "model": model,
-        "choices": [choice],
-        "usage": usage.to_dict(),
-    }
+class ChatWire:
+    """``/v1/chat/completions``' shapes: message and delta choices, chat logprobs."""
 
+    id_prefix = "chatcmpl"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
 
-def stream_chunk(
-    kind: str,
-    rid: str,
-    model: str,
-    created: int,
-    *,
-    text: str | None = None,
-    role: bool = False,
-    finish_reason: str | None = None,
-    tool_calls: list[dict] | None = None,
-    logprobs: dict | None = None,
-) -> dict:
-    if kind == "chat":
+    def opening(self) -> dict | None:
+        """The stream's first choice, before any text: the assistant's role."""
+        return self.chunk_choice(text="", role=True)
+
+    def chunk_choice(self, *, text: str | None = None, role: bool = False,
+                     finish_reason: str | None = None, tool_calls: list[dict] | None = None,
+                     logprobs: dict | None = None) -> dict:
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
@@ -518,27 +464,147 @@ def stream_chunk(
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
-                  "logprobs": logprobs}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {
-            "index": 0,
-            "text": text or "",
-            "finish_reason": finish_reason,
-            "logprobs": logprobs,
-        }
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+
+    def choice(self, text: str, finish_reason: str, tool_calls: list[ToolCall],
+               logprobs: tuple[TokenLogprob, ...] | None) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if tool_calls:
+            message["tool_calls"] = [tool_call_out(c) for c in tool_calls]
+        else:
+            message["content"] = text
+        return {"index": 0, "message": message, "finish_reason": finish_reason,
+                "logprobs": self.logprobs(logprobs)}
+
+    def logprobs(self, entries: tuple[TokenLogprob, ...] | None, offset: int = 0) -> dict | None:
+        """``{"content": [...]}``, each entry with its ``top_logprobs``."""
+        if entries is None:
+            return None
+        return {"content": [{**_token_entry(e), "top_logprobs": [_token_entry(t) for t in e.top]}
+                            for e in entries],
+                "refusal": None}
 
 
-def usage_chunk(kind: str, rid: str, model: str, created: int, usage: Usage) -> dict:
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage.to_dict(),
-    }
+class CompletionWire:
+    """``/v1/completions``' shapes: text choices, the legacy parallel-list logprobs."""
+
+    id_prefix = "cmpl"
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def opening(self) -> dict | None:
+        return None
+
+    def chunk_choice(self, *, text: str | None = None, role: bool = False,
+                     finish_reason: str | None = None, tool_calls: list[dict] | None = None,
+                     logprobs: dict | None = None) -> dict:
+        return {"index": 0, "text": text or "", "finish_reason": finish_reason,
+                "logprobs": logprobs}
+
+    def choice(self, text: str, finish_reason: str, tool_calls: list[ToolCall],
+               logprobs: tuple[TokenLogprob, ...] | None) -> dict:
+        return {"index": 0, "text": text, "finish_reason": finish_reason,
+                "logprobs": self.logprobs(logprobs)}
+
+    def logprobs(self, entries: tuple[TokenLogprob, ...] | None, offset: int = 0) -> dict | None:
+        """Parallel lists; ``text_offset`` counts from ``offset``."""
+        if entries is None:
+            return None
+        offsets, at = [], offset
+        for e in entries:
+            offsets.append(at)
+            at += len(e.token)
+        return {"tokens": [e.token for e in entries],
+                "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+                "text_offset": offsets}
+
+
+Wire = ChatWire | CompletionWire
+CHAT = ChatWire()
+COMPLETION = CompletionWire()
+
+
+class CompletionStream:
+    """A replica's events in, one OpenAI endpoint's (``wire``) stream chunks out; the same
+    steps keep what the non-streamed answer needs (``response``).
+
+    On ``Start`` (chat) the role chunk, a chunk per ``Delta`` and per ``ToolCall``, on
+    ``Finish`` the finish chunk and, with ``include_usage``, the usage chunk; a
+    ``Failure`` is one ``{"error": ...}`` object. Each ``feed`` returns the chunks to
+    send now; ``done`` once the answer ended.
+    """
+
+    def __init__(self, wire: Wire, model: str, *, include_usage: bool = False) -> None:
+        self.wire, self.model, self.include_usage = wire, model, include_usage
+        self.id = f"{wire.id_prefix}-{uuid.uuid4().hex}"
+        self.created = now()
+        self.done = False
+        self.finish: Finish | None = None
+        self._text: list[str] = []
+        self._calls: list[ToolCall] = []
+        self._logprobs: list[TokenLogprob] | None = None
+        self._offset = 0  # of the next delta's text
+
+    def feed(self, event: Event) -> list[dict]:
+        if isinstance(event, Start):
+            opening = self.wire.opening()
+            return [self._chunk(opening)] if opening is not None else []
+        if isinstance(event, Delta):
+            logprobs = self.wire.logprobs(event.logprobs, self._offset)
+            self._offset += len(event.text)
+            self._text.append(event.text)
+            if event.logprobs is not None:
+                self._logprobs = (self._logprobs or []) + list(event.logprobs)
+            return [self._chunk(self.wire.chunk_choice(text=event.text, logprobs=logprobs))]
+        if isinstance(event, ToolCall):
+            out = tool_call_out(event, len(self._calls))
+            self._calls.append(event)
+            return [self._chunk(self.wire.chunk_choice(tool_calls=[out]))]
+        if isinstance(event, Finish):
+            self.done, self.finish = True, event
+            out = [self._chunk(self.wire.chunk_choice(finish_reason=event.finish_reason))]
+            if self.include_usage:
+                out.append({**self._chunk(None), "choices": [],
+                            "usage": Usage.of(event).to_dict()})
+            return out
+        if isinstance(event, Failure):
+            self.done = True
+            return [ApiError.from_failure(event).body()]
+        raise ValueError(f"unknown event {event!r}")
+
+    def _chunk(self, choice: dict | None) -> dict:
+        return {"id": self.id, "object": self.wire.chunk_object, "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    def response(self) -> dict:
+        """The whole answer, once ``Finish`` was fed."""
+        if self.finish is None:
+            raise ApiError(500, "the model replica ended the request early", type="server_error")
+        logprobs = tuple(self._logprobs) if self._logprobs is not None else None
+        choice = self.wire.choice("".join(self._text), self.finish.finish_reason, self._calls,
+                                  logprobs)
+        return {"id": self.id, "object": self.wire.object, "created": now(), "model": self.model,
+                "choices": [choice], "usage": Usage.of(self.finish).to_dict()}
+
+
+class CompletionCollector:
+    """A replica's events in, the non-streamed OpenAI answer out: ``CompletionStream``'s
+    steps, its chunks unsent."""
+
+    def __init__(self, wire: Wire, model: str) -> None:
+        self._stream = CompletionStream(wire, model)
+
+    @property
+    def done(self) -> bool:
+        return self._stream.done
+
+    def feed(self, event: Event) -> None:
+        """Take one event; a ``Failure`` raises its ``ApiError``."""
+        if isinstance(event, Failure):
+            self._stream.done = True
+            raise ApiError.from_failure(event)
+        self._stream.feed(event)
+
+    def response(self) -> dict:
+        return self._stream.response()

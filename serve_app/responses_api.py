@@ -3,8 +3,8 @@
 Pure translation, no model and no Ray, like ``anthropic_api``: a validated
 Responses body becomes the ``ChatCompletionRequest`` every model replica takes
 (so it is templated, cached and decoded exactly as the equivalent chat request),
-and the service's internal events (``start``, ``delta``, ``tool_call``,
-``finish``, ``error`` dicts) become the Responses API's SSE event sequence; the
+and the replica's typed events (``serve_app.events``: ``Start``, ``Delta``,
+``ToolCall``, ``Finish``, ``Failure``) become the Responses API's SSE event sequence; the
 non-streamed ``response`` object is accumulated from those same events. Shapes
 are checked against the ``openai`` SDK's types in ``tests/test_responses_units.py``.
 
@@ -47,6 +47,7 @@ from pydantic import (
     ValidationError,
 )
 
+from serve_app.events import Delta, Event, Failure, Finish, Start, ToolCall
 from serve_app.openai_api import MAX_TOKENS, ApiError, ChatCompletionRequest, checked
 from serve_app.validation import clean_loc
 
@@ -573,21 +574,21 @@ class ResponseStream:
     def response_id(self) -> str:
         return self.response["id"]
 
-    def feed(self, event: dict[str, Any]) -> list[dict[str, Any]]:
-        kind = event["type"]
-        if kind == "start":
+    def feed(self, event: Event) -> list[dict[str, Any]]:
+        """Dispatch one replica event (``serve_app.events``)."""
+        if isinstance(event, Start):
             return self.start()
-        if kind == "delta":
-            return self.text(event["text"])
-        if kind == "tool_call":
-            return self.tool_call(event["id"], event["name"], event["arguments"])
-        if kind == "finish":
-            return self.finish(event["finish_reason"], prompt_tokens=event["prompt_tokens"],
-                               completion_tokens=event["completion_tokens"],
-                               cached_tokens=event.get("cached_tokens", 0))
-        if kind == "error":
-            return self.error(ApiError.from_event(event))
-        raise ValueError(f"unknown internal event type {kind!r}")
+        if isinstance(event, Delta):
+            return self.text(event.text)
+        if isinstance(event, ToolCall):
+            return self.tool_call(event.id, event.name, event.arguments)
+        if isinstance(event, Finish):
+            return self.finish(event.finish_reason, prompt_tokens=event.prompt_tokens,
+                               completion_tokens=event.completion_tokens,
+                               cached_tokens=event.cached_tokens)
+        if isinstance(event, Failure):
+            return self.error(ApiError.from_failure(event))
+        raise ValueError(f"unknown event {event!r}")
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -715,11 +716,11 @@ class ResponseCollector:
     def done(self) -> bool:
         return self._stream.done
 
-    def feed(self, event: dict[str, Any]) -> None:
-        """Take one internal event; an error event raises its ``ApiError``."""
-        if event["type"] == "error":
+    def feed(self, event: Event) -> None:
+        """Take one replica event; a ``Failure`` raises its ``ApiError``."""
+        if isinstance(event, Failure):
             self._stream.done = True
-            raise ApiError.from_event(event)
+            raise ApiError.from_failure(event)
         self._events += self._stream.feed(event)
 
     def response(self) -> dict[str, Any]:

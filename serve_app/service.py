@@ -21,6 +21,7 @@ from serve_app.cache.manager import CacheManager, CacheStats
 from serve_app.compat import download_model, token_bytes_table
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.engine import Engine, EngineEvent, QueueFullError, SamplingParams
+from serve_app.events import Delta, Event, Failure, Finish, Start, TokenLogprob
 from serve_app.metrics import PHASES, Recorder, replica_samples
 from serve_app.normalize import RULE_NAMES
 from serve_app.openai_api import ApiError, Caller, ChatCompletionRequest, CompletionRequest
@@ -104,7 +105,7 @@ class ModelService:
                                             tokenizer.chat_template)
         self.preparer = Preparer(profile, tokenizer, branch_points=self.cache.enabled)
         # Token id -> (its text, its raw bytes), for logprobs; the byte table on first use.
-        self._token_texts: dict[int, tuple[str, list[int]]] = {}
+        self._token_texts: dict[int, tuple[str, tuple[int, ...]]] = {}
         self._token_bytes = _UNKNOWN
 
     @property
@@ -131,12 +132,13 @@ class ModelService:
     # ---- streaming ----------------------------------------------------------------
 
     async def stream(self, prepared: PreparedRequest,
-                     processors: tuple | None = None) -> AsyncIterator[list[dict]]:
+                     processors: tuple | None = None) -> AsyncIterator[list[Event]]:
         """Events for one request, in batches of whatever is ready.
 
-        First ``{"type": "start"}`` (or an error event), then ``delta`` events,
-        then one ``finish`` with usage. Closing the iterator early cancels the
-        request in the engine, which frees its batch slot at once. ``processors``:
+        First ``[Start]`` (or ``[Failure]``), then ``Delta`` and ``ToolCall`` events
+        (``serve_app.events``), then one ``Finish`` with usage (or a ``Failure``). Closing
+        the iterator early cancels the request in the engine, which frees its batch slot
+        at once. ``processors``:
         the request's ``constraints``, built off the event loop by the caller (a new
         schema compiles here otherwise).
         """
@@ -145,13 +147,13 @@ class ModelService:
         for rule in prepared.normalized:
             self.normalized[rule] += 1
         if self.engine.at_capacity():  # before any cache work
-            yield [_queue_full(self.engine.capacity_message()).to_event()]
+            yield [_queue_full(self.engine.capacity_message()).to_failure()]
             return
         if processors is None:
             try:
                 processors = self.constraints(prepared)
             except ApiError as exc:
-                yield [exc.to_event()]
+                yield [exc.to_failure()]
                 return
         plan = await self.cache.plan(prepared.prompt, salt=prepared.salt,
                                      api_key_digest=prepared.api_key_digest,
@@ -168,7 +170,7 @@ class ModelService:
             rid = self.engine.submit(prepared.prompt, params, events.put, plan)
         except QueueFullError as exc:
             await self.cache.release(lease)
-            yield [_queue_full(str(exc)).to_event()]
+            yield [_queue_full(str(exc)).to_failure()]
             return
 
         started = time.monotonic()
@@ -180,8 +182,7 @@ class ModelService:
         releasing: asyncio.Future | None = None
         last_token_at: float | None = None
         try:
-            yield [{"type": "start", "prompt_tokens": len(prepared.prompt),
-                    "cached_tokens": cached}]
+            yield [Start(len(prepared.prompt), cached)]
             last_yield = 0.0
             while not done:
                 # Coalesce: at most one yield per stream interval after the first.
@@ -194,7 +195,7 @@ class ModelService:
                     # Released beside the stream: a slow store never holds up tokens.
                     releasing = asyncio.ensure_future(self.cache.release(lease))
                     lease = None
-                out: list[dict] = []
+                out: list[Event] = []
                 for event in batch:
                     if event.restored is not None:  # the engine took it out of the queue
                         joined = event.at
@@ -203,7 +204,7 @@ class ModelService:
                             self.cache.restore_failed(cached)
                             cached = event.restored
                     if event.error is not None:
-                        out.append(ApiError(500, event.error, type="server_error").to_event())
+                        out.append(ApiError(500, event.error, type="server_error").to_failure())
                         done = True
                         break
                     if event.token is not None:
@@ -226,19 +227,15 @@ class ModelService:
                         reason = "stop" if event.finish_reason == "stop" else "length"
                         done = True
                         break
-                if done and not (out and out[-1]["type"] == "error"):
-                    out.append(
-                        {
-                            "type": "finish",
-                            "finish_reason": "tool_calls" if called and reason == "stop"
-                            else reason,
-                            "prompt_tokens": len(prepared.prompt),
-                            "completion_tokens": decoder.tokens,
-                            "cached_tokens": cached,
-                            "seconds": time.monotonic() - started,
-                            "stop_sequence": decoder.stop_sequence(),
-                        }
-                    )
+                if done and not (out and isinstance(out[-1], Failure)):
+                    out.append(Finish(
+                        finish_reason="tool_calls" if called and reason == "stop" else reason,
+                        prompt_tokens=len(prepared.prompt),
+                        completion_tokens=decoder.tokens,
+                        cached_tokens=cached,
+                        seconds=time.monotonic() - started,
+                        stop_sequence=decoder.stop_sequence(),
+                    ))
                 if out:
                     last_yield = time.monotonic()
                     yield out
@@ -258,40 +255,36 @@ class ModelService:
         grammar = self.preparer.grammar(prepared)
         return (grammar.processor(),) if grammar is not None else ()
 
-    def _logprobs(self, event: EngineEvent) -> dict | None:
-        """A generated token's logprob entry in OpenAI's chat shape (EOS has none)."""
+    def _logprobs(self, event: EngineEvent) -> TokenLogprob | None:
+        """A generated token's logprob entry, with its alternatives (EOS has none)."""
         if event.logprob is None or event.token in self.eos_ids:
             return None
-        return {**self._token_entry(event.token, event.logprob),
-                "top_logprobs": [self._token_entry(t, lp) for t, lp in event.top_logprobs]}
+        entry = self._token_entry(event.token, event.logprob)
+        return replace(entry, top=tuple(self._token_entry(t, lp)
+                                        for t, lp in event.top_logprobs))
 
-    def _token_entry(self, token: int, logprob: float) -> dict:
+    def _token_entry(self, token: int, logprob: float) -> TokenLogprob:
         known = self._token_texts.get(token)
         if known is None:  # once per token id, not per generated token
             text = self.tokenizer.decode([token])
             if self._token_bytes is _UNKNOWN:
                 self._token_bytes = token_bytes_table(self.tokenizer)
             raw = self._token_bytes(token) if self._token_bytes else text.encode()
-            known = self._token_texts[token] = (text, list(raw))
-        return {"token": known[0], "logprob": logprob, "bytes": known[1]}
+            known = self._token_texts[token] = (text, tuple(raw))
+        return TokenLogprob(known[0], logprob, known[1])
 
     @staticmethod
-    def _emit(out: list[dict], text: str, calls: ToolCallStream | None,
-              logprobs: dict | None, final: bool = False) -> int:
-        """Text (with tool-call markup taken out as ``tool_call`` events) and logprobs into
+    def _emit(out: list[Event], text: str, calls: ToolCallStream | None,
+              logprobs: TokenLogprob | None, final: bool = False) -> int:
+        """Text (with tool-call markup taken out as ``ToolCall`` events) and logprobs into
         ``out``; returns the tool calls emitted."""
         found = []
         if calls is not None:
             update = calls.finish(text) if final else calls.feed(text)
             text, found = update.text, update.calls
         if text or logprobs is not None:
-            delta: dict = {"type": "delta", "text": text}
-            if logprobs is not None:
-                delta["logprobs"] = [logprobs]
-            out.append(delta)
-        for call in found:
-            out.append({"type": "tool_call", "id": call.id, "name": call.name,
-                        "arguments": call.arguments})
+            out.append(Delta(text, (logprobs,) if logprobs is not None else None))
+        out.extend(found)
         return len(found)
 
     def stream_interval(self) -> float:

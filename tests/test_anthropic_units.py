@@ -7,6 +7,7 @@ must parse them into its own types (``Message``, stream events, errors).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -33,6 +34,7 @@ from serve_app.anthropic_api import (
     to_chat_input,
     usage,
 )
+from serve_app.events import Delta, Event, Finish, Start
 from serve_app.openai_api import ApiError
 
 # The SDK's own HTTP module: httpx for older releases, httpx2 for newer ones.
@@ -73,14 +75,10 @@ def base_request(**extra: Any) -> dict[str, Any]:
 
 def internal(prompt: int = 30, cached: int = 16, *texts: str, reason: str = "stop",
              completion: int = 7, stop_sequence: str | None = None,
-             calls: tuple[ToolCall, ...] = ()) -> list[dict | ToolCall]:
+             calls: tuple[ToolCall, ...] = ()) -> list[Event]:
     """The service's events for one generation: start, text deltas, tool calls, finish."""
-    finish = {"type": "finish", "finish_reason": reason, "prompt_tokens": prompt,
-              "completion_tokens": completion, "cached_tokens": cached, "seconds": 0.1}
-    if stop_sequence is not None:
-        finish["stop_sequence"] = stop_sequence
-    return [{"type": "start", "prompt_tokens": prompt, "cached_tokens": cached},
-            *({"type": "delta", "text": t} for t in texts), *calls, finish]
+    finish = Finish(reason, prompt, completion, cached, 0.1, stop_sequence)
+    return [Start(prompt, cached), *(Delta(t) for t in texts), *calls, finish]
 
 
 def stream_events(events: list, message_id: str = "msg_test") -> list[dict]:
@@ -448,7 +446,7 @@ def test_sdk_stream_request_refused_before_streaming_raises_bad_request():
 def test_sdk_raises_on_an_error_event_mid_stream():
     stream = MessageStream(MODEL, "msg_err")
     sent = stream.start(30) + stream.text("partial ")
-    sent += stream.feed(ApiError(503, "the replica went away; retry shortly").to_event())
+    sent += stream.feed(ApiError(503, "the replica went away; retry shortly").to_failure())
     assert sent[-1] == {"type": "error", "error": {"type": "overloaded_error",
                                                    "message": "the replica went away; "
                                                               "retry shortly"}}
@@ -518,16 +516,16 @@ def test_empty_generation_is_a_valid_message():
 
 def test_collector_raises_the_error_event():
     collector = MessageCollector(MODEL)
-    collector.feed({"type": "start", "prompt_tokens": 3, "cached_tokens": 0})
+    collector.feed(Start(3, 0))
     with pytest.raises(ApiError) as info:
-        collector.feed(ApiError(500, "engine failed", type="server_error").to_event())
+        collector.feed(ApiError(500, "engine failed", type="server_error").to_failure())
     assert info.value.status == 500 and error_reply(info.value).type == "api_error"
 
 
 def test_collector_without_finish_is_a_500():
     collector = MessageCollector(MODEL)
-    collector.feed({"type": "start", "prompt_tokens": 3, "cached_tokens": 0})
-    collector.feed({"type": "delta", "text": "a"})
+    collector.feed(Start(3, 0))
+    collector.feed(Delta("a"))
     with pytest.raises(ApiError) as info:
         collector.message()
     assert info.value.status == 500
@@ -583,7 +581,7 @@ def test_stream_event_sequence_and_each_event_validates():
 
 def test_text_after_a_tool_call_opens_a_new_text_block():
     generation = internal(5, 0, "a", calls=(CALL_A,))
-    generation.insert(-1, {"type": "delta", "text": "b"})
+    generation.insert(-1, Delta("b"))
     events = stream_events(generation)
     blocks = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     assert blocks == ["text", "tool_use", "text"]
@@ -633,7 +631,7 @@ def test_sdk_reads_a_stream_split_into_small_chunks():
 def test_final_cached_count_overrides_the_start_one():
     """A restore that failed is prefilled cold: message_delta's usage is final."""
     generation = internal(30, 16, "x")
-    generation[-1]["cached_tokens"] = 0
+    generation[-1] = dataclasses.replace(generation[-1], cached_tokens=0)
     events = stream_events(generation)
     assert events[0]["message"]["usage"]["cache_read_input_tokens"] == 16
 
@@ -654,7 +652,7 @@ def test_stream_rejects_events_out_of_order():
         stream.start(3)
     stream.finish("stop", prompt_tokens=3, completion_tokens=0)
     with pytest.raises(RuntimeError):
-        stream.feed({"type": "delta", "text": "late"})
+        stream.feed(Delta("late"))
 
 
 def test_error_event_shape():

@@ -9,6 +9,7 @@ middle of a block.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import mlx_lm
 import numpy as np
@@ -19,6 +20,7 @@ from serve_app.cache.hashing import chain, salted_root
 from serve_app.cache.payload import Tensor
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
+from serve_app.events import Delta, Finish, Start
 from serve_app.openai_api import ChatCompletionRequest, CompletionRequest
 from serve_app.profile import ModelProfile
 from serve_app.service import ModelService
@@ -61,16 +63,16 @@ def run(service: ModelService, request) -> dict:
         text, start, finish = [], None, None
         async for events in service.stream(prepared):
             for e in events:
-                if e["type"] == "start":
+                if isinstance(e, Start):
                     start = e
-                elif e["type"] == "delta":
-                    text.append(e["text"])
-                elif e["type"] == "finish":
+                elif isinstance(e, Delta):
+                    text.append(e.text)
+                elif isinstance(e, Finish):
                     finish = e
         # The finish event's count is what the engine really restored (usage).
-        return {"text": "".join(text), "cached": finish["cached_tokens"],
-                "planned": start["cached_tokens"],
-                "prompt": prepared.prompt, **finish}
+        return {"text": "".join(text), "cached": finish.cached_tokens,
+                "planned": start.cached_tokens,
+                "prompt": prepared.prompt, **dataclasses.asdict(finish)}
 
     return asyncio.run(go())
 

@@ -17,6 +17,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from serve_app.events import Delta, Event, Finish, Start, ToolCall
 from serve_app.openai_api import ApiError, ChatCompletionRequest, checked
 from serve_app.responses_api import (
     ResponseCollector,
@@ -46,13 +47,11 @@ def sdk_client(handler) -> openai.OpenAI:
 
 
 def internal(*texts: str, calls: tuple[tuple[str, str, str], ...] = (), reason: str = "stop",
-             prompt: int = 30, cached: int = 16, completion: int = 7) -> list[dict]:
+             prompt: int = 30, cached: int = 16, completion: int = 7) -> list[Event]:
     """The service's events for one generation: start, text deltas, tool calls, finish."""
-    return [{"type": "start", "prompt_tokens": prompt, "cached_tokens": cached},
-            *({"type": "delta", "text": t} for t in texts),
-            *({"type": "tool_call", "id": i, "name": n, "arguments": a} for i, n, a in calls),
-            {"type": "finish", "finish_reason": reason, "prompt_tokens": prompt,
-             "completion_tokens": completion, "cached_tokens": cached, "seconds": 0.1}]
+    return [Start(prompt, cached), *(Delta(t) for t in texts),
+            *(ToolCall(i, n, a) for i, n, a in calls),
+            Finish(reason, prompt, completion, cached, 0.1)]
 
 
 def request(**extra: Any):
@@ -431,9 +430,9 @@ def test_stream_cut_by_the_limit_ends_with_response_incomplete():
 
 def test_an_error_after_the_start_sends_error_then_response_failed():
     stream = ResponseStream(request(), "resp_test")
-    events = stream.feed(internal()[0]) + stream.feed({"type": "delta", "text": "par"})
+    events = stream.feed(internal()[0]) + stream.feed(Delta("par"))
     events += stream.feed(ApiError(503, "replica lost", type="service_unavailable",
-                                   code="replica_lost").to_event())
+                                   code="replica_lost").to_failure())
     assert stream.done
     assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
     for e in events:
@@ -448,7 +447,7 @@ def test_an_error_after_the_start_sends_error_then_response_failed():
 def test_stream_rejects_events_out_of_order():
     stream = ResponseStream(request())
     with pytest.raises(RuntimeError):
-        stream.feed({"type": "delta", "text": "x"})
+        stream.feed(Delta("x"))
     stream.feed(internal()[0])
     with pytest.raises(RuntimeError):
         stream.feed(internal()[0])
@@ -458,7 +457,7 @@ def test_collector_raises_the_error_event_and_needs_a_finish():
     collector = ResponseCollector(request())
     collector.feed(internal()[0])
     with pytest.raises(ApiError) as err:
-        collector.feed(ApiError(500, "boom", type="server_error").to_event())
+        collector.feed(ApiError(500, "boom", type="server_error").to_failure())
     assert err.value.message == "boom"
     collector = ResponseCollector(request())
     collector.feed(internal()[0])

@@ -16,6 +16,7 @@ import mlx_lm
 import pytest
 
 from serve_app.embedded import materialize
+from serve_app.events import Delta, Event, Finish, ToolCall
 from serve_app.openai_api import ChatCompletionRequest
 from serve_app.profile import ModelProfile
 from serve_app.service import ModelService
@@ -66,14 +67,14 @@ def service(tmp_path_factory):
     svc.shutdown()
 
 
-def events_of(service: ModelService, script: str, stream_tools: bool = True) -> list[dict]:
+def events_of(service: ModelService, script: str, stream_tools: bool = True) -> list[Event]:
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Go"}],
                                     tools=[WEATHER, TIME], max_tokens=400, temperature=0,
                                     tool_choice="auto" if stream_tools else "none")
     tokens = service.tokenizer.encode(script, add_special_tokens=False)
     eos = next(iter(service.eos_ids))
 
-    async def go() -> list[dict]:
+    async def go() -> list[Event]:
         prepared = service.prepare(request)
         out = []
         service.constraints = lambda _: (Script(tokens, eos),)
@@ -94,14 +95,14 @@ def test_scripted_tool_calls_come_out_as_calls(service, parser):
         events = events_of(service, SCRIPTS[parser])
     finally:
         service.preparer._tool_support = ToolSupport.from_parser("json_tools")
-    text = "".join(e["text"] for e in events if e["type"] == "delta")
-    calls = [e for e in events if e["type"] == "tool_call"]
+    text = "".join(e.text for e in events if isinstance(e, Delta))
+    calls = [e for e in events if isinstance(e, ToolCall)]
     finish = events[-1]
     assert text == "Let me look."
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "CET"})]
-    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
-    assert finish["type"] == "finish" and finish["finish_reason"] == "tool_calls"
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+    assert isinstance(finish, Finish) and finish.finish_reason == "tool_calls"
 
 
 def test_the_embedded_models_own_parser_is_picked(service):
@@ -111,17 +112,17 @@ def test_the_embedded_models_own_parser_is_picked(service):
 
 def test_tool_choice_none_leaves_the_text_alone(service):
     events = events_of(service, SCRIPTS["json_tools"], stream_tools=False)
-    text = "".join(e["text"] for e in events if e["type"] == "delta")
-    assert text == SCRIPTS["json_tools"] and not [e for e in events if e["type"] == "tool_call"]
-    assert events[-1]["finish_reason"] == "stop"
+    text = "".join(e.text for e in events if isinstance(e, Delta))
+    assert text == SCRIPTS["json_tools"] and not [e for e in events if isinstance(e, ToolCall)]
+    assert events[-1].finish_reason == "stop"
 
 
 def test_a_call_cut_short_is_text_not_a_broken_call(service):
     cut = SCRIPTS["json_tools"][:60]  # inside the first call's arguments
     events = events_of(service, cut)
-    text = "".join(e["text"] for e in events if e["type"] == "delta")
-    assert not [e for e in events if e["type"] == "tool_call"]
-    assert text == cut and events[-1]["finish_reason"] == "stop"
+    text = "".join(e.text for e in events if isinstance(e, Delta))
+    assert not [e for e in events if isinstance(e, ToolCall)]
+    assert text == cut and events[-1].finish_reason == "stop"
 
 
 def test_a_model_without_a_tool_format_refuses_tools(service):
@@ -152,10 +153,10 @@ def test_the_last_text_is_parsed_before_the_stream_finishes(service):
     from serve_app.service import ModelService
 
     calls = service.preparer.tool_support.stream()
-    out: list[dict] = []
+    out: list[Event] = []
     head = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}'
     ModelService._emit(out, "Hello " + head, calls, None)
     ModelService._emit(out, "\n</tool_call> world", calls, None, final=True)
-    text = "".join(e["text"] for e in out if e["type"] == "delta")
+    text = "".join(e.text for e in out if isinstance(e, Delta))
     assert text == "Helloworld"  # in order; whitespace next to a call is the template's
-    assert [e["name"] for e in out if e["type"] == "tool_call"] == ["get_time"]
+    assert [e.name for e in out if isinstance(e, ToolCall)] == ["get_time"]

@@ -1,0 +1,77 @@
+"""What a model replica sends the ingress for one request: typed events.
+
+A replica's stream is batches (lists) of events: first ``[Start]`` (admitted) or
+``[Failure]``, then ``Delta`` text and ``ToolCall`` s, then one ``Finish`` (or a
+``Failure``). Each API turns the same events into its own wire format
+(``openai_api.CompletionStream``, ``anthropic_api.MessageStream``,
+``responses_api.ResponseStream``). Plain frozen dataclasses: they pickle across Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serve_app.tools import ToolCall
+
+__all__ = ["Delta", "Event", "Failure", "Finish", "Start", "TokenLogprob", "ToolCall"]
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """The replica admitted the request; ``cached_tokens`` are planned to be restored."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token's log-probability: its text, raw bytes and (for a generated token) the
+    most likely alternatives."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """Generated text; ``logprobs`` (when the request asked) one entry a token."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    def merged(self, after: Delta) -> Delta:
+        """This delta followed by ``after``, as one."""
+        if self.logprobs is None and after.logprobs is None:
+            return Delta(self.text + after.text)
+        return Delta(self.text + after.text, (self.logprobs or ()) + (after.logprobs or ()))
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The end of a generation, with its usage (``cached_tokens`` as really restored)."""
+
+    finish_reason: str  # stop, length or tool_calls
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    seconds: float = 0.0
+    stop_sequence: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """An error, as ``openai_api.ApiError`` carries it (``ApiError.to_failure`` /
+    ``from_failure``)."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+Event = Start | Delta | ToolCall | Finish | Failure
