@@ -558,9 +558,9 @@ class CompletionStream:
                 self._logprobs = (self._logprobs or []) + list(event.logprobs)
             return [self._chunk(self.wire.chunk_choice(text=event.text, logprobs=logprobs))]
         if isinstance(event, ToolCall):
-            out = tool_call_out(event, len(self._calls))
+            call = tool_call_out(event, len(self._calls))
             self._calls.append(event)
-            return [self._chunk(self.wire.chunk_choice(tool_calls=[out]))]
+            return [self._chunk(self.wire.chunk_choice(tool_calls=[call]))]
         if isinstance(event, Finish):
             self.done, self.finish = True, event
             out = [self._chunk(self.wire.chunk_choice(finish_reason=event.finish_reason))]

@@ -21,7 +21,7 @@ from serve_app.cache.manager import CacheManager, CacheStats
 from serve_app.compat import download_model, token_bytes_table
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.engine import Engine, EngineEvent, QueueFullError, SamplingParams
-from serve_app.events import Delta, Event, Failure, Finish, Start, TokenLogprob
+from serve_app.events import Delta, Event, Failure, Finish, Start, TokenLogprob, ToolCall
 from serve_app.metrics import PHASES, Recorder, replica_samples
 from serve_app.normalize import RULE_NAMES
 from serve_app.openai_api import ApiError, Caller, ChatCompletionRequest, CompletionRequest
@@ -278,7 +278,7 @@ class ModelService:
               logprobs: TokenLogprob | None, final: bool = False) -> int:
         """Text (with tool-call markup taken out as ``ToolCall`` events) and logprobs into
         ``out``; returns the tool calls emitted."""
-        found = []
+        found: tuple[ToolCall, ...] = ()
         if calls is not None:
             update = calls.finish(text) if final else calls.feed(text)
             text, found = update.text, update.calls
