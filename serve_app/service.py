@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -67,7 +67,8 @@ def load_model(profile: ModelProfile, home: Path | None = None):
 
     path = resolve_source(profile, home)
     model_dir = download_model(path, profile.revision)
-    model, tokenizer = mlx_lm.load(str(model_dir))
+    # typed as a 2- or 3-tuple (return_config has no overloads): two without it
+    model, tokenizer = mlx_lm.load(str(model_dir))  # type: ignore[misc]
     return model, tokenizer, model_dir
 
 
@@ -106,7 +107,8 @@ class ModelService:
         self.preparer = Preparer(profile, tokenizer, branch_points=self.cache.enabled)
         # Token id -> (its text, its raw bytes), for logprobs; the byte table on first use.
         self._token_texts: dict[int, tuple[str, tuple[int, ...]]] = {}
-        self._token_bytes = _UNKNOWN
+        self._token_bytes: Callable[[int], bytes] | None = None
+        self._token_bytes_built = False
 
     @property
     def cache_stats(self) -> CacheStats:
@@ -257,7 +259,7 @@ class ModelService:
 
     def _logprobs(self, event: EngineEvent) -> TokenLogprob | None:
         """A generated token's logprob entry, with its alternatives (EOS has none)."""
-        if event.logprob is None or event.token in self.eos_ids:
+        if event.token is None or event.logprob is None or event.token in self.eos_ids:
             return None
         entry = self._token_entry(event.token, event.logprob)
         return replace(entry, top=tuple(self._token_entry(t, lp)
@@ -267,9 +269,11 @@ class ModelService:
         known = self._token_texts.get(token)
         if known is None:  # once per token id, not per generated token
             text = self.tokenizer.decode([token])
-            if self._token_bytes is _UNKNOWN:
+            if not self._token_bytes_built:
                 self._token_bytes = token_bytes_table(self.tokenizer)
-            raw = self._token_bytes(token) if self._token_bytes else text.encode()
+                self._token_bytes_built = True
+            table = self._token_bytes
+            raw = table(token) if table is not None else text.encode()
             known = self._token_texts[token] = (text, tuple(raw))
         return TokenLogprob(known[0], logprob, known[1])
 
@@ -374,9 +378,6 @@ class ModelService:
             time.sleep(0.001)
         self.engine.reset_stats()
         return time.perf_counter() - tic
-
-
-_UNKNOWN = object()
 
 
 def _queue_full(message: str) -> ApiError:
