@@ -117,7 +117,7 @@ class ModelReplica:
                 breaker=CircuitBreaker(store.breaker_failures, store.breaker_cool_down_s))
         recorder = RayRecorder("replica", serve=True)
         self.service = ModelService(self.profile, model, tokenizer, model_dir, client, recorder)
-        if self.service.cache.enabled:
+        if client is not None and self.service.cache.enabled:
             client.activate(self.profile.name, self.service.cache.identity,
                             self.service.layout.digest, timeout=120)
         # Serve routes nothing here before __init__ returns: warming up now keeps
@@ -140,10 +140,11 @@ class ModelReplica:
         where replicas are routed on prefixes, prepared: the router needed its tokens)."""
         from serve_app.prepare import PreparedRequest
 
-        prepared = request
         try:
             self._admit()  # before any templating: a full model costs nothing more
-            if not isinstance(request, PreparedRequest):
+            if isinstance(request, PreparedRequest):
+                prepared = request
+            else:
                 prepared = await self.stage.run(self.service.prepare, request, caller)
             # Grammars compile here, off the event loop (cached per schema).
             processors = await self.stage.run(self.service.constraints, prepared)
@@ -239,13 +240,15 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         if m.max_replicas_per_node is not None:
             options["max_replicas_per_node"] = m.max_replicas_per_node
         if m.prefix_routing:
+            # (Ray annotates this __init__'s **kwargs as dicts, each of them)
             options["request_router_config"] = RequestRouterConfig(
-                request_router_class="serve_app.routing:PrefixAffinityRouter",
+                request_router_class="serve_app.routing:PrefixAffinityRouter",  # type: ignore[arg-type]
                 request_router_kwargs={"model": m.name,
                                        "load_cost_tokens": m.routing.load_cost_tokens},
-                request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+                request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)  # type: ignore[arg-type]
+        # serve.deployment(**options)(cls): Ray's annotation says a call given the class
+        # returns the decorator too, where it returns the deployment
         replica = serve.deployment(
-            ModelReplica,
             name=deployment_name(m.name),
             num_replicas=m.num_replicas,
             ray_actor_options={
@@ -260,18 +263,17 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             max_ongoing_requests=m.max_batch_size + m.max_queued_requests + 8,
             health_check_period_s=10,
             **options,
-        )
+        )(ModelReplica)
         handles[m.name] = replica.bind(
             m.model_dump(), profile.model_home, profile.cache_store.model_dump()
         )
     ingress = serve.deployment(
-        Ingress,
         name="ingress",
         num_replicas=profile.ingress.num_replicas,
         ray_actor_options={"num_cpus": profile.ingress.num_cpus,
                            "runtime_env": {"env_vars": serve_replica_env()}},
         max_ongoing_requests=1000,
-    )
+    )(Ingress)
     return ingress.bind(profile.model_dump(), handles, digests)
 
 
@@ -397,7 +399,8 @@ class _Sent:
     cancelled (or is collected unread)."""
 
     def __init__(self, counts: dict[str, int], name: str) -> None:
-        self.counts, self.name, self.events, self.open = counts, name, None, True
+        self.counts, self.name, self.open = counts, name, True
+        self.events: Any = None  # the handle's response generator, set by watch()
         counts[name] = counts.get(name, 0) + 1
 
     def watch(self, events: Any) -> _Sent:
