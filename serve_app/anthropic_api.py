@@ -316,7 +316,7 @@ class _Builder:
             self.points.add(len(self.messages) - 1)
 
 
-def to_chat_input(request: MessagesRequest | CountTokensRequest) -> ChatInput:
+def to_chat_input(request: _Conversation) -> ChatInput:
     """Convert a validated request; ``ApiError(400)`` for what cannot be served.
 
     Tool results become ``tool`` messages in block order, splitting the user turn
@@ -639,7 +639,7 @@ class MessageStream:
     def start(self, prompt_tokens: int, cached_tokens: int = 0) -> list[dict[str, Any]]:
         self._check(started=False)
         self.started = True
-        message = {
+        message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",
