@@ -347,7 +347,7 @@ def _check_schema(schema: dict | None, where: str) -> None:
 def _tool_choice(request: ResponsesRequest, tools: list[dict] | None) -> str | dict | None:
     choice = request.tool_choice
     names = {t["function"]["name"] for t in tools or ()}
-    if choice is None or choice in ("auto", "none"):
+    if choice is None or choice == "auto" or choice == "none":
         return choice
     if not names:
         raise _refuse("tool_choice", f"{_choice_text(choice)} needs tools")
@@ -617,25 +617,27 @@ class ResponseStream:
                                    item=json.loads(json.dumps(self._message))))
             self._message["content"].append({"type": "output_text", "text": "",
                                              "annotations": [], "logprobs": []})
-            out.append(self._event("response.content_part.added", **self._where(),
+            out.append(self._event("response.content_part.added", **self._where(self._message),
                                    part={"type": "output_text", "text": "",
                                          "annotations": [], "logprobs": []}))
         self._message["content"][0]["text"] += text
-        out.append(self._event("response.output_text.delta", **self._where(), delta=text,
-                               logprobs=[]))
+        out.append(self._event("response.output_text.delta", **self._where(self._message),
+                               delta=text, logprobs=[]))
         return out
 
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self._message["id"], "output_index": len(self._output),
+    def _where(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Where the open ``message``'s text part is, for its events."""
+        return {"item_id": message["id"], "output_index": len(self._output),
                 "content_index": 0}
 
     def _close_message(self, status: str = "completed") -> list[dict[str, Any]]:
         if self._message is None:
             return []
-        part = self._message["content"][0]
-        out = [self._event("response.output_text.done", **self._where(), text=part["text"],
-                           logprobs=[]),
-               self._event("response.content_part.done", **self._where(), part=dict(part))]
+        message = self._message
+        part = message["content"][0]
+        out = [self._event("response.output_text.done", **self._where(message),
+                           text=part["text"], logprobs=[]),
+               self._event("response.content_part.done", **self._where(message), part=dict(part))]
         self._message["status"] = status
         out.append(self._event("response.output_item.done", output_index=len(self._output),
                                item=json.loads(json.dumps(self._message))))
