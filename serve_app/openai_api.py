@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Protocol, Self, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -94,7 +94,18 @@ MAX_TOKENS = 2**31 - 1  # beyond any context: a larger max_tokens is a mistake (
 # What one message costs in the prompt bound beyond its text: the chat template's
 # role markers and separators (about 5-10 tokens a message in common templates).
 MESSAGE_OVERHEAD_CHARS = 16
-R = TypeVar("R", bound=BaseModel)
+
+
+class _Servable(Protocol):
+    """A request model (any API's) that says what of it is not served (``ApiError``)."""
+
+    @classmethod
+    def model_validate(cls, obj: Any) -> Self: ...
+
+    def check_supported(self) -> None: ...
+
+
+R = TypeVar("R", bound=_Servable)
 
 
 class _Request(BaseModel):
