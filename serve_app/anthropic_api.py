@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from serve_app.events import Delta, Event, Failure, Finish, Start
-from serve_app.openai_api import MAX_TOKENS, ApiError, checked
+from serve_app.openai_api import MAX_TOKENS, ApiError, Collector, checked
 from serve_app.tools import ToolCall
 from serve_app.validation import clean_loc
 
@@ -721,32 +721,10 @@ class MessageStream:
         return [{"type": "content_block_stop", "index": self._index}]
 
 
-class MessageCollector:
-    """Internal events in, the non-streaming ``message`` object out.
-
-    Built by accumulating ``MessageStream``'s events, as the SDK does for a
-    stream, so both answers to one generation are the same message.
-    """
-
-    def __init__(self, model: str, message_id: str | None = None) -> None:
-        self._stream = MessageStream(model, message_id)
-        self._events: list[dict[str, Any]] = []
-
-    @property
-    def done(self) -> bool:
-        return self._stream.done
-
-    def feed(self, event: Event) -> None:
-        """Take one replica event; a ``Failure`` raises its ``ApiError``."""
-        if isinstance(event, Failure):
-            self._stream.done = True
-            raise ApiError.from_failure(event)
-        self._events += self._stream.feed(event)
-
-    def message(self) -> dict[str, Any]:
-        if not self._stream.done:
-            raise ApiError(500, "the model replica ended the request early", type="server_error")
-        return accumulate(self._events)
+def message_collector(model: str, message_id: str | None = None) -> Collector:
+    """The non-streaming ``message`` object, accumulated from ``MessageStream``'s events
+    as the SDK accumulates a stream, so both answers to one generation are the same."""
+    return Collector(MessageStream(model, message_id), accumulate)
 
 
 def accumulate(events: Iterable[dict[str, Any]]) -> dict[str, Any]:

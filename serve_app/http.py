@@ -31,7 +31,7 @@ from serve_app.openai_api import (
     ApiError,
     Caller,
     ChatCompletionRequest,
-    CompletionCollector,
+    Collector,
     CompletionRequest,
     CompletionStream,
     OpenAIRequest,
@@ -39,6 +39,7 @@ from serve_app.openai_api import (
     check_message_count,
     check_prompt_size,
     checked,
+    completion_collector,
 )
 from serve_app.validation import clean_loc
 
@@ -341,7 +342,7 @@ class OpenAIIngress:
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        collector = CompletionCollector(wire, parsed.model)
+        collector = completion_collector(wire, parsed.model)
         await self._collect(events, collector, start, parsed.model, deadline)
         return collector.response()
 
@@ -419,7 +420,7 @@ class OpenAIIngress:
                 return StreamingResponse(
                     self._stream(events, stream, start, parsed.model, responses_api.sse_event),
                     media_type="text/event-stream", headers=SSE_HEADERS)
-            collector = responses_api.ResponseCollector(parsed, **defaults)
+            collector = responses_api.response_collector(parsed, **defaults)
             await self._collect(events, collector, start, parsed.model, deadline)
             return JSONResponse(collector.response())
         except ApiError as exc:
@@ -446,9 +447,9 @@ class OpenAIIngress:
                 return StreamingResponse(
                     self._stream(events, stream, start, parsed.model, anthropic.sse_event),
                     media_type="text/event-stream", headers=SSE_HEADERS)
-            collector = anthropic.MessageCollector(parsed.model)
+            collector = anthropic.message_collector(parsed.model)
             await self._collect(events, collector, start, parsed.model, deadline)
-            return JSONResponse(collector.message())
+            return JSONResponse(collector.response())
         except ApiError as exc:
             labels["status"] = str(exc.status)
             return _anthropic_error(exc)
@@ -517,7 +518,7 @@ class OpenAIIngress:
         finally:
             _cancel(events)
 
-    async def _collect(self, events, collector: Any, start: Start, model: str,
+    async def _collect(self, events, collector: Collector, start: Start, model: str,
                        deadline: float) -> None:
         """A non-streamed answer: ``collector`` (that API's consumer of the same events)
         fed ``start`` and then the replica's events until it is done; a ``Failure`` raises

@@ -599,12 +599,15 @@ class CompletionStream:
                 "choices": [choice], "usage": Usage.of(self.finish).to_dict()}
 
 
-class CompletionCollector:
-    """A replica's events in, the non-streamed OpenAI answer out: ``CompletionStream``'s
-    steps, its chunks unsent."""
+class Collector:
+    """A wire stream fed a replica's events with nothing sent; the non-streamed answer is
+    then built from what the stream would have sent (``build``), so both answers to one
+    generation are the same. One for every API: each passes its stream and builder."""
 
-    def __init__(self, wire: Wire, model: str) -> None:
-        self._stream = CompletionStream(wire, model)
+    def __init__(self, stream: Any, build: Callable[[list[dict]], dict]) -> None:
+        self._stream = stream
+        self._build = build
+        self._events: list[dict] = []
 
     @property
     def done(self) -> bool:
@@ -615,7 +618,16 @@ class CompletionCollector:
         if isinstance(event, Failure):
             self._stream.done = True
             raise ApiError.from_failure(event)
-        self._stream.feed(event)
+        self._events += self._stream.feed(event)
 
     def response(self) -> dict:
-        return self._stream.response()
+        """The answer; 500 when the replica ended the request before its ``Finish``."""
+        if not self._stream.done:
+            raise ApiError(500, "the model replica ended the request early", type="server_error")
+        return self._build(self._events)
+
+
+def completion_collector(wire: Wire, model: str) -> Collector:
+    """The non-streamed OpenAI answer: ``CompletionStream`` keeps what it needs itself."""
+    stream = CompletionStream(wire, model)
+    return Collector(stream, lambda _: stream.response())

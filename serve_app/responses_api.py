@@ -48,7 +48,7 @@ from pydantic import (
 )
 
 from serve_app.events import Delta, Event, Failure, Finish, Start, ToolCall
-from serve_app.openai_api import MAX_TOKENS, ApiError, ChatCompletionRequest, checked
+from serve_app.openai_api import MAX_TOKENS, ApiError, ChatCompletionRequest, Collector, checked
 from serve_app.validation import clean_loc
 
 # Tool names as the chat API's FunctionDef takes them.
@@ -705,30 +705,11 @@ class ResponseStream:
                                else "the first event must be start")
 
 
-class ResponseCollector:
-    """Internal events in, the non-streamed ``response`` object out: accumulated from
-    ``ResponseStream``'s events, so both answers to one generation are the same."""
-
-    def __init__(self, request: ResponsesRequest, response_id: str | None = None,
-                 **defaults: Any) -> None:
-        self._stream = ResponseStream(request, response_id, **defaults)
-        self._events: list[dict[str, Any]] = []
-
-    @property
-    def done(self) -> bool:
-        return self._stream.done
-
-    def feed(self, event: Event) -> None:
-        """Take one replica event; a ``Failure`` raises its ``ApiError``."""
-        if isinstance(event, Failure):
-            self._stream.done = True
-            raise ApiError.from_failure(event)
-        self._events += self._stream.feed(event)
-
-    def response(self) -> dict[str, Any]:
-        if not self._stream.done:
-            raise ApiError(500, "the model replica ended the request early", type="server_error")
-        return accumulate(self._events)
+def response_collector(request: ResponsesRequest, response_id: str | None = None,
+                       **defaults: Any) -> Collector:
+    """The non-streamed ``response`` object, accumulated from ``ResponseStream``'s events,
+    so both answers to one generation are the same."""
+    return Collector(ResponseStream(request, response_id, **defaults), accumulate)
 
 
 def accumulate(events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from pydantic import TypeAdapter
 
 from serve_app.anthropic_api import (
     ChatInput,
-    MessageCollector,
     MessageStream,
     ToolCall,
     accumulate,
@@ -28,6 +27,7 @@ from serve_app.anthropic_api import (
     error_event,
     error_reply,
     error_type,
+    message_collector,
     parse_count_tokens_request,
     parse_messages_request,
     sse_event,
@@ -91,10 +91,10 @@ def stream_events(events: list, message_id: str = "msg_test") -> list[dict]:
 
 
 def collect(events: list, message_id: str = "msg_test") -> dict:
-    collector = MessageCollector(MODEL, message_id)
+    collector = message_collector(MODEL, message_id)
     for e in events:
         collector.feed(e)
-    return collector.message()
+    return collector.response()
 
 
 CALL_A = ToolCall("toolu_a", "get_weather", '{"city": "Paris"}')
@@ -515,7 +515,7 @@ def test_empty_generation_is_a_valid_message():
 
 
 def test_collector_raises_the_error_event():
-    collector = MessageCollector(MODEL)
+    collector = message_collector(MODEL)
     collector.feed(Start(3, 0))
     with pytest.raises(ApiError) as info:
         collector.feed(ApiError(500, "engine failed", type="server_error").to_failure())
@@ -523,11 +523,11 @@ def test_collector_raises_the_error_event():
 
 
 def test_collector_without_finish_is_a_500():
-    collector = MessageCollector(MODEL)
+    collector = message_collector(MODEL)
     collector.feed(Start(3, 0))
     collector.feed(Delta("a"))
     with pytest.raises(ApiError) as info:
-        collector.message()
+        collector.response()
     assert info.value.status == 500
 
 

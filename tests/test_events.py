@@ -12,8 +12,8 @@ from serve_app.openai_api import (
     CHAT,
     COMPLETION,
     ApiError,
-    CompletionCollector,
     CompletionStream,
+    completion_collector,
 )
 
 A = TokenLogprob("a", -0.5, (97,), (TokenLogprob("a", -0.5, (97,)), TokenLogprob("b", -1.0, (98,))))
@@ -63,7 +63,7 @@ def test_chat_chunks_and_the_collected_answer_come_from_the_same_events():
         "prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
         "prompt_tokens_details": {"cached_tokens": 2}}
 
-    collector = CompletionCollector(CHAT, "m")
+    collector = completion_collector(CHAT, "m")
     for e in generation():
         collector.feed(e)
     answer = collector.response()
@@ -83,7 +83,7 @@ def test_completion_logprobs_offsets_run_across_chunks():
     assert [c["choices"][0]["text"] for c in chunks] == ["a", "bc"]  # no role chunk
     assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0], [1]]
     assert chunks[0]["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.5, "b": -1.0}]
-    collector = CompletionCollector(COMPLETION, "m")
+    collector = completion_collector(COMPLETION, "m")
     for e in [*generation()[:3], Finish("length", 5, 2, 2)]:
         collector.feed(e)
     answer = collector.response()
@@ -102,12 +102,12 @@ def test_a_failure_is_an_error_chunk_or_raises_when_collected():
     assert stream.feed(failure) == [{"error": {"message": "gone", "type": "service_unavailable",
                                                "param": None, "code": "replica_lost"}}]
     assert stream.done
-    collector = CompletionCollector(CHAT, "m")
+    collector = completion_collector(CHAT, "m")
     collector.feed(Start(1))
     with pytest.raises(ApiError) as info:
         collector.feed(failure)
     assert info.value.status == 503 and collector.done
-    unfinished = CompletionCollector(COMPLETION, "m")
+    unfinished = completion_collector(COMPLETION, "m")
     unfinished.feed(Start(1))
     with pytest.raises(ApiError) as info:
         unfinished.response()

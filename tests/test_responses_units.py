@@ -20,11 +20,11 @@ from pydantic import TypeAdapter
 from serve_app.events import Delta, Event, Finish, Start, ToolCall
 from serve_app.openai_api import ApiError, ChatCompletionRequest, checked
 from serve_app.responses_api import (
-    ResponseCollector,
     ResponseStream,
     accumulate,
     parse_request,
     renamed,
+    response_collector,
     sse_event,
     to_chat_request,
     validation_error,
@@ -68,7 +68,7 @@ def stream_events(generation: list[dict], **extra: Any) -> list[dict]:
 
 
 def collect(generation: list[dict], **extra: Any) -> dict:
-    collector = ResponseCollector(request(**extra), "resp_test")
+    collector = response_collector(request(**extra), "resp_test")
     for e in generation:
         collector.feed(e)
     return collector.response()
@@ -454,12 +454,12 @@ def test_stream_rejects_events_out_of_order():
 
 
 def test_collector_raises_the_error_event_and_needs_a_finish():
-    collector = ResponseCollector(request())
+    collector = response_collector(request())
     collector.feed(internal()[0])
     with pytest.raises(ApiError) as err:
         collector.feed(ApiError(500, "boom", type="server_error").to_failure())
     assert err.value.message == "boom"
-    collector = ResponseCollector(request())
+    collector = response_collector(request())
     collector.feed(internal()[0])
     with pytest.raises(ApiError) as err:
         collector.response()
