@@ -133,7 +133,7 @@ def engine_round(engine, tokenizer, n: int, tokens: int) -> tuple[float, list[di
     One request's tokens/s counts from its first token to its last, like the
     HTTP measure; several count from submission to the last token of any.
     """
-    from serve_app.engine import SamplingParams
+    from serve_app.sampling import SamplingParams
 
     done = [threading.Event() for _ in range(n)]
     events: list[list] = [[] for _ in range(n)]

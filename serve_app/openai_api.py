@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from serve_app.events import Delta, Event, Failure, Finish, Start, TokenLogprob, ToolCall
+from serve_app.sampling import MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -252,8 +253,6 @@ class ChatMessage(BaseModel):
             out["tool_call_id"] = self.tool_call_id
         return out
 
-
-MAX_TOP_LOGPROBS = 20
 
 
 class ChatCompletionRequest(_Request):

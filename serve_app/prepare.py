@@ -11,9 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from serve_app.cache.hot import common_prefix
-from serve_app.cache.manager import find_branch_points
-from serve_app.engine import SamplingParams
+from serve_app.cache.prefix import common_prefix, find_branch_points
 from serve_app.normalize import Normalized, normalize, rules_named
 from serve_app.openai_api import (
     ApiError,
@@ -24,6 +22,7 @@ from serve_app.openai_api import (
     check_prompt_size,
 )
 from serve_app.profile import ModelProfile
+from serve_app.sampling import SamplingParams
 from serve_app.structured import (
     Grammar,
     StructuredOutputError,

@@ -20,13 +20,14 @@ from serve_app.cache.client import CacheClient
 from serve_app.cache.manager import CacheManager, CacheStats
 from serve_app.compat import download_model, token_bytes_table
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
-from serve_app.engine import Engine, EngineEvent, QueueFullError, SamplingParams
+from serve_app.engine import Engine, EngineEvent, QueueFullError
 from serve_app.events import Delta, Event, Failure, Finish, Start, TokenLogprob, ToolCall
 from serve_app.metrics import PHASES, Recorder, replica_samples
 from serve_app.normalize import RULE_NAMES
 from serve_app.openai_api import ApiError, Caller, ChatCompletionRequest, CompletionRequest
 from serve_app.prepare import PreparedRequest, Preparer
 from serve_app.profile import ModelProfile, source_kind
+from serve_app.sampling import SamplingParams
 from serve_app.stops import StopStringMatcher
 from serve_app.tools import ToolCallStream
 

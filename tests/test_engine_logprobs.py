@@ -22,7 +22,8 @@ from mlx_lm.generate import generate_step
 from serve_app.cache.manager import RequestPlan
 from serve_app.cache.payload import CapturedBlock, RestorePlan
 from serve_app.embedded import materialize
-from serve_app.engine import MAX_TOP_LOGPROBS, Engine, EngineEvent, SamplingParams
+from serve_app.engine import Engine, EngineEvent
+from serve_app.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from serve_app.structured import compile_response_format
 
 BS = 16

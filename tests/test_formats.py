@@ -23,9 +23,9 @@ from serve_app.cache.payload import BlockPayload, RestorePlan, Tensor, from_tens
 from serve_app.cache.ssd import SSDStore, read_file
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import FORMATS, materialize
-from serve_app.engine import SamplingParams
 from serve_app.openai_api import ChatCompletionRequest, CompletionRequest
 from serve_app.profile import ModelProfile
+from serve_app.sampling import SamplingParams
 from serve_app.service import ModelService
 from tests.test_cache_exact import run
 

@@ -22,10 +22,10 @@ from serve_app.cache.manager import (
     CacheSettings,
     Capture,
     RequestPlan,
-    find_branch_points,
     miss_reason,
 )
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
+from serve_app.cache.prefix import find_branch_points
 from serve_app.cache.tiers import TieredStore
 from serve_app.profile import ModelProfile
 

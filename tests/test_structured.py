@@ -19,7 +19,8 @@ from mlx_lm.sample_utils import make_sampler
 
 from bench.structured import SCHEMA
 from serve_app.embedded import SPECIAL_TOKENS, materialize
-from serve_app.engine import SamplingParams, make_request_sampler
+from serve_app.engine import make_request_sampler
+from serve_app.sampling import SamplingParams
 from serve_app.structured import (
     Grammar,
     StructuredOutputError,

@@ -15,12 +15,12 @@ import mlx_lm
 import pytest
 
 from serve_app.cache.client import LocalCacheClient
-from serve_app.cache.hot import common_prefix
+from serve_app.cache.prefix import common_prefix
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
-from serve_app.engine import SamplingParams
 from serve_app.openai_api import ChatCompletionRequest, CompletionRequest
 from serve_app.profile import ModelProfile
+from serve_app.sampling import SamplingParams
 from serve_app.service import EventChannel, ModelService
 from tests.test_cache_exact import run
 

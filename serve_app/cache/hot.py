@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve_app.cache.prefix import common_prefix
+
 MAX_TRIM_CANDIDATES = 64  # a trim lookup compares at most this many children of a parent
 
 
@@ -242,13 +244,3 @@ class HotStore:
         self._evicted[entry.block_id] = None
         if len(self._evicted) > self._remember_evicted:
             self._evicted.popitem(last=False)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -37,7 +37,6 @@ from serve_app.cache.divergence import (
     position_bucket,
 )
 from serve_app.cache.hashing import block_id, chain, model_identity, root_id, salted_root
-from serve_app.cache.hot import common_prefix
 from serve_app.cache.payload import BlockPayload, CapturedBlock, RestorePlan
 from serve_app.cache.tiers import DiskInfo, TailQuery
 from serve_app.embedded import default_home
@@ -50,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 BlockSink = Callable[[CapturedBlock], None]
 RECENT_CACHE_BUSTS = 8  # shown in /v1/stats
-Renderer = Callable[[list[dict[str, str]]], list[int]]
 
 
 @dataclass(frozen=True)
@@ -141,37 +139,6 @@ def miss_reason(found: FetchedChain, restored: int, block_size: int) -> Miss:
     if found.present == 0:
         return Miss("new_prefix", "new prefix")
     return Miss("diverged", f"diverged at token {where}")
-
-
-def find_branch_points(messages: list[dict[str, str]], prompt: list[int],
-                       render: Renderer) -> tuple[int, ...]:
-    """Prompt positions where another conversation is likely to branch off this one.
-
-    The end of the system prompt (the next session of an agent shares it) and
-    the start of the last message's content (the next turn, or a retry, shares all
-    before it, its header too), found much as mlx_lm.server does: ``render`` the
-    conversation with that content empty (no generation prompt) and take the common
-    prefix with the prompt. Emptying rather than dropping the last message keeps the
-    rest rendered as it is: Qwen3's template, for one, renders the last assistant turn
-    differently from earlier ones.
-    """
-    n_system = next((i for i, m in enumerate(messages)
-                     if m["role"] not in ("system", "developer")), len(messages))
-    shorter = [messages[:-1] + [{**messages[-1], "content": ""}]] if len(messages) > 1 else []
-    if 0 < n_system < len(messages):
-        shorter.append(messages[:n_system] + [{"role": "user", "content": ""}])
-    points = set()
-    for conversation in shorter:
-        if not conversation:
-            continue
-        try:
-            tokens = render(conversation)
-        except Exception:  # a template that refuses the shorter form: no point
-            continue
-        common = common_prefix(tokens, prompt)
-        if 0 < common < len(prompt) - 1:
-            points.add(common)
-    return tuple(sorted(points))
 
 
 @dataclass

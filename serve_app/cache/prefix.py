@@ -1,0 +1,49 @@
+"""Prefix arithmetic on token lists, plain Python: the cache's store and planner and
+the request preparer (which may run in the ingress, without MLX) share it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+Renderer = Callable[[list[dict[str, str]]], list[int]]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def find_branch_points(messages: list[dict[str, str]], prompt: list[int],
+                       render: Renderer) -> tuple[int, ...]:
+    """Prompt positions where another conversation is likely to branch off this one.
+
+    The end of the system prompt (the next session of an agent shares it) and
+    the start of the last message's content (the next turn, or a retry, shares all
+    before it, its header too), found much as mlx_lm.server does: ``render`` the
+    conversation with that content empty (no generation prompt) and take the common
+    prefix with the prompt. Emptying rather than dropping the last message keeps the
+    rest rendered as it is: Qwen3's template, for one, renders the last assistant turn
+    differently from earlier ones.
+    """
+    n_system = next((i for i, m in enumerate(messages)
+                     if m["role"] not in ("system", "developer")), len(messages))
+    shorter = [messages[:-1] + [{**messages[-1], "content": ""}]] if len(messages) > 1 else []
+    if 0 < n_system < len(messages):
+        shorter.append(messages[:n_system] + [{"role": "user", "content": ""}])
+    points = set()
+    for conversation in shorter:
+        if not conversation:
+            continue
+        try:
+            tokens = render(conversation)
+        except Exception:  # a template that refuses the shorter form: no point
+            continue
+        common = common_prefix(tokens, prompt)
+        if 0 < common < len(prompt) - 1:
+            points.add(common)
+    return tuple(sorted(points))
