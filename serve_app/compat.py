@@ -8,6 +8,7 @@ Imports are lazy: the ingress loads this module without loading MLX.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,17 @@ SERVE_REPLICA_ENV = {
 def serve_replica_env() -> dict[str, str]:
     """Environment variables for our Serve replicas (see ``SERVE_REPLICA_ENV``)."""
     return dict(SERVE_REPLICA_ENV)
+
+
+def wrapped_hf_tokenizer(tokenizer: Any) -> Any | None:
+    """The Hugging Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (its private
+    ``_tokenizer``, mlx-lm 0.32: the wrapper has no public way to it), or None for any
+    other tokenizer. Imports nothing: without ``mlx_lm.tokenizer_utils`` loaded, no
+    wrapper exists to unwrap (the ingress compiles grammars without MLX)."""
+    utils = sys.modules.get("mlx_lm.tokenizer_utils")
+    if utils is None or not isinstance(tokenizer, utils.TokenizerWrapper):
+        return None
+    return tokenizer._tokenizer
 
 
 def token_bytes_table(tokenizer: Any) -> Callable[[int], bytes] | None:

@@ -49,11 +49,12 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import llguidance
 import llguidance.hf
-import mlx.core as mx
 import numpy as np
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from serve_app.compat import wrapped_hf_tokenizer
 
 if TYPE_CHECKING:
+    import mlx.core as mx
     from llguidance._lib import JsonCompileOptions
 
     from serve_app.tools import ToolSupport
@@ -116,8 +117,9 @@ class _Vocab:
     vocabulary) and the compiled grammars for it, newest last."""
 
     def __init__(self, tokenizer: Any) -> None:
-        if isinstance(tokenizer, TokenizerWrapper):  # mlx-lm's, around Hugging Face's
-            hf, eos = tokenizer._tokenizer, tokenizer.eos_token_ids
+        wrapped = wrapped_hf_tokenizer(tokenizer)
+        if wrapped is not None:  # mlx-lm's, around Hugging Face's
+            hf, eos = wrapped, tokenizer.eos_token_ids
         else:
             hf, eos = tokenizer, tokenizer.eos_token_id
         self.eos_ids = sorted({int(eos)} if isinstance(eos, int) else {int(t) for t in eos or ()})
@@ -138,6 +140,8 @@ class _Vocab:
 
     def byte_bias(self, dtype: mx.Dtype) -> mx.array:
         """``_BYTE_BIAS`` in ``dtype``, made once and evaluated (usable on any thread)."""
+        import mlx.core as mx  # here, not at import: the ingress compiles without MLX
+
         bias = self._biases.get(dtype)
         if bias is None:
             bias = mx.array(_BYTE_BIAS).astype(dtype)
@@ -195,6 +199,8 @@ class GrammarProcessor:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         # Start the forward pass now: on a GPU it runs while the CPU computes the mask
         # (mlx-lm would only start it after the processors return).
+        import mlx.core as mx  # loaded by now (the engine's thread runs this)
+
         mx.async_eval(logits)
         if self._start is None:
             self._start = tokens.size  # the first call sees only the prompt
@@ -230,6 +236,8 @@ class GrammarProcessor:
 
     def _bias(self, size: int, dtype: mx.Dtype) -> mx.array:
         """0 where the mask allows a token, -inf elsewhere (beyond the tokenizer too)."""
+        import mlx.core as mx
+
         table = self._vocab.byte_bias(dtype)
         bias = table[mx.array(self._mask.view(np.uint8))].reshape(-1)  # copies the mask
         if size <= bias.size:

@@ -111,3 +111,15 @@ def test_token_bytes_are_the_raw_bytes_of_each_token(name, tmp_path):
     parts = [table(i) for i in ids]
     assert b"".join(parts) == text.encode()
     assert any(len(p) == 1 and p[0] >= 0x80 for p in parts)  # a lone byte of "é"
+
+
+def test_wrapped_hf_tokenizer_is_the_hugging_face_tokenizer_inside_mlx_lms(hybrid_dir):
+    """mlx-lm's ``TokenizerWrapper`` unwrapped; any other tokenizer is None."""
+    from transformers import PreTrainedTokenizerBase
+
+    _, tokenizer = mlx_lm.load(str(hybrid_dir))
+    hf = compat.wrapped_hf_tokenizer(tokenizer)
+    assert isinstance(hf, PreTrainedTokenizerBase)
+    assert hf.encode("hello", add_special_tokens=False) \
+        == tokenizer.encode("hello", add_special_tokens=False)
+    assert compat.wrapped_hf_tokenizer(hf) is None
