@@ -91,30 +91,30 @@ class PrepareStage:
 class ModelReplica:
     """Loads one model and serves it through a ``ModelService``."""
 
-    def __init__(self, profile: dict, model_home: str | None, cache_store: dict) -> None:
+    def __init__(self, profile: ModelProfile, model_home: str | None,
+                 cache_store: CacheStoreProfile) -> None:
         from serve_app.cache.actor import DirectoryFollower, RayCacheClient, get_or_create_actor
         from serve_app.cache.client import CircuitBreaker
         from serve_app.service import ModelService, load_model
 
-        self.profile = ModelProfile.model_validate(profile)
+        self.profile = profile  # validated by the builder, pickled to this replica as is
         home = Path(model_home).expanduser() if model_home else None
         model, tokenizer, model_dir = load_model(self.profile, home)
         client = actor = None
         if self.profile.cache.enabled:
-            store = CacheStoreProfile.model_validate(cache_store)
             # Waits for the actor (and replaces one of older code), here, not in the
             # first request; a store that never starts fails this replica with a reason.
-            config = store.model_dump()
-            actor = get_or_create_actor(int(store.hot_budget), config)
+            actor = get_or_create_actor(cache_store)
             # The replica's copy of the cluster's block directory: which other node holds
             # more of a prompt (then it fetches those blocks instead of prefilling them).
-            follower = DirectoryFollower().start() if store.directory != "off" else None
+            follower = DirectoryFollower().start() if cache_store.directory != "off" else None
             # A store that fails costs requests their cache, never the request: calls are
             # bounded, a failing store is skipped for a while, a dead one is replaced.
             client = RayCacheClient(
-                actor, follower, timeout=store.call_timeout_s,
-                reconnect=lambda: get_or_create_actor(int(store.hot_budget), config),
-                breaker=CircuitBreaker(store.breaker_failures, store.breaker_cool_down_s))
+                actor, follower, timeout=cache_store.call_timeout_s,
+                reconnect=lambda: get_or_create_actor(cache_store),
+                breaker=CircuitBreaker(cache_store.breaker_failures,
+                                       cache_store.breaker_cool_down_s))
         recorder = RayRecorder("replica", serve=True)
         self.service = ModelService(self.profile, model, tokenizer, model_dir, client, recorder)
         if client is not None and self.service.cache.enabled:
@@ -264,9 +264,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             health_check_period_s=10,
             **options,
         )(ModelReplica)
-        handles[m.name] = replica.bind(
-            m.model_dump(), profile.model_home, profile.cache_store.model_dump()
-        )
+        handles[m.name] = replica.bind(m, profile.model_home, profile.cache_store)
     ingress = serve.deployment(
         name="ingress",
         num_replicas=profile.ingress.num_replicas,
@@ -274,7 +272,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                            "runtime_env": {"env_vars": serve_replica_env()}},
         max_ongoing_requests=1000,
     )(Ingress)
-    return ingress.bind(profile.model_dump(), handles, digests)
+    return ingress.bind(profile, handles, digests)
 
 
 def keyed_profile(profile: Profile, keys_on: bool) -> Profile:
@@ -295,12 +293,12 @@ def keyed_profile(profile: Profile, keys_on: bool) -> Profile:
 class Ingress(OpenAIIngress):
     """The OpenAI-compatible HTTP front; routes each request to its model's handle."""
 
-    def __init__(self, profile: dict, handles: dict[str, DeploymentHandle],
+    def __init__(self, profile: Profile, handles: dict[str, DeploymentHandle],
                  api_key_digests: list[str] | None = None) -> None:
         # Before anything else: the keys every route but /health checks (or the
         # WARNING that there are none).
         auth.configure(auth.ApiKeys(api_key_digests or ()))
-        self.profile = Profile.model_validate(profile)
+        self.profile = profile  # validated by the builder, pickled to this replica as is
         self.handles = handles
         # Models routed on cached prefixes: the router needs each prompt's tokens, so
         # requests are prepared here (the replica takes them as they are).

@@ -34,6 +34,7 @@ from serve_app.cache.hashing import chain
 from serve_app.cache.layout import KV, ArraySpec, Layout
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
 from serve_app.cache.tiers import TailQuery
+from serve_app.profile import CacheStoreProfile
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 4
@@ -78,7 +79,8 @@ def store_on(node_id: str, cls=CacheStore):
     return ray.remote(**ACTOR_OPTIONS)(cls).options(
         name=f"cache-store-{node_id}", namespace=NAMESPACE, lifetime="detached",
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(1 << 26, {"ssd": False, "directory": "on", "directory_feed_s": 0.2})
+    ).remote(CacheStoreProfile(hot_budget=1 << 26, ssd=False, directory="on"),
+             feed_interval_s=0.2)
 
 
 def fill(store, node_id: str, tokens: list[int]) -> list[str]:

@@ -191,12 +191,13 @@ def test_a_store_actor_feeds_the_directory_and_a_restarted_one_starts_over():
     import ray
 
     from serve_app.cache.actor import CacheStoreActor, RayCacheClient, get_or_create_directory
+    from serve_app.profile import CacheStoreProfile
     from tests.test_ssd import bid
     from tests.test_store_faults import block
 
     directory = get_or_create_directory()
     node = ray.get_runtime_context().get_node_id()
-    feeding = {"ssd": False, "directory": "on", "directory_feed_s": 0.1}
+    feeding = CacheStoreProfile(hot_budget=1 << 24, ssd=False, directory="on")
 
     def until(predicate, timeout: float = 20.0):
         deadline = time.monotonic() + timeout
@@ -204,7 +205,7 @@ def test_a_store_actor_feeds_the_directory_and_a_restarted_one_starts_over():
             assert time.monotonic() < deadline
             time.sleep(0.1)
 
-    store = CacheStoreActor.remote(1 << 24, feeding)
+    store = CacheStoreActor.remote(feeding, feed_interval_s=0.1)
     client = RayCacheClient(store)
     for i in range(3):
         client.publish("m", block(i), None)
@@ -214,7 +215,7 @@ def test_a_store_actor_feeds_the_directory_and_a_restarted_one_starts_over():
     assert feed["snapshots"] >= 1 and feed["last_error"] is None
     ray.kill(store)
     # A new store on the node (a restart: its RAM is empty) replaces the node's entries.
-    store = CacheStoreActor.remote(1 << 24, feeding)
+    store = CacheStoreActor.remote(feeding, feed_interval_s=0.1)
     ray.get(store.stats.remote(), timeout=60)
     until(lambda: ray.get(directory.holders.remote(bid(0))) == {})
     assert ray.get(directory.nodes.remote()) == {node: 0}
@@ -228,8 +229,10 @@ def test_a_one_node_server_does_not_feed_a_directory_by_default():
     import ray
 
     from serve_app.cache.actor import CacheStoreActor
+    from serve_app.profile import CacheStoreProfile
 
-    store = CacheStoreActor.remote(1 << 24, {"ssd": False, "directory_feed_s": 0.1})
+    store = CacheStoreActor.remote(CacheStoreProfile(hot_budget=1 << 24, ssd=False),
+                                   feed_interval_s=0.1)
     time.sleep(1.0)
     feed = ray.get(store.stats.remote(), timeout=60)["directory_feed"]
     assert not feed["active"] and feed["batches"] == 0

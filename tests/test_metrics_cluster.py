@@ -12,6 +12,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from serve_app.app import gather_node_metrics
 from serve_app.cache.actor import CacheStoreActor
+from serve_app.profile import CacheStoreProfile
 
 
 @pytest.fixture
@@ -34,7 +35,8 @@ def test_each_nodes_cache_store_is_scraped(two_nodes):
     budgets = {node: (i + 1) * 1_000_000 for i, node in enumerate(nodes)}
     actors = [CacheStoreActor.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-    ).remote(budget, {"ssd": False}) for node, budget in budgets.items()]
+    ).remote(CacheStoreProfile(hot_budget=budget, ssd=False))
+        for node, budget in budgets.items()]
     ray.get([a.stats.remote() for a in actors])
 
     deadline = time.monotonic() + 60

@@ -16,11 +16,13 @@ import pytest
 
 from serve_app.cache.actor import make_ssd
 from serve_app.cache.ssd import SSDError, SSDStore, read_file, untrusted_reason
+from serve_app.profile import CacheStoreProfile
 from tests.test_ssd import MODEL, bid, meta, tensors
 
 
-def config(root) -> dict:
-    return {"ssd": True, "ssd_dir": str(root), "ssd_cache_max_size": 1 << 30, "ssd_min_free": 0}
+def config(root) -> CacheStoreProfile:
+    return CacheStoreProfile(ssd=True, ssd_dir=str(root), ssd_cache_max_size=1 << 30,
+                             ssd_min_free=0)
 
 
 @pytest.mark.parametrize(("mode", "who"), [(0o770, "group"), (0o707, "others"),

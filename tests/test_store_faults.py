@@ -28,15 +28,19 @@ from serve_app.cache.actor import (
 )
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
 from serve_app.metrics import DROP_REASONS, store_samples
+from serve_app.profile import CacheStoreProfile
 from tests.test_ssd import LAYOUT, bid
 from tests.test_tiers import DISK
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def ssd_config(root: Path, **over) -> dict:
-    return {"ssd": True, "ssd_dir": str(root), "ssd_cache_max_size": 1 << 30,
-            "ssd_min_free": 0, **over}
+def ssd_config(root: Path, **over) -> CacheStoreProfile:
+    return CacheStoreProfile(**{"hot_budget": 1 << 20, "ssd": True, "ssd_dir": str(root),
+                                "ssd_cache_max_size": 1 << 30, "ssd_min_free": 0, **over})
+
+
+NO_SSD = CacheStoreProfile(ssd=False)
 
 
 def test_a_locked_directory_is_refused_not_shared(tmp_path, caplog):
@@ -82,7 +86,7 @@ def timed(ref):
 
 def test_stats_show_why_the_ssd_tier_is_off(local_ray, tmp_path):
     holder, _ = make_ssd(ssd_config(tmp_path))  # this process serves the directory
-    actor = CacheStoreActor.remote(1 << 20, ssd_config(tmp_path))
+    actor = CacheStoreActor.remote(ssd_config(tmp_path))
     stats = ray.get(actor.stats.remote(), timeout=60)
     assert f"process {os.getpid()}" in stats["ssd"]["disabled"]
     assert str(tmp_path) in stats["ssd"]["disabled"]
@@ -96,7 +100,7 @@ def test_stats_show_an_untrusted_directory(local_ray, tmp_path):
     root = tmp_path / "kv"
     root.mkdir()
     root.chmod(0o775)
-    actor = CacheStoreActor.remote(1 << 20, ssd_config(root))
+    actor = CacheStoreActor.remote(ssd_config(root))
     disabled = ray.get(actor.stats.remote(), timeout=60)["ssd"]["disabled"]
     assert str(root) in disabled and "writable by group" in disabled
     assert not (root / "v1").exists()
@@ -107,7 +111,7 @@ def test_a_slow_put_does_not_hold_up_other_calls(local_ray, tmp_path):
     """A staging area of one byte: every put waits for room (backpressure, 0.5 s), then
     writes inline. Meanwhile stats and lookups answer at once, and a replica keeps at
     most MAX_UNACKED_PUTS puts in flight."""
-    actor = CacheStoreActor.remote(1 << 20, ssd_config(tmp_path, gdn_ssd_pending_max_size=1))
+    actor = CacheStoreActor.remote(ssd_config(tmp_path, gdn_ssd_pending_max_size=1))
     ray.get(actor.stats.remote(), timeout=60)
     client = RayCacheClient(actor)
     for i in range(12):
@@ -136,14 +140,14 @@ class IndexNotReady(CacheStore):
     for it. (Really slow indexing needs a directory of ~10^5 files: minutes to build
     here.)"""
 
-    def __init__(self, hot_budget: int, config: dict) -> None:
-        super().__init__(hot_budget, config)
+    def __init__(self, config: CacheStoreProfile) -> None:
+        super().__init__(config)
         self.tiers.ssd.ready.wait(30)
         self.tiers.ssd.ready.clear()
 
 
 def test_a_lookup_waiting_for_the_index_does_not_hold_up_other_calls(local_ray, tmp_path):
-    actor = ray.remote(**ACTOR_OPTIONS)(IndexNotReady).remote(1 << 20, ssd_config(tmp_path))
+    actor = ray.remote(**ACTOR_OPTIONS)(IndexNotReady).remote(ssd_config(tmp_path))
     ray.get(actor.stats.remote(), timeout=60)
     slow = actor.lookup.remote([bid(0)], False, LAYOUT)
     time.sleep(0.2)  # the lookup is waiting now
@@ -160,7 +164,7 @@ def test_a_lookup_waiting_for_the_index_does_not_hold_up_other_calls(local_ray, 
 def test_back_to_back_publish_then_lookup_sees_the_block(local_ray):
     """Calls run concurrently in the actor, so call order is no promise: the client waits
     for the acks of its earlier puts, and the very next lookup always sees the block."""
-    actor = CacheStoreActor.remote(1 << 24, {"ssd": False})
+    actor = CacheStoreActor.remote(CacheStoreProfile(hot_budget=1 << 24, ssd=False))
     ray.get(actor.stats.remote(), timeout=60)
     client = RayCacheClient(actor)
 
@@ -186,7 +190,7 @@ class Unpicklable:
 
 
 def test_a_block_that_cannot_be_published_is_counted(local_ray):
-    actor = CacheStoreActor.remote(1 << 20, {"ssd": False})
+    actor = CacheStoreActor.remote(NO_SSD)
     ray.get(actor.stats.remote(), timeout=60)
     client = RayCacheClient(actor)
     client.publish("m", CapturedBlock(bid(0), "", Unpicklable()), None)
@@ -264,7 +268,7 @@ class OldProtocolStore(CacheStore):
 class NoProtocolStore:
     """Older still: no ``protocol`` method at all."""
 
-    def __init__(self, hot_budget: int, config: dict) -> None:
+    def __init__(self, config: CacheStoreProfile) -> None:
         pass
 
     def stats(self) -> dict:
@@ -278,13 +282,13 @@ def test_an_outdated_store_actor_is_replaced(local_ray, old_cls):
     name = f"cache-store-{ray.get_runtime_context().get_node_id()}"
     remote = ray.remote(**ACTOR_OPTIONS) if issubclass(old_cls, CacheStore) else ray.remote
     old = remote(old_cls).options(
-        name=name, namespace=NAMESPACE, lifetime="detached").remote(1 << 20, {"ssd": False})
+        name=name, namespace=NAMESPACE, lifetime="detached").remote(NO_SSD)
     ray.get(old.stats.remote(), timeout=60)
-    actor = get_or_create_actor(1 << 20, {"ssd": False}, timeout=60)
+    actor = get_or_create_actor(NO_SSD, timeout=60)
     assert ray.get(actor.protocol.remote(), timeout=30) == CacheStore.PROTOCOL
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(old.stats.remote(), timeout=30)  # the old one is gone
-    assert get_or_create_actor(1 << 20, {"ssd": False}) is not None  # and kept from now on
+    assert get_or_create_actor(NO_SSD) is not None  # and kept from now on
     ray.kill(actor)
 
 

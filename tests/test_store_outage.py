@@ -23,7 +23,7 @@ from serve_app.cache.actor import RayCacheClient, get_or_create_actor
 from serve_app.cache.client import CircuitBreaker
 from serve_app.embedded import materialize
 from serve_app.openai_api import CompletionRequest
-from serve_app.profile import ModelProfile
+from serve_app.profile import CacheStoreProfile, ModelProfile
 from serve_app.service import ModelService
 from tests.test_cache_exact import run
 
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 BS = 16
 TIMEOUT_S = 1.0
 COOL_DOWN_S = 1.0
-CONFIG = {"ssd": False, "directory": "off"}
+CONFIG = CacheStoreProfile(hot_budget=1 << 26, ssd=False, directory="off")
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +59,9 @@ def served(local_ray, model):
     """A warm service on the node's real store actor (recreated by the client when it
     dies, as a replica does) and a cold one without a cache."""
     loaded, tokenizer, path = model
-    actor = get_or_create_actor(1 << 26, CONFIG, timeout=60)
+    actor = get_or_create_actor(CONFIG, timeout=60)
     client = RayCacheClient(actor, timeout=TIMEOUT_S,
-                            reconnect=lambda: get_or_create_actor(1 << 26, CONFIG, timeout=60),
+                            reconnect=lambda: get_or_create_actor(CONFIG, timeout=60),
                             breaker=CircuitBreaker(2, COOL_DOWN_S))
     warm = ModelService(ModelProfile(name="warm", source="embedded:tiny-dense",
                                      cache={"block_size": BS}), loaded, tokenizer, path, client)

@@ -46,6 +46,7 @@ from serve_app.cache.payload import BlockPayload, CapturedBlock
 from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir, untrusted_reason
 from serve_app.cache.tiers import DiskInfo, TailQuery, TieredStore
 from serve_app.metrics import MetricsPump, RayRecorder, store_samples
+from serve_app.profile import CacheStoreProfile
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,9 @@ NAMESPACE = "serve_app"
 PUBLISH_QUEUE_BLOCKS = 256
 MAX_UNACKED_PUTS = 8  # puts one replica has in flight to the store; then its publisher waits
 ACK_WAIT_S = 30.0  # a lookup waits at most this long for the replica's earlier puts
-# A request waits at most this long for one store call (lookup, release, stats) unless
-# the profile says otherwise (``cache_store.call_timeout_s``); then it prefills cold.
-STORE_CALL_TIMEOUT_S = 5.0
+# A request waits at most this long for one store call (lookup, release, stats); then it
+# prefills cold. The profile's ``cache_store.call_timeout_s`` (its default here).
+STORE_CALL_TIMEOUT_S = CacheStoreProfile().call_timeout_s
 RECONNECT_EVERY_S = 1.0  # a replica looks for a replacement of a dead store this often
 REPORT_DROPS_S = 1.0
 FEED_INTERVAL_S = 0.5  # how often a store tells the block directory what changed
@@ -73,16 +74,16 @@ ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_restarts": -1, "max_concurr
                                  "concurrency_groups": {"puts": 8, "exports": 4}}
 
 
-def make_ssd(config: dict) -> tuple[SSDStore | None, str | None]:
+def make_ssd(config: CacheStoreProfile) -> tuple[SSDStore | None, str | None]:
     """The SSD tier a ``CacheStoreProfile`` asks for, its directory locked; or None and why.
 
     Two servers on one directory would each evict the other's files under its
     own index and budget: the second one serves without the SSD tier and says so.
     So does a directory another local user owns or may write to (``untrusted_reason``).
     """
-    if not config.get("ssd"):
+    if not config.ssd:
         return None, None
-    root = Path(ssd_dir_of(config.get("ssd_dir"))).expanduser()
+    root = Path(ssd_dir_of(config.ssd_dir)).expanduser()
     untrusted = untrusted_reason(root)
     if untrusted is not None:  # another local user could plant blocks in it
         reason = (f"refusing cache directory {root}: {untrusted}; it must be owned by this "
@@ -91,10 +92,9 @@ def make_ssd(config: dict) -> tuple[SSDStore | None, str | None]:
         logger.error("%s", reason)
         return None, reason
     try:
-        budget = config.get("ssd_cache_max_size", "auto")
-        if budget == "auto":
-            budget = auto_budget(root)
-        store = SSDStore(root, int(budget), int(config.get("ssd_min_free", 0)))
+        configured = config.ssd_cache_max_size
+        budget = auto_budget(root) if configured == "auto" else int(configured)
+        store = SSDStore(root, budget, int(config.ssd_min_free))
         locked = store.lock_directory()
     except OSError as exc:
         reason = f"cannot use cache directory {root}: {exc}; serving without the SSD tier"
@@ -129,22 +129,16 @@ class CacheStore:
     # a redeploy, so replicas of new code may find one running the old code.
     PROTOCOL = 3  # 2: put carries the block's token ids; 3: export to other nodes
 
-    def __init__(self, hot_budget: int, config: dict) -> None:
+    def __init__(self, config: CacheStoreProfile,
+                 feed_interval_s: float = FEED_INTERVAL_S) -> None:
         ssd, self.ssd_disabled = make_ssd(config)
-        self.tiers = TieredStore(
-            hot_budget,
-            ssd,
-            int(config.get("gdn_ssd_pending_max_size", 512 * 1000 * 1000)),
-            resolve=ray.get,
-        )
+        self.tiers = TieredStore(int(config.hot_budget), ssd,
+                                 int(config.gdn_ssd_pending_max_size), resolve=ray.get)
         self.names: dict[str, str] = {}  # model identity[:16] -> a name it is served under
         self._lock = threading.Lock()
         self.publish_dropped = 0  # blocks replicas could not hand over (they report them)
-        mode = config.get("directory", "auto")
-        self.feed = DirectoryFeed(self.tiers, float(config.get("directory_feed_s",
-                                                               FEED_INTERVAL_S)),
-                                  always=mode == "on")
-        if mode != "off" and ray.is_initialized():
+        self.feed = DirectoryFeed(self.tiers, feed_interval_s, always=config.directory == "on")
+        if config.directory != "off" and ray.is_initialized():
             self.feed.start()
         recorder = RayRecorder("store", serve=False)
         self.pump = MetricsPump(recorder, self._metric_samples, name="cache-metrics").start()
@@ -444,7 +438,7 @@ def get_or_create_directory():
                                        lifetime="detached", get_if_exists=True).remote()
 
 
-def get_or_create_actor(hot_budget: int, config: dict, timeout: float = 120.0):
+def get_or_create_actor(config: CacheStoreProfile, timeout: float = 120.0):
     """The cache-store actor of this node, created by the first replica that asks.
 
     One left running by older code (another ``CacheStore.PROTOCOL``) is replaced: its
@@ -464,7 +458,7 @@ def get_or_create_actor(hot_budget: int, config: dict, timeout: float = 120.0):
             lifetime="detached",
             get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(hot_budget, config)
+        ).remote(config)
         left = max(1.0, deadline - time.monotonic())
         try:
             if ray.get(actor.protocol.remote(), timeout=left) == CacheStore.PROTOCOL:
