@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import mlx.core as mx
@@ -241,9 +241,10 @@ class Engine:
         """Stop a request and free its batch slot before the next decode step."""
         self._commands.put(("cancel", rid))
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> EngineStats:
+        """A copy of the counters, consistent (taken under the engine's lock)."""
         with self._lock:
-            return dict(self.stats.__dict__)
+            return replace(self.stats)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping.set()

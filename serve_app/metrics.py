@@ -20,9 +20,15 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+from serve_app.cache.stats import Usage
 from serve_app.compat import record_metric_zero
+
+if TYPE_CHECKING:  # the engine imports MLX; the store and the ingress load this module
+    from serve_app.cache.manager import CacheStats
+    from serve_app.cache.stats import StoreStats
+    from serve_app.engine import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -315,105 +321,105 @@ class MetricsPump:
 # ---- stats to samples ---------------------------------------------------------------------
 
 
-def replica_samples(model: str, engine: dict, cache: dict,
+def replica_samples(model: str, engine: EngineStats, cache: CacheStats,
                     normalized: dict[str, int]) -> list[Sample]:
-    """Samples of one replica from its engine and prefix-cache stats (plain dicts) and
-    its normalized requests by rule."""
+    """Samples of one replica from its engine and prefix-cache stats and its normalized
+    requests by rule."""
     m = {"model": model}
     out = [
-        Sample("serve_app_prompt_tokens", m, engine["prompt_tokens"]),
-        Sample("serve_app_generation_tokens", m, engine["generated_tokens"]),
-        Sample("serve_app_running_requests", m, engine["running_batch_size"]),
+        Sample("serve_app_prompt_tokens", m, engine.prompt_tokens),
+        Sample("serve_app_generation_tokens", m, engine.generated_tokens),
+        Sample("serve_app_running_requests", m, engine.running_batch_size),
         Sample("serve_app_queued_requests", m,
-               max(0, engine["in_flight"] - engine["running_batch_size"])),
-        Sample("serve_app_rejected_requests", {**m, "reason": "queue_full"}, engine["rejected"]),
-        Sample("serve_app_prefix_cache_lookups", m, cache["lookups"]),
-        Sample("serve_app_prefix_cache_missed_tokens", m, cache["missed_tokens"]),
-        Sample("serve_app_prefix_cache_trim_hits", m, cache["trim_hits"]),
-        Sample("serve_app_prefix_cache_walkbacks", m, cache["walkbacks"]),
+               max(0, engine.in_flight - engine.running_batch_size)),
+        Sample("serve_app_rejected_requests", {**m, "reason": "queue_full"}, engine.rejected),
+        Sample("serve_app_prefix_cache_lookups", m, cache.lookups),
+        Sample("serve_app_prefix_cache_missed_tokens", m, cache.missed_tokens),
+        Sample("serve_app_prefix_cache_trim_hits", m, cache.trim_hits),
+        Sample("serve_app_prefix_cache_walkbacks", m, cache.walkbacks),
         Sample("serve_app_prefix_cache_checkpoint_decode_failures", m,
-               cache["checkpoint_rejects"]),
-        Sample("serve_app_prefix_cache_captured_tokens", m, engine["captured_tokens"]),
-        Sample("serve_app_prefix_cache_checkpoint_bytes", m,
-               engine["captured_checkpoint_bytes"]),
-        Sample("serve_app_prefix_cache_incompatible_payloads", m,
-               cache["incompatible_payloads"]),
-        Sample("serve_app_prefix_cache_restore_failures", m, cache["restore_failures"]),
-        Sample("serve_app_prefix_cache_ssd_read_bytes", m, cache["ssd_read_bytes"]),
-        Sample("serve_app_prefix_cache_ssd_read_seconds", m, cache["ssd_read_seconds"]),
-        Sample("serve_app_remote_fetch_blocks", m, cache["remote_fetch_blocks"]),
-        Sample("serve_app_remote_fetch_bytes", m, cache["remote_fetch_bytes"]),
-        Sample("serve_app_remote_fetch_seconds", m, cache["remote_fetch_seconds"]),
-        Sample("serve_app_remote_fetch_failures", m, cache["remote_fetch_failures"]),
-        Sample("serve_app_remote_fetch_skipped", m, cache["remote_fetch_skipped"]),
+               cache.checkpoint_rejects),
+        Sample("serve_app_prefix_cache_captured_tokens", m, engine.captured_tokens),
+        Sample("serve_app_prefix_cache_checkpoint_bytes", m, engine.captured_checkpoint_bytes),
+        Sample("serve_app_prefix_cache_incompatible_payloads", m, cache.incompatible_payloads),
+        Sample("serve_app_prefix_cache_restore_failures", m, cache.restore_failures),
+        Sample("serve_app_prefix_cache_ssd_read_bytes", m, cache.ssd_read_bytes),
+        Sample("serve_app_prefix_cache_ssd_read_seconds", m, cache.ssd_read_seconds),
+        Sample("serve_app_remote_fetch_blocks", m, cache.remote_fetch_blocks),
+        Sample("serve_app_remote_fetch_bytes", m, cache.remote_fetch_bytes),
+        Sample("serve_app_remote_fetch_seconds", m, cache.remote_fetch_seconds),
+        Sample("serve_app_remote_fetch_failures", m, cache.remote_fetch_failures),
+        Sample("serve_app_remote_fetch_skipped", m, cache.remote_fetch_skipped),
     ]
+    # The cache's counters change on the replica's event loop while this runs on the
+    # pump's thread: each labelled family is read from a copy.
+    hits, loads = dict(cache.hit_tokens_by_tier), dict(cache.checkpoint_loads_by_tier)
     for tier in TIERS:
         out.append(Sample("serve_app_prefix_cache_hit_tokens", {**m, "tier": tier},
-                          cache["hit_tokens_by_tier"].get(tier, 0)))
+                          hits.get(tier, 0)))
         out.append(Sample("serve_app_prefix_cache_checkpoint_loads", {**m, "tier": tier},
-                          cache["checkpoint_loads_by_tier"].get(tier, 0)))
+                          loads.get(tier, 0)))
+    misses = dict(cache.misses_by_reason)
     for reason in MISS_REASONS:
         out.append(Sample("serve_app_prefix_cache_misses", {**m, "reason": reason},
-                          cache["misses_by_reason"].get(reason, 0)))
-    for kind, count in cache["store_errors_by_kind"].items():
+                          misses.get(reason, 0)))
+    for kind, count in dict(cache.store_errors_by_kind).items():
         out.append(Sample("serve_app_prefix_cache_store_errors", {**m, "kind": kind}, count))
-    for position, count in cache["cache_busts_by_position"].items():
+    for position, count in dict(cache.cache_busts_by_position).items():
         out.append(Sample("serve_app_prefix_cache_busts", {**m, "position": position}, count))
-    for rule, count in normalized.items():
+    for rule, count in dict(normalized).items():
         out.append(Sample("serve_app_normalized_requests", {**m, "rule": rule}, count))
     return out
 
 
-def store_samples(snapshot: dict, names: dict[str, str]) -> list[Sample]:
-    """Samples of a node's cache store from ``TieredStore.snapshot()``.
+def store_samples(stats: StoreStats, names: dict[str, str]) -> list[Sample]:
+    """Samples of a node's cache store from its tiers' stats (``TieredStore.stats()``).
 
     ``names`` maps a model identity's first 16 hex digits (how SSD files name
     their model) to the name it is served under; files of models nobody serves
     here now are labelled ``other``.
     """
-    out = [Sample("serve_app_cache_budget_bytes", {"tier": "hot"}, snapshot["budget_bytes"])]
-    hot = {name: {"blocks": 0, "bytes": 0, "evictions": 0} for name in set(names.values())}
-    hot.update(snapshot["by_model"])
-    for model, m in hot.items():
+    out = [Sample("serve_app_cache_budget_bytes", {"tier": "hot"}, stats.hot_budget_bytes)]
+    hot = {name: Usage() for name in set(names.values())}
+    hot.update(stats.hot_by_model)
+    for model, u in hot.items():
         labels = {"model": model, "tier": "hot"}
-        out.append(Sample("serve_app_cache_bytes", {**labels, "kind": "block"}, m["bytes"]))
-        out.append(Sample("serve_app_cache_entries", {**labels, "kind": "block"}, m["blocks"]))
-        out.append(Sample("serve_app_cache_evictions", labels, m["evictions"]))
-    staging = snapshot["staging"]
+        out.append(Sample("serve_app_cache_bytes", {**labels, "kind": "block"}, u.block_bytes))
+        out.append(Sample("serve_app_cache_entries", {**labels, "kind": "block"}, u.blocks))
+        out.append(Sample("serve_app_cache_evictions", labels, u.evictions))
+    staging = stats.staging
     out += [
-        Sample("serve_app_cache_budget_bytes", {"tier": "staging"}, staging["pending_max_bytes"]),
-        Sample("serve_app_cache_staging_pending_bytes", {}, staging["pending_bytes"]),
-        Sample("serve_app_cache_staging_peak_pending_bytes", {}, staging["peak_pending_bytes"]),
+        Sample("serve_app_cache_budget_bytes", {"tier": "staging"}, stats.staging_budget_bytes),
+        Sample("serve_app_cache_staging_pending_bytes", {}, staging.pending_bytes),
+        Sample("serve_app_cache_staging_peak_pending_bytes", {}, staging.peak_pending_bytes),
         Sample("serve_app_cache_staging_backpressure_seconds", {},
-               staging["backpressure_seconds"]),
-        Sample("serve_app_cache_staging_inline_writes", {}, staging["inline_writes"]),
+               staging.backpressure_seconds),
+        Sample("serve_app_cache_staging_inline_writes", {}, staging.inline_writes),
     ]
+    writes = {"done": staging.writes_done, "failed": staging.writes_failed,
+              "dropped": stats.writes_dropped}
     for result in WRITE_RESULTS:
-        out.append(Sample("serve_app_cache_staging_writes", {"result": result},
-                          staging[f"writes_{result}"]))
-    dropped = snapshot.get("dropped", {})
+        out.append(Sample("serve_app_cache_staging_writes", {"result": result}, writes[result]))
+    dropped = {"publish": stats.dropped_publish, "hot_full": stats.dropped_hot_full,
+               "ssd_low_space": stats.dropped_ssd_low_space,
+               "ssd_budget": stats.dropped_ssd_budget}
     for reason in DROP_REASONS:
-        out.append(Sample("serve_app_cache_dropped_blocks", {"reason": reason},
-                          dropped.get(reason, 0)))
-    ssd = snapshot.get("ssd")
-    if ssd is None or "disabled" in ssd:
+        out.append(Sample("serve_app_cache_dropped_blocks", {"reason": reason}, dropped[reason]))
+    if stats.ssd_budget_bytes is None:  # no SSD tier
         return out
-    out.append(Sample("serve_app_cache_budget_bytes", {"tier": "ssd"}, ssd["budget_bytes"]))
-    per_name: dict[str, dict[str, int]] = {
-        name: {"blocks": 0, "block_bytes": 0, "sidecars": 0, "sidecar_bytes": 0, "evictions": 0}
-        for name in set(names.values())}
-    for key, m in ssd["by_model"].items():
-        into = per_name.setdefault(names.get(key, "other"), dict.fromkeys(m, 0))
-        for field, value in m.items():
-            into[field] += value
-    for model, m in per_name.items():
+    out.append(Sample("serve_app_cache_budget_bytes", {"tier": "ssd"}, stats.ssd_budget_bytes))
+    per_name = {name: Usage() for name in set(names.values())}
+    for key, u in stats.ssd_by_model.items():
+        name = names.get(key, "other")
+        per_name[name] = per_name.get(name, Usage()) + u
+    for model, u in per_name.items():
         labels = {"model": model, "tier": "ssd"}
-        for kind in ("block", "sidecar"):
-            out.append(Sample("serve_app_cache_bytes", {**labels, "kind": kind},
-                              m[f"{kind}_bytes"]))
-            out.append(Sample("serve_app_cache_entries", {**labels, "kind": kind},
-                              m[f"{kind}s"]))
-        out.append(Sample("serve_app_cache_evictions", labels, m["evictions"]))
+        out.append(Sample("serve_app_cache_bytes", {**labels, "kind": "block"}, u.block_bytes))
+        out.append(Sample("serve_app_cache_entries", {**labels, "kind": "block"}, u.blocks))
+        out.append(Sample("serve_app_cache_bytes", {**labels, "kind": "sidecar"},
+                          u.sidecar_bytes))
+        out.append(Sample("serve_app_cache_entries", {**labels, "kind": "sidecar"}, u.sidecars))
+        out.append(Sample("serve_app_cache_evictions", labels, u.evictions))
     return out
 
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from serve_app.cache.client import CacheClient
-from serve_app.cache.manager import CacheManager, CacheStats
+from serve_app.cache.manager import CacheManager, CacheStats, RequestPlan
 from serve_app.compat import download_model, token_bytes_table
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.engine import Engine, EngineEvent, QueueFullError
-from serve_app.events import Delta, Event, Failure, Finish, Start, TokenLogprob, ToolCall
+from serve_app.events import Delta, Event, Finish, Start, TokenLogprob, ToolCall
 from serve_app.metrics import PHASES, Recorder, replica_samples
 from serve_app.normalize import RULE_NAMES
 from serve_app.openai_api import ApiError, Caller, ChatCompletionRequest, CompletionRequest
@@ -144,113 +144,71 @@ class ModelService:
         at once. ``processors``:
         the request's ``constraints``, built off the event loop by the caller (a new
         schema compiles here otherwise).
+
+        The steps: admission (429 before any cache work, 400 for a grammar), the cache
+        plan and its lease (``_Lease``), submission (429 when the engine's queue is full),
+        then engine events to typed events (``_RequestStream``), coalesced by
+        ``_Pacer``, with the phases and latencies accounted by ``_RequestClock``.
         """
         arrived = time.perf_counter()
-        events = EventChannel(asyncio.get_running_loop())
         for rule in prepared.normalized:
             self.normalized[rule] += 1
-        if self.engine.at_capacity():  # before any cache work
-            yield [_queue_full(self.engine.capacity_message()).to_failure()]
+        refused, processors = self._admit(prepared, processors)
+        if refused is not None:
+            yield [refused.to_failure()]
             return
+        plan = await self.cache.plan(prepared.prompt, salt=prepared.salt,
+                                     api_key_digest=prepared.api_key_digest,
+                                     branch_points=prepared.branch_points)
+        clock = _RequestClock(self, arrived, prepared.prepare_seconds)
+        lease = _Lease(self.cache, plan.lease if plan is not None else None)
+        events = EventChannel(asyncio.get_running_loop())
+        try:
+            rid = self._submit(prepared, processors, plan, events.put)
+        except QueueFullError as exc:
+            await lease.release()
+            yield [_queue_full(str(exc)).to_failure()]
+            return
+        request = _RequestStream(self, prepared, rid,
+                                 plan.restore_tokens if plan is not None else 0, clock)
+        pacer = _Pacer(self.stream_interval)
+        try:
+            yield [request.start()]
+            while not request.done:
+                await pacer.wait()
+                batch = await events.take()
+                lease.release_beside()  # the engine has copied the restored blocks by now
+                out = request.convert(batch)
+                if out:
+                    pacer.sent()
+                    yield out
+        finally:
+            if not request.done:
+                self.engine.cancel(rid)
+            await lease.close()
+            clock.finished()
+
+    def _admit(self, prepared: PreparedRequest,
+               processors: tuple | None) -> tuple[ApiError | None, tuple]:
+        """The request's refusal, if any, and its logits processors: 429 when the engine
+        is at capacity (checked before any cache work), 400 when its grammar does not
+        compile (``constraints``, unless the caller built ``processors`` already)."""
+        if self.engine.at_capacity():
+            return _queue_full(self.engine.capacity_message()), ()
         if processors is None:
             try:
                 processors = self.constraints(prepared)
             except ApiError as exc:
-                yield [exc.to_failure()]
-                return
-        plan = await self.cache.plan(prepared.prompt, salt=prepared.salt,
-                                     api_key_digest=prepared.api_key_digest,
-                                     branch_points=prepared.branch_points)
-        planned = time.perf_counter()
-        self._phase("prepare", prepared.prepare_seconds)
-        self._phase("plan", planned - arrived)
-        joined: float | None = None  # when the engine took the request into its batch
-        lease = plan.lease if plan is not None else None
-        cached = plan.restore_tokens if plan is not None else 0
-        try:
-            params = replace(prepared.params, logprobs=prepared.logprobs,
-                             logits_processors=processors)
-            rid = self.engine.submit(prepared.prompt, params, events.put, plan)
-        except QueueFullError as exc:
-            await self.cache.release(lease)
-            yield [_queue_full(str(exc)).to_failure()]
-            return
+                return exc, ()
+        return None, processors
 
-        started = time.monotonic()
-        decoder = _TextDecoder(self.tokenizer, self.eos_ids, prepared.stops)
-        support = self.preparer.tool_support if prepared.tools is not None else None
-        calls = ToolCallStream(support, prepared.tools) if support is not None else None
-        called = 0
-        done = False
-        releasing: asyncio.Future | None = None
-        last_token_at: float | None = None
-        try:
-            yield [Start(len(prepared.prompt), cached)]
-            last_yield = 0.0
-            while not done:
-                # Coalesce: at most one yield per stream interval after the first.
-                # Each yield costs a Ray streaming hop on the same cores that decode.
-                wait = last_yield + self.stream_interval() - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                batch = await events.take()
-                if lease is not None:  # the engine has copied the restored blocks by now
-                    # Released beside the stream: a slow store never holds up tokens.
-                    releasing = asyncio.ensure_future(self.cache.release(lease))
-                    lease = None
-                out: list[Event] = []
-                for event in batch:
-                    if event.restored is not None:  # the engine took it out of the queue
-                        joined = event.at
-                        self._phase("queue", joined - planned)
-                        if event.restored < cached:  # the engine prefilled it cold
-                            self.cache.restore_failed(cached)
-                            cached = event.restored
-                    if event.error is not None:
-                        out.append(ApiError(500, event.error, type="server_error").to_failure())
-                        done = True
-                        break
-                    if event.token is not None:
-                        if last_token_at is None and joined is not None:
-                            self._phase("prefill", event.at - joined)
-                            self._prefilled(len(prepared.prompt) - cached, event.at - joined)
-                        self._observe_token(arrived, last_token_at, event.at)
-                        last_token_at = event.at
-                        text, stopped = decoder.add(event.token)
-                        logprobs = self._logprobs(event) if prepared.logprobs is not None else None
-                        called += self._emit(out, text, calls, logprobs)
-                        if stopped:
-                            self.engine.cancel(rid)
-                            called += self._emit(out, "", calls, None, final=True)
-                            reason = "stop"
-                            done = True
-                            break
-                    if event.finish_reason is not None:
-                        called += self._emit(out, decoder.finish(), calls, None, final=True)
-                        reason = "stop" if event.finish_reason == "stop" else "length"
-                        done = True
-                        break
-                if done and not (out and isinstance(out[-1], Failure)):
-                    out.append(Finish(
-                        finish_reason="tool_calls" if called and reason == "stop" else reason,
-                        prompt_tokens=len(prepared.prompt),
-                        completion_tokens=decoder.tokens,
-                        cached_tokens=cached,
-                        seconds=time.monotonic() - started,
-                        stop_sequence=decoder.stop_sequence(),
-                    ))
-                if out:
-                    last_yield = time.monotonic()
-                    yield out
-        finally:
-            if not done:
-                self.engine.cancel(rid)
-            if lease is not None:
-                await self.cache.release(lease)
-            if releasing is not None:
-                await releasing
-            self.metrics.observe("serve_app_request_duration_seconds",
-                                 time.perf_counter() - arrived, self._labels)
+    def _submit(self, prepared: PreparedRequest, processors: tuple,
+                plan: RequestPlan | None, sink: Callable[[EngineEvent], None]) -> int:
+        """Into the engine with its plan; its events go to ``sink`` (on the engine's
+        thread). Raises ``QueueFullError`` when the engine's queue is full."""
+        params = replace(prepared.params, logprobs=prepared.logprobs,
+                         logits_processors=processors)
+        return self.engine.submit(prepared.prompt, params, sink, plan)
 
     def constraints(self, prepared: PreparedRequest) -> tuple:
         """The request's own logits processors: a fresh matcher of its grammar, if any
@@ -277,20 +235,6 @@ class ModelService:
             raw = table(token) if table is not None else text.encode()
             known = self._token_texts[token] = (text, tuple(raw))
         return TokenLogprob(known[0], logprob, known[1])
-
-    @staticmethod
-    def _emit(out: list[Event], text: str, calls: ToolCallStream | None,
-              logprobs: TokenLogprob | None, final: bool = False) -> int:
-        """Text (with tool-call markup taken out as ``ToolCall`` events) and logprobs into
-        ``out``; returns the tool calls emitted."""
-        found: tuple[ToolCall, ...] = ()
-        if calls is not None:
-            update = calls.finish(text) if final else calls.feed(text)
-            text, found = update.text, update.calls
-        if text or logprobs is not None:
-            out.append(Delta(text, (logprobs,) if logprobs is not None else None))
-        out.extend(found)
-        return len(found)
 
     def stream_interval(self) -> float:
         """Seconds between one stream's chunks: the profile's interval, stretched so that
@@ -452,3 +396,170 @@ class _TextDecoder:
     def stop_sequence(self) -> str | None:
         """The stop string that ended the text, if one did."""
         return self._stops.matched
+
+
+def emit_text(out: list[Event], text: str, calls: ToolCallStream | None,
+              logprobs: TokenLogprob | None, final: bool = False) -> int:
+    """Text (with tool-call markup taken out as ``ToolCall`` events) and logprobs into
+    ``out``; returns the tool calls emitted."""
+    found: tuple[ToolCall, ...] = ()
+    if calls is not None:
+        update = calls.finish(text) if final else calls.feed(text)
+        text, found = update.text, update.calls
+    if text or logprobs is not None:
+        out.append(Delta(text, (logprobs,) if logprobs is not None else None))
+    out.extend(found)
+    return len(found)
+
+class _Lease:
+    """A cache plan's pins on the blocks it restores: released once the engine has copied
+    them (after its first event), beside the stream, so a slow store never holds up
+    tokens; released at once when the request never reaches the engine."""
+
+    def __init__(self, cache: CacheManager, lease: int | None) -> None:
+        self._cache = cache
+        self._lease = lease
+        self._releasing: asyncio.Future | None = None
+
+    async def release(self) -> None:
+        lease, self._lease = self._lease, None
+        await self._cache.release(lease)
+
+    def release_beside(self) -> None:
+        if self._lease is not None:
+            self._releasing = asyncio.ensure_future(self._cache.release(self._lease))
+            self._lease = None
+
+    async def close(self) -> None:
+        """At the stream's end: whatever is still held released, the release awaited."""
+        if self._lease is not None:
+            await self.release()
+        if self._releasing is not None:
+            await self._releasing
+
+
+class _Pacer:
+    """Coalescing: at most one yield per stream interval after the first. Each yield
+    costs a Ray streaming hop on the same cores that decode."""
+
+    def __init__(self, interval: Callable[[], float]) -> None:
+        self._interval = interval
+        self._last = 0.0
+
+    async def wait(self) -> None:
+        wait = self._last + self._interval() - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    def sent(self) -> None:
+        self._last = time.monotonic()
+
+
+class _RequestClock:
+    """One request's phases and latencies into the service's metrics: prepare and plan
+    (at construction), queue (when the engine takes it), prefill (with the prefill rate
+    it measured), time to first token, inter-token latency, and its whole duration."""
+
+    def __init__(self, service: ModelService, arrived: float, prepare_seconds: float) -> None:
+        self._service = service
+        self.arrived = arrived
+        self.planned = time.perf_counter()
+        self.joined: float | None = None  # when the engine took the request into its batch
+        self.last_token_at: float | None = None
+        service._phase("prepare", prepare_seconds)
+        service._phase("plan", self.planned - arrived)
+
+    def join(self, at: float) -> None:
+        self.joined = at
+        self._service._phase("queue", at - self.planned)
+
+    def token(self, at: float, prefilled_tokens: int) -> None:
+        """A generated token at ``at``; ``prefilled_tokens``: the prompt tokens the engine
+        computed (not restored)."""
+        service = self._service
+        if self.last_token_at is None and self.joined is not None:
+            service._phase("prefill", at - self.joined)
+            service._prefilled(prefilled_tokens, at - self.joined)
+        service._observe_token(self.arrived, self.last_token_at, at)
+        self.last_token_at = at
+
+    def finished(self) -> None:
+        service = self._service
+        service.metrics.observe("serve_app_request_duration_seconds",
+                                time.perf_counter() - self.arrived, service._labels)
+
+
+class _RequestStream:
+    """One request's engine events to typed events: text through the detokenizer and
+    stop strings (``_TextDecoder``), tool-call markup out as ``ToolCall`` events,
+    logprobs, restore failures accounted, and the ``Finish`` with its counters. A stop
+    string cancels the request's work in the engine."""
+
+    def __init__(self, service: ModelService, prepared: PreparedRequest, rid: int,
+                 cached: int, clock: _RequestClock) -> None:
+        self._service = service
+        self._rid = rid
+        self._prompt_tokens = len(prepared.prompt)
+        self.cached = cached  # planned; lowered if the engine prefilled cold
+        self._clock = clock
+        self._started = time.monotonic()
+        self._decoder = _TextDecoder(service.tokenizer, service.eos_ids, prepared.stops)
+        support = service.preparer.tool_support if prepared.tools is not None else None
+        self._calls = ToolCallStream(support, prepared.tools) if support is not None else None
+        self._logprobs = prepared.logprobs is not None
+        self._called = 0  # tool calls emitted
+        self.done = False
+
+    def start(self) -> Start:
+        return Start(self._prompt_tokens, self.cached)
+
+    def convert(self, batch: list[EngineEvent]) -> list[Event]:
+        """The events of one batch of engine events (nothing after the request's end)."""
+        out: list[Event] = []
+        for event in batch:
+            if self._event(event, out):
+                self.done = True
+                break
+        return out
+
+    def _event(self, event: EngineEvent, out: list[Event]) -> bool:
+        """One engine event into ``out``; True when it ends the request."""
+        if event.restored is not None:  # the engine took it out of the queue
+            self._restored(event.restored, event.at)
+        if event.error is not None:
+            out.append(ApiError(500, event.error, type="server_error").to_failure())
+            return True
+        if event.token is not None:
+            self._clock.token(event.at, self._prompt_tokens - self.cached)
+            text, stopped = self._decoder.add(event.token)
+            self._emit(out, text, self._service._logprobs(event) if self._logprobs else None)
+            if stopped:
+                self._service.engine.cancel(self._rid)
+                self._emit(out, "", None, final=True)
+                out.append(self._finish("stop"))
+                return True
+        if event.finish_reason is not None:
+            self._emit(out, self._decoder.finish(), None, final=True)
+            out.append(self._finish("stop" if event.finish_reason == "stop" else "length"))
+            return True
+        return False
+
+    def _restored(self, restored: int, at: float) -> None:
+        self._clock.join(at)
+        if restored < self.cached:  # the engine prefilled it cold
+            self._service.cache.restore_failed(self.cached)
+            self.cached = restored
+
+    def _emit(self, out: list[Event], text: str, logprobs: TokenLogprob | None,
+              final: bool = False) -> None:
+        self._called += emit_text(out, text, self._calls, logprobs, final)
+
+    def _finish(self, reason: str) -> Finish:
+        return Finish(
+            finish_reason="tool_calls" if self._called and reason == "stop" else reason,
+            prompt_tokens=self._prompt_tokens,
+            completion_tokens=self._decoder.tokens,
+            cached_tokens=self.cached,
+            seconds=time.monotonic() - self._started,
+            stop_sequence=self._decoder.stop_sequence(),
+        )

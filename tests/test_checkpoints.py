@@ -87,7 +87,7 @@ def test_attention_only_prefill_is_not_cut_at_block_boundaries(models):
     b = ask(service, prompt)  # five blocks and the tail at the prompt's end
     assert b["cached"] == len(prompt) - 1 and a["text"] == b["text"]
     engine = service.engine.snapshot()
-    assert engine["captured_checkpoints"] == 0 and engine["captured_checkpoint_bytes"] == 0
+    assert engine.captured_checkpoints == 0 and engine.captured_checkpoint_bytes == 0
     service.shutdown()
 
 

@@ -61,12 +61,12 @@ def test_batched_equals_solo_and_really_batches(engine, loaded):
         c = run(engine, p, params)
         assert c.done.wait(60)
         solo.append(c.tokens)
-    assert engine.snapshot()["peak_batch_size"] == 1
+    assert engine.snapshot().peak_batch_size == 1
     together = [run(engine, p, params) for p in ps]
     for c in together:
         assert c.done.wait(60)
     assert [c.tokens for c in together] == solo
-    assert engine.snapshot()["peak_batch_size"] == 6
+    assert engine.snapshot().peak_batch_size == 6
     assert all(c.finish.finish_reason in ("length", "stop") for c in together)
 
 
@@ -96,7 +96,7 @@ def test_cancel_frees_the_slot(engine, loaded):
     assert c.done.wait(30)
     assert c.finish.finish_reason == "cancelled"
     snap = engine.snapshot()
-    assert snap["in_flight"] == 0 and snap["cancelled"] == 1
+    assert snap.in_flight == 0 and snap.cancelled == 1
 
 
 def test_queue_full_rejects(engine, loaded):
@@ -105,12 +105,12 @@ def test_queue_full_rejects(engine, loaded):
     held = [run(engine, [1, 2, 3], SamplingParams(max_tokens=100000)) for _ in range(limit)]
     with pytest.raises(QueueFullError, match="at capacity"):
         engine.submit([1, 2, 3], SamplingParams(max_tokens=1), Collector())
-    assert engine.snapshot()["rejected"] == 1
+    assert engine.snapshot().rejected == 1
     for rid in range(1, limit + 1):
         engine.cancel(rid)
     for c in held:
         assert c.done.wait(30)
-    assert engine.snapshot()["in_flight"] == 0
+    assert engine.snapshot().in_flight == 0
 
 
 def test_seeded_sampling_is_independent_of_batch(engine, loaded):

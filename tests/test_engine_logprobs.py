@@ -221,7 +221,7 @@ def test_a_processor_forces_its_token_and_leaves_its_batch_alone(engine, loaded)
         max_tokens=8, temperature=1.0, seed=1, logprobs=4,
         logits_processors=(only(forced), recorder)))
     wait(together, constrained)
-    assert engine.snapshot()["peak_batch_size"] == 2
+    assert engine.snapshot().peak_batch_size == 2
     assert together.tokens == alone.tokens
     assert constrained.tokens == [forced] * 8
     # One allowed token: its logprob is 0 and no other token is an alternative.

@@ -183,7 +183,7 @@ def test_lossy_codecs_restore_the_right_shapes_and_dtypes(name, codec, home, tmp
     stats = again.service.cache_stats
     assert b["cached"] == len(prompt) - 1 and stats.sidecar_loads == 1
     assert stats.checkpoint_rejects == 0 and stats.restore_failures == 0
-    assert again.service.engine.snapshot()["restore_failures"] == 0
+    assert again.service.engine.snapshot().restore_failures == 0
     again.close()
 
 
@@ -233,7 +233,7 @@ def test_hot_payload_of_the_wrong_shape_is_a_clean_miss(home):
     fresh = server.store.hot.entry(ids[2]).handle
     assert fresh is not payload
     assert server.service.layout.check(fresh, BS, need_state=True) is None
-    assert server.service.engine.snapshot()["restore_failures"] == 0
+    assert server.service.engine.snapshot().restore_failures == 0
     server.close()
 
 
@@ -301,7 +301,7 @@ def test_a_restore_that_fails_to_build_prefills_cold_and_spares_the_batch(home):
     text = server.service.tokenizer.decode(tokens)
     assert text == good["text"] == server.cold_text(prompt)
     assert len([e for e in events["other"] if e.token is not None]) == 24
-    assert engine.snapshot()["restore_failures"] == 1
+    assert engine.snapshot().restore_failures == 1
     server.close()
 
 
@@ -325,6 +325,6 @@ def test_restore_failure_is_reported_as_a_miss(home, monkeypatch):
     stats = server.service.cache_stats
     assert b["cached"] == 0 and b["text"] == first["text"] == server.cold_text(prompt)
     assert stats.restore_failures == 1 and stats.misses_by_reason["restore_failed"] == 1
-    assert server.service.engine.snapshot()["restore_failures"] == 1
+    assert server.service.engine.snapshot().restore_failures == 1
     assert server.store.snapshot()["pinned_blocks"] == 0
     server.close()

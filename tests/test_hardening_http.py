@@ -398,8 +398,8 @@ def test_warm_up_leaves_no_trace_in_engine_counters(service):
     seconds = service.warm_up()
     assert seconds > 0
     stats = service.engine.snapshot()
-    assert stats["submitted"] == stats["finished"] == stats["in_flight"] == 0
-    assert stats["prompt_tokens"] == stats["generated_tokens"] == 0
+    assert stats.submitted == stats.finished == stats.in_flight == 0
+    assert stats.prompt_tokens == stats.generated_tokens == 0
 
 
 def test_new_profile_keys_have_defaults():

@@ -126,7 +126,7 @@ def test_store_samples_match_the_files_on_disk(tmp_path):
     for i in range(5):  # the hot tier holds three: two hot evictions
         store.put(entry(i), DISK)
     wait(lambda: store.snapshot()["staging"]["writes_done"] == 5)
-    samples = store_samples(store.snapshot(), {DISK.model[:16]: "m"})
+    samples = store_samples(store.stats(), {DISK.model[:16]: "m"})
 
     def value(name: str, **labels: str) -> float:
         (hit,) = [s.value for s in samples if s.name == name and s.labels == labels]

@@ -27,7 +27,7 @@ from serve_app.cache.actor import (
     make_ssd,
 )
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
-from serve_app.metrics import DROP_REASONS, store_samples
+from serve_app.metrics import DROP_REASONS
 from serve_app.profile import CacheStoreProfile
 from tests.test_ssd import LAYOUT, bid
 from tests.test_tiers import DISK
@@ -90,7 +90,7 @@ def test_stats_show_why_the_ssd_tier_is_off(local_ray, tmp_path):
     stats = ray.get(actor.stats.remote(), timeout=60)
     assert f"process {os.getpid()}" in stats["ssd"]["disabled"]
     assert str(tmp_path) in stats["ssd"]["disabled"]
-    assert store_samples(stats, {})  # the metrics pump copes with a disabled tier
+    assert ray.get(actor.samples.remote(), timeout=30)  # the pump copes with a disabled tier
     ray.kill(actor)
 
 
@@ -201,7 +201,7 @@ def test_a_block_that_cannot_be_published_is_counted(local_ray):
         assert time.monotonic() < deadline, stats["dropped"]
         time.sleep(0.05)
     assert stats["publisher"]["dropped"] == 1
-    samples = {s.labels["reason"]: s.value for s in store_samples(stats, {})
+    samples = {s.labels["reason"]: s.value for s in ray.get(actor.samples.remote(), timeout=30)
                if s.name == "serve_app_cache_dropped_blocks"}
     assert samples == {**dict.fromkeys(DROP_REASONS, 0), "publish": 1}
     ray.kill(actor)

@@ -150,13 +150,13 @@ def test_a_model_without_a_tool_format_refuses_tools(service):
 def test_the_last_text_is_parsed_before_the_stream_finishes(service):
     """Text the decoder releases only at the end (held for a stop string, say) still
     comes out in order, and a call it completes is a call."""
-    from serve_app.service import ModelService
+    from serve_app.service import emit_text
 
     calls = service.preparer.tool_support.stream()
     out: list[Event] = []
     head = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}'
-    ModelService._emit(out, "Hello " + head, calls, None)
-    ModelService._emit(out, "\n</tool_call> world", calls, None, final=True)
+    emit_text(out, "Hello " + head, calls, None)
+    emit_text(out, "\n</tool_call> world", calls, None, final=True)
     text = "".join(e.text for e in out if isinstance(e, Delta))
     assert text == "Helloworld"  # in order; whitespace next to a call is the template's
     assert [e.name for e in out if isinstance(e, ToolCall)] == ["get_time"]

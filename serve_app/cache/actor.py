@@ -45,7 +45,7 @@ from serve_app.cache.hot import HotEntry
 from serve_app.cache.payload import BlockPayload, CapturedBlock
 from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir, untrusted_reason
 from serve_app.cache.tiers import DiskInfo, TailQuery, TieredStore
-from serve_app.metrics import MetricsPump, RayRecorder, store_samples
+from serve_app.metrics import MetricsPump, RayRecorder, Sample, store_samples
 from serve_app.profile import CacheStoreProfile
 
 logger = logging.getLogger(__name__)
@@ -143,10 +143,16 @@ class CacheStore:
         recorder = RayRecorder("store", serve=False)
         self.pump = MetricsPump(recorder, self._metric_samples, name="cache-metrics").start()
 
-    def _metric_samples(self) -> list:
+    def _metric_samples(self) -> list[Sample]:
+        stats = self.tiers.stats()
         with self._lock:
             names = dict(self.names)
-        return store_samples(self._snapshot(), names)
+            stats = replace(stats, dropped_publish=self.publish_dropped)
+        return store_samples(stats, names)
+
+    def samples(self) -> list[Sample]:
+        """What the metrics pump publishes now (tests, operators)."""
+        return self._metric_samples()
 
     @ray.method(concurrency_group="puts")
     def put(self, model: str, block_id: str, parent_id: str, nbytes: int,

@@ -48,11 +48,13 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load, save
+
+from serve_app.cache.stats import Usage
 
 FORMAT_VERSION = "1"
 _HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -837,6 +839,16 @@ class SSDStore:
                     return
                 if self._indexed(entry) and not self._pins.get(entry.block_id):
                     self._evict(entry)
+
+    def counters(self) -> SSDStats:
+        """A copy of the counters."""
+        with self._lock:
+            return replace(self.stats)
+
+    def usage(self) -> dict[str, Usage]:
+        """Files, bytes and evictions by model identity[:16], from the running totals."""
+        with self._lock:
+            return {key: Usage(**u) for key, u in self._usage.items()}
 
     def snapshot(self) -> dict:
         """Counts and bytes from the running totals: cheap at any index size."""

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from serve_app.cache import codecs
@@ -25,6 +25,7 @@ from serve_app.cache.hashing import block_id
 from serve_app.cache.hot import HotEntry, HotStore
 from serve_app.cache.payload import BlockPayload, state_tensors, to_tensors
 from serve_app.cache.ssd import DiskEntry, SSDStore, WriteResult, token_of
+from serve_app.cache.stats import StagingStats, StoreStats, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -49,20 +50,6 @@ class DiskInfo:
 class PendingWrite:
     entry: HotEntry
     disk: DiskInfo
-
-
-@dataclass
-class StagingStats:
-    """The write path's counters. ``writes_dropped`` (SSD writes skipped for the
-    free-space floor or a budget full of pinned files) is read off the SSD store."""
-
-    pending_bytes: int = 0
-    peak_pending_bytes: int = 0
-    backpressure_seconds: float = 0.0
-    inline_writes: int = 0
-    writes_done: int = 0
-    writes_failed: int = 0
-    dropped_hot_full: int = 0  # rejected by a full hot tier with no SSD tier to keep them
 
 
 @dataclass(frozen=True)
@@ -489,6 +476,22 @@ class TieredStore:
         if kind == "sidecar":
             with self._lock:
                 self.decode_failures += 1
+
+    def stats(self) -> StoreStats:
+        """The tiers' counters and usage by model, typed (the metrics pump reads them)."""
+        with self._lock:
+            hot = {model: Usage(blocks=u["blocks"], block_bytes=u["bytes"],
+                                evictions=u["evictions"])
+                   for model, u in self.hot.stats.by_model.items()}
+            staging = replace(self.staging)
+        out = StoreStats(self.hot.budget_bytes, hot, staging, self.pending_max_bytes,
+                         dropped_hot_full=staging.dropped_hot_full)
+        if self.ssd is None:
+            return out
+        counters = self.ssd.counters()
+        return replace(out, dropped_ssd_low_space=counters.writes_skipped_low_space,
+                       dropped_ssd_budget=counters.writes_skipped_budget,
+                       ssd_budget_bytes=self.ssd.budget_bytes, ssd_by_model=self.ssd.usage())
 
     def snapshot(self) -> dict:
         """Tier stats; ``dropped`` counts blocks and sidecars dropped instead of stored."""

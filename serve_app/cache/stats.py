@@ -1,0 +1,63 @@
+"""What a node's cache store counts, typed as the metrics pump reads it.
+
+Plain dataclasses, no Ray and no arrays: ``serve_app.metrics`` turns a ``StoreStats``
+into samples by attribute. ``/v1/stats`` shows the fuller dict of
+``TieredStore.snapshot()`` (its ``staging`` is a ``StagingStats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One model's share of a tier: blocks (KV; in the hot tier with their recurrent
+    state), sidecar files (GDN state on SSD) and evictions."""
+
+    blocks: int = 0
+    block_bytes: int = 0
+    sidecars: int = 0
+    sidecar_bytes: int = 0
+    evictions: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.blocks + other.blocks, self.block_bytes + other.block_bytes,
+                     self.sidecars + other.sidecars, self.sidecar_bytes + other.sidecar_bytes,
+                     self.evictions + other.evictions)
+
+
+@dataclass
+class StagingStats:
+    """The write path's counters. ``writes_dropped`` (SSD writes skipped for the
+    free-space floor or a budget full of pinned files) is read off the SSD store."""
+
+    pending_bytes: int = 0
+    peak_pending_bytes: int = 0
+    backpressure_seconds: float = 0.0
+    inline_writes: int = 0
+    writes_done: int = 0
+    writes_failed: int = 0
+    dropped_hot_full: int = 0  # rejected by a full hot tier with no SSD tier to keep them
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A node's tiers at one moment (copies, taken under the store's locks)."""
+
+    hot_budget_bytes: int
+    hot_by_model: dict[str, Usage]  # by the name the hot entries carry
+    staging: StagingStats
+    staging_budget_bytes: int
+    # Blocks or sidecars dropped instead of stored, by reason (``metrics.DROP_REASONS``).
+    dropped_hot_full: int = 0
+    dropped_ssd_low_space: int = 0
+    dropped_ssd_budget: int = 0
+    dropped_publish: int = 0  # counted by the store actor: replicas report them
+    ssd_budget_bytes: int | None = None  # None: no SSD tier (off, or refused)
+    ssd_by_model: dict[str, Usage] = field(default_factory=dict)  # by identity[:16]
+
+    @property
+    def writes_dropped(self) -> int:
+        """SSD writes skipped (free-space floor, budget full of pinned files)."""
+        return self.dropped_ssd_low_space + self.dropped_ssd_budget
