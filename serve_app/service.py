@@ -13,7 +13,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from serve_app.cache.client import CacheClient
@@ -264,13 +264,13 @@ class ModelService:
 
     def metric_samples(self) -> list:
         """This replica's counters and gauges, for the metrics pump."""
-        return replica_samples(self.profile.name, self.engine.snapshot(),
-                               self.cache_stats.summary(), self.normalized)
+        return replica_samples(self.profile.name, self.engine.snapshot(), self.cache_stats,
+                               self.normalized)
 
     async def stats(self) -> dict:
         engine = self.engine.snapshot()
         cache = self.cache_stats.summary()
-        tokens = engine["captured_tokens"]
+        tokens = engine.captured_tokens
         cache["checkpoint_interval"] = self.cache.settings.checkpoint_every or None
         remote = self.cache.remote
         cache["remote_fetch_policy"] = {
@@ -278,8 +278,8 @@ class ModelService:
             "prefill_tokens_per_s": round(remote.prefill_rate) if remote.prefill_rate else None,
             "nodes": remote.snapshot()}  # per node: bandwidth, fetches, failures, breaker
         cache["checkpoint_bytes_per_1k_tokens"] = (
-            round(engine["captured_checkpoint_bytes"] * 1000 / tokens) if tokens else None)
-        out = {"model": self.profile.name, "engine": engine, "cache": cache,
+            round(engine.captured_checkpoint_bytes * 1000 / tokens) if tokens else None)
+        out = {"model": self.profile.name, "engine": asdict(engine), "cache": cache,
                "phases": self.phases.summary(),
                "normalization": {"rules": list(self.profile.normalize),
                                  "requests_by_rule": dict(self.normalized)}}
@@ -317,7 +317,7 @@ class ModelService:
         # The engine counts a step's tokens just after delivering them: wait for
         # that, then start every counter from zero.
         settle = time.monotonic() + 5.0
-        while self.engine.snapshot()["generated_tokens"] < len(tokens):
+        while self.engine.snapshot().generated_tokens < len(tokens):
             if time.monotonic() > settle:
                 break
             time.sleep(0.001)
