@@ -28,7 +28,7 @@ from serve_app import auth
 from serve_app.compat import TOKENIZER_FILES, download_model, serve_replica_env
 from serve_app.events import Event
 from serve_app.http import OpenAIIngress, api
-from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition
+from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition, zero_at_start
 from serve_app.openai_api import ApiError, Caller, OpenAIRequest
 from serve_app.profile import (
     CacheStoreProfile,
@@ -310,7 +310,7 @@ class Ingress(OpenAIIngress):
         self.sent: dict[str, int] = {}
         self.recorder = RayRecorder("ingress", serve=True)
         for m in self.profile.models:  # known series exist before the first request
-            self.recorder.zero("serve_app_requests", {"model": m.name, "status": "200"})
+            zero_at_start(self.recorder, "ingress", m.name)
         self.ready_models: set[str] = set()
         self.probes: dict[str, asyncio.Future] = {}
 

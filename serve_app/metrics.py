@@ -41,6 +41,7 @@ MISS_REASONS = ("new_prefix", "diverged", "evicted", "no_checkpoint", "incompati
 WRITE_RESULTS = ("done", "failed", "dropped")
 PHASES = ("prepare", "plan", "queue", "prefill")
 DROP_REASONS = ("publish", "hot_full", "ssd_low_space", "ssd_budget")
+ROUTING_REASONS = ("prefix", "load_fallback", "no_prefix", "router_error")
 
 Kind = Literal["counter", "gauge", "histogram"]
 Where = Literal["ingress", "router", "replica", "store"]
@@ -157,7 +158,9 @@ METRICS: tuple[MetricDef, ...] = (
        "Requests routed by the prefix-affinity router, by reason: `prefix` (to the replica with "
        "the least to prefill, whose node holds part of the prompt), `load_fallback` (another "
        "replica, for load), `no_prefix` (no node holds any of the prompt: least loaded), "
-       "`router_error` (ranking failed: the least loaded replica; logged once).",
+       "`router_error` (ranking failed: the least loaded replica; logged once). Each reason "
+       "is 0 from the router's start (a model's first request); a model not routed on "
+       "prefixes (one replica, or `routing.mode: default`) has no such router: no series.",
        ("model", "reason")),
     _c("serve_app_remote_fetch_blocks", "replica",
        "Blocks fetched from another node's cache store instead of prefilled."),
@@ -201,6 +204,14 @@ METRICS: tuple[MetricDef, ...] = (
 
 DEFS: dict[str, MetricDef] = {d.name: d for d in METRICS}
 
+# Labelled counters recorded at events, not pumped from stats (those are sampled at 0
+# from fresh stats): the label sets the recording process exports at 0 when it starts,
+# so a dashboard shows 0 before the first event, not "no data".
+ZERO_AT_START: dict[str, tuple[dict[str, str], ...]] = {
+    "serve_app_requests": ({"status": "200"},),
+    "serve_app_routing_decisions": tuple({"reason": r} for r in ROUTING_REASONS),
+}
+
 
 class Sample(NamedTuple):
     name: str
@@ -225,6 +236,15 @@ class Recorder:
 
     def observe(self, name: str, value: float, labels: dict[str, str]) -> None:
         pass
+
+
+def zero_at_start(recorder: Recorder, where: Where, model: str) -> None:
+    """Export at 0 the known series of ``model`` that a process of kind ``where``
+    records at events (``ZERO_AT_START``)."""
+    for name, label_sets in ZERO_AT_START.items():
+        if DEFS[name].where == where:
+            for labels in label_sets:
+                recorder.zero(name, {"model": model, **labels})
 
 
 class RayRecorder(Recorder):

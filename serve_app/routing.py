@@ -25,14 +25,14 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from serve_app.cache.hashing import chain, salted_root
-from serve_app.metrics import RayRecorder
+from serve_app.metrics import ROUTING_REASONS, RayRecorder, zero_at_start
 from serve_app.prepare import PreparedRequest
 
 logger = logging.getLogger("ray.serve")
 
 # What restoring a block costs, as a fraction of prefilling it.
 TIER_COST = {"hot": 0.0, "ssd": 0.1, "remote": 0.3}
-REASONS = ("prefix", "load_fallback", "no_prefix", "router_error")
+REASONS = ROUTING_REASONS  # the decisions counted (``serve_app_routing_decisions``)
 DECIDED_MEMORY = 4096
 
 
@@ -124,8 +124,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.load_cost_tokens = load_cost_tokens
         self.follower = DirectoryFollower(follow_s).start()
         self.recorder = RayRecorder("router", serve=False)
-        for reason in REASONS:
-            self.recorder.zero("serve_app_routing_decisions", {"model": model, "reason": reason})
+        zero_at_start(self.recorder, "router", model)
         self.ongoing: dict[ReplicaID, int] = {}
         self.decided: OrderedDict[str, None] = OrderedDict()  # requests counted already
         self.error_logged = False

@@ -11,19 +11,25 @@ from pathlib import Path
 import pytest
 
 from dashboards.generate import DASHBOARDS, build, panel_queries, render
+from serve_app.cache.manager import CacheStats
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.tiers import TieredStore
+from serve_app.engine import EngineStats
 from serve_app.metrics import (
     DEFS,
     METRICS,
     PHASES,
+    ROUTING_REASONS,
     MetricsPump,
     Recorder,
     Sample,
     markdown_table,
     merge_exposition,
+    replica_samples,
     store_samples,
+    zero_at_start,
 )
+from serve_app.normalize import RULE_NAMES
 from serve_app.openai_api import CompletionRequest
 from tests.test_cache_exact import make_services
 from tests.test_tiers import DISK, entry, wait
@@ -94,6 +100,33 @@ def test_dashboards_use_defined_metrics_and_show_every_one():
                 assert base in exported, f"{key} / {title} uses unknown metric {name}"
                 used.add(base)
     assert used == exported, f"not on any dashboard: {sorted(exported - used)}"
+
+
+def test_every_labelled_counter_a_dashboard_queries_starts_at_zero():
+    """A one-node server's panels show 0, not "no data": each labelled counter that a
+    dashboard queries is exported at 0 when the process recording it starts, from fresh
+    stats through the pump (replica, store) or by ``zero_at_start`` (ingress, router)."""
+    queried = {name for key in DASHBOARDS for _, expr in panel_queries(build(key))
+               for name in re.findall(r"ray_(serve_app_\w+)_total", expr)}
+    labelled = {d.name for d in METRICS
+                if d.kind == "counter" and d.name in queried and set(d.labels) - {"model"}}
+    assert "serve_app_routing_decisions" in labelled and "serve_app_requests" in labelled
+
+    recorder = ListRecorder()
+    pump = MetricsPump(recorder, list)
+    pump.publish(replica_samples("m", EngineStats(), CacheStats(True, None, 16),
+                                 dict.fromkeys(RULE_NAMES, 0)))
+    pump.publish(store_samples(TieredStore(1 << 20, None, 1 << 20).stats(), {"0" * 16: "m"}))
+    for where in ("ingress", "router"):
+        zero_at_start(recorder, where, "m")
+    assert not [call for call in recorder.calls if call[0] == "inc"]  # fresh: nothing yet
+    zeroed: dict[str, set[tuple]] = {}
+    for op, name, _, labels in recorder.calls:
+        if op == "zero":
+            zeroed.setdefault(name, set()).add(tuple(sorted(labels.items())))
+    assert not labelled - set(zeroed), f"no series at 0: {sorted(labelled - set(zeroed))}"
+    decisions = {dict(labels)["reason"] for labels in zeroed["serve_app_routing_decisions"]}
+    assert decisions == set(ROUTING_REASONS)
 
 
 @needs_promtool
