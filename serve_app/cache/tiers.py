@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from serve_app.cache import codecs
@@ -494,19 +494,20 @@ class TieredStore:
                        ssd_budget_bytes=self.ssd.budget_bytes, ssd_by_model=self.ssd.usage())
 
     def snapshot(self) -> dict:
-        """Tier stats; ``dropped`` counts blocks and sidecars dropped instead of stored."""
+        """Tier stats for ``/v1/stats``: ``stats()`` and more (the hot tier's counters, the
+        SSD index); ``dropped`` counts blocks and sidecars dropped instead of stored."""
+        stats = self.stats()
         with self._lock:
             out = self.hot.snapshot()
-            out["staging"] = {**self.staging.__dict__, "pending_blocks": len(self._pending),
-                              "pending_max_bytes": self.pending_max_bytes}
+            out["staging"] = {**asdict(stats.staging), "pending_blocks": len(self._pending),
+                              "pending_max_bytes": stats.staging_budget_bytes,
+                              "writes_dropped": stats.writes_dropped}
             out["sidecar_decode_failures"] = self.decode_failures
-        ssd = self.ssd.snapshot() if self.ssd is not None else {}
-        skipped = {"ssd_low_space": ssd.get("writes_skipped_low_space", 0),
-                   "ssd_budget": ssd.get("writes_skipped_budget", 0)}
-        out["staging"]["writes_dropped"] = sum(skipped.values())
-        out["dropped"] = {"hot_full": out["staging"]["dropped_hot_full"], **skipped}
+        out["dropped"] = {"hot_full": stats.dropped_hot_full,
+                          "ssd_low_space": stats.dropped_ssd_low_space,
+                          "ssd_budget": stats.dropped_ssd_budget}
         if self.ssd is not None:
-            out["ssd"] = ssd
+            out["ssd"] = self.ssd.snapshot()
         return out
 
 
