@@ -26,6 +26,22 @@ TEST_MODELS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A one-node Ray of this process, for tests of the store actor without Serve."""
+    import ray
+
+    os.environ.setdefault("RAY_TMPDIR", "/tmp/rayB")
+    Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+             object_store_memory=200 * 1024 * 1024,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def model_home(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("serve_app_home")

@@ -32,8 +32,6 @@ from serve_app.profile import CacheStoreProfile
 from tests.test_ssd import LAYOUT, bid
 from tests.test_tiers import DISK
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def ssd_config(root: Path, **over) -> CacheStoreProfile:
     return CacheStoreProfile(**{"hot_budget": 1 << 20, "ssd": True, "ssd_dir": str(root),
@@ -54,19 +52,6 @@ def test_a_locked_directory_is_refused_not_shared(tmp_path, caplog):
     assert str(tmp_path) in reason and f"process {os.getpid()}" in reason
     (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert str(tmp_path) in record.getMessage() and str(os.getpid()) in record.getMessage()
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ.setdefault("RAY_TMPDIR", "/tmp/rayB")
-    Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             object_store_memory=200 * 1024 * 1024,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def payload(i: int, nbytes: int = 4096) -> BlockPayload:

@@ -13,7 +13,6 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import mlx_lm
 import pytest
@@ -27,24 +26,10 @@ from serve_app.profile import CacheStoreProfile, ModelProfile
 from serve_app.service import ModelService
 from tests.test_cache_exact import run
 
-REPO = Path(__file__).resolve().parents[1]
 BS = 16
 TIMEOUT_S = 1.0
 COOL_DOWN_S = 1.0
 CONFIG = CacheStoreProfile(hot_budget=1 << 26, ssd=False, directory="off")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ.setdefault("RAY_TMPDIR", "/tmp/rayB")
-    Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             object_store_memory=200 * 1024 * 1024,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
