@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from serve_app.cache.directory import BlockDirectory, BlockEvent, EventBatch
-from tests.test_store_faults import local_ray  # noqa: F401 (a fixture)
 
 
 def batch(node: str, seq: int, *events: tuple[str, str | None], epoch: str = "e1",
