@@ -37,6 +37,7 @@ from serve_app.profile import (
     ProfileError,
     parse_profile,
 )
+from serve_app.replicas import Gathered, ReplicaReport, model_view
 
 if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
     from serve_app.prepare import PreparedRequest, Preparer
@@ -101,6 +102,8 @@ class ModelReplica:
         home = Path(model_home).expanduser() if model_home else None
         model, tokenizer, model_dir = load_model(self.profile, home)
         client = actor = None
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.loop_thread: str | None = None  # where Serve runs our async code (stats)
         if self.profile.cache.enabled:
             # Waits for the actor (and replaces one of older code), here, not in the
             # first request; a store that never starts fails this replica with a reason.
@@ -126,12 +129,17 @@ class ModelReplica:
         # Templating and tokenizing a long prompt must not stall other streams.
         self.stage = PrepareStage()
         self.prepare_pool = self.stage.pool
-        self.pump = MetricsPump(recorder, self.service.metric_samples).start()
+        # Every second: the metrics, then this replica's stats to its node's store, so
+        # /v1/stats answered by another replica shows this one too (serve_app.replicas).
+        self.client = client
+        self.pump = MetricsPump(recorder, self.service.metric_samples,
+                                also=self.report if client is not None else None).start()
         logger.info("model %s ready (source %s; warm-up %.2f s)", self.profile.name,
                     self.profile.source, seconds)
 
     async def ready(self) -> bool:
         """Answered only once __init__ (load and warm-up) is done: the ingress's probe."""
+        self.loop_thread = threading.current_thread().name
         return True
 
     async def generate(self, request: OpenAIRequest | PreparedRequest,
@@ -182,9 +190,30 @@ class ModelReplica:
         out = await self.service.stats()
         # Where Serve runs our code: its main loop ("AsyncIO Thread: default") once
         # SERVE_REPLICA_ENV took effect, not a "Thread-N (_run_user_code_event_loop)".
-        out["replica"] = {"pid": os.getpid(), "user_code_thread": threading.current_thread().name,
-                          "preparing": self.stage.busy, "prepare_runs": self.stage.runs}
+        self.loop_thread = threading.current_thread().name
+        out["replica"] = self._replica_stats()
         return out
+
+    def _replica_stats(self) -> dict:
+        return {"pid": os.getpid(), "node_id": self.node_id,
+                "user_code_thread": self.loop_thread,
+                "preparing": self.stage.busy, "prepare_runs": self.stage.runs}
+
+    def report_stats(self) -> dict:
+        """What this replica reports to its node's store: its own sections of ``stats()``
+        (no store call; any thread)."""
+        out = self.service.local_stats()
+        out["replica"] = self._replica_stats()
+        if self.client is not None:
+            out["cache_store"] = self.client.own_stats()
+        return out
+
+    def report(self) -> None:
+        """This replica's stats to its node's store (the metrics pump's thread; never
+        waits), where the ingress finds them for ``/v1/stats``."""
+        if self.client is not None:
+            self.client.report(ReplicaReport(self.profile.name, self.node_id, os.getpid(),
+                                             self.report_stats()))
 
     def __del__(self) -> None:
         pump = getattr(self, "pump", None)
@@ -313,6 +342,8 @@ class Ingress(OpenAIIngress):
             zero_at_start(self.recorder, "ingress", m.name)
         self.ready_models: set[str] = set()
         self.probes: dict[str, asyncio.Future] = {}
+        # Every node's cache store, where each model replica reports its stats.
+        self.stores = StoreReports(self.profile.cache_store.call_timeout_s)
 
     async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller):
         preparer = self.preparers.get(name)
@@ -384,9 +415,28 @@ class Ingress(OpenAIIngress):
 
     async def model_stats(self) -> dict:
         out = {}
-        for name, handle in self.handles.items():
-            out[name] = await handle.stats.remote()
+        for name in self.handles:
+            out[name] = await self.one_model_stats(name)
         return out
+
+    async def one_model_stats(self, name: str) -> dict:
+        """A model's stats: the replica that takes this call (fresh), merged with every
+        other replica's last report, gathered from every node's cache store meanwhile
+        (``serve_app.replicas.model_view``: the model's totals and its replicas)."""
+        m = self.profile.model(name)
+        expected = m.num_replicas if m is not None else 1
+
+        async def answer() -> dict:
+            return await self.handles[name].stats.remote()
+
+        if expected == 1:  # the one replica answers: nothing to gather
+            return model_view(await answer(), Gathered(), expected)
+        if m is not None and not m.cache.enabled:
+            return model_view(await answer(), Gathered(not_asked=(
+                "this model's prefix cache is off: its replicas have no cache store to "
+                "report to, so only the replica that answered is in the totals")), expected)
+        answered, gathered = await asyncio.gather(answer(), self.stores.gather(name))
+        return model_view(answered, gathered, expected)
 
     async def metrics_text(self) -> str:
         return await gather_node_metrics()
@@ -426,6 +476,49 @@ class _Sent:
 
     def __del__(self) -> None:
         self.done()
+
+
+class StoreReports:
+    """The ingress's way to every node's cache-store actor (found by name per alive
+    node, as ``/metrics`` finds every node's export), for the replicas' stats reports.
+    Each call is bounded by ``timeout``: a store that does not answer leaves its
+    node's replicas out (named in ``Gathered.unreachable``), never fails the call."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.handles: dict[str, Any] = {}  # node id -> its store actor
+
+    async def gather(self, model: str) -> Gathered:
+        from serve_app.cache.actor import alive_node_ids
+
+        try:
+            nodes = sorted(await asyncio.to_thread(alive_node_ids))
+        except Exception as exc:  # the GCS busy: this replica's numbers, and why alone
+            return Gathered(not_asked=f"Ray's list of nodes could not be read: {exc!r}")
+        found = await asyncio.gather(*(self._of_node(node_id, model) for node_id in nodes))
+        reports = tuple(r for part in found if part is not None for r in part)
+        return Gathered(reports, tuple(n for n, part in zip(nodes, found, strict=True)
+                                       if part is None))
+
+    async def _of_node(self, node_id: str, model: str) -> list[ReplicaReport] | None:
+        """The node's reports of ``model``; [] for a node without a store; None: its
+        store did not answer."""
+        from serve_app.cache.actor import NAMESPACE
+
+        store: Any = self.handles.get(node_id)  # an actor handle
+        if store is None:
+            try:  # a GCS lookup: off the event loop
+                store = await asyncio.to_thread(ray.get_actor, f"cache-store-{node_id}",
+                                                namespace=NAMESPACE)
+            except ValueError:  # no cached model's replica has run on that node
+                return []
+            self.handles[node_id] = store
+        try:
+            return await asyncio.wait_for(store.replica_reports.remote(model), self.timeout)
+        except Exception as exc:  # dead, frozen, or older code: leave its replicas out
+            logger.warning("replica stats from the cache store of node %s: %r", node_id, exc)
+            self.handles.pop(node_id, None)
+            return None
 
 
 class _ScrapeCache:

@@ -299,9 +299,11 @@ class MetricsPump:
     """
 
     def __init__(self, recorder: Recorder, read: Callable[[], Iterable[Sample]],
-                 interval: float = PUMP_INTERVAL_S, name: str = "metrics-pump") -> None:
+                 interval: float = PUMP_INTERVAL_S, name: str = "metrics-pump",
+                 also: Callable[[], None] | None = None) -> None:
         self.recorder = recorder
         self.read = read
+        self.also = also  # run after each publish, on this thread (a replica's report)
         self.interval = interval
         self._last: dict[tuple, float] = {}
         self._stop = threading.Event()
@@ -335,6 +337,11 @@ class MetricsPump:
                 self.publish(self.read())
             except Exception:
                 logger.exception("publishing metrics failed")
+            if self.also is not None:
+                try:
+                    self.also()
+                except Exception:
+                    logger.exception("%s failed", getattr(self.also, "__name__", "a step"))
             self._stop.wait(self.interval)
 
 

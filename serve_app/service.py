@@ -47,7 +47,7 @@ class PhaseTimes:
         self.counts[phase] += 1
 
     def summary(self) -> dict:
-        return {"requests": self.counts[PHASES[0]],
+        return {"requests": self.counts[PHASES[0]], "counts": dict(self.counts),
                 "mean_ms": {k: round(v * 1000 / max(self.counts[k], 1), 3)
                             for k, v in self.seconds.items()}}
 
@@ -268,6 +268,14 @@ class ModelService:
                                self.normalized)
 
     async def stats(self) -> dict:
+        out = self.local_stats()
+        if self.cache.client is not None:
+            out["cache_store"] = await self.cache.client.stats()
+        return out
+
+    def local_stats(self) -> dict:
+        """``stats()`` but the cache store's section: nothing remote, so any thread (the
+        replica's report to its store, ``serve_app.replicas``) may call it."""
         engine = self.engine.snapshot()
         cache = self.cache_stats.summary()
         tokens = engine.captured_tokens
@@ -283,8 +291,6 @@ class ModelService:
                "phases": self.phases.summary(),
                "normalization": {"rules": list(self.profile.normalize),
                                  "requests_by_rule": dict(self.normalized)}}
-        if self.cache.client is not None:
-            out["cache_store"] = await self.cache.client.stats()
         return out
 
     def warm_up(self, timeout: float = 300.0) -> float:

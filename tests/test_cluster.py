@@ -12,6 +12,7 @@ prefix-affinity router, driven over HTTP by the real ``openai`` client:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -28,6 +29,7 @@ from ray.cluster_utils import Cluster
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.cache.actor import DIRECTORY_NAME, NAMESPACE
+from serve_app.replicas import CACHE_SUMS, ENGINE_SUMS, FORGET_AFTER_S, REPORT_INTERVAL_S
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-hybrid"
@@ -207,3 +209,90 @@ def test_a_full_replica_is_passed_over_and_the_other_fetches_the_prefix_exactly(
     assert count(delta, "remote_fetch_blocks") >= 3
     assert count(delta, "prefix_cache_hit_tokens", tier="remote") >= 48
     assert count(delta, "remote_fetch_failures") == 0
+
+
+def model_stats(server) -> dict:
+    with urllib.request.urlopen(f"{server.base_url}/v1/stats", timeout=60) as r:
+        return json.loads(r.read())["models"][MODEL]
+
+
+def quiet_stats(server, timeout: float = 60.0) -> dict:
+    """The model's stats once every replica is in them and nothing moves: two reads a
+    report period apart agree on what each replica finished, none in flight."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        s = model_stats(server)
+        done = {(r["node_id"], r["pid"]): r["stats"]["engine"]["finished"]
+                for r in s["replicas"]}
+        if s["replicas_complete"] and s["engine"]["in_flight"] == 0 and done == last:
+            return s
+        assert time.monotonic() < deadline, (s["replicas_note"], done)
+        last = done
+        time.sleep(REPORT_INTERVAL_S * 1.5)
+
+
+def by_replica(stats: dict) -> dict[tuple[str, int], dict]:
+    return {(r["node_id"], r["pid"]): r for r in stats["replicas"]}
+
+
+def test_stats_list_every_replica_and_total_them(cluster_server):
+    """/v1/stats lands on one replica; it lists both (one per node, each with its age)
+    and its totals count every request's hit tokens, whichever replica served it."""
+    client = client_of(cluster_server)
+    before = quiet_stats(cluster_server)
+    replicas = before["replicas"]
+    assert before["replicas_expected"] == 2 and before["replicas_note"] is None
+    assert len({r["pid"] for r in replicas}) == 2
+    assert len({r["node_id"] for r in replicas}) == 2  # one replica per node
+    assert [r["answered"] for r in replicas] == [True, False]
+    assert replicas[0]["age_s"] == 0 and 0 <= replicas[1]["age_s"] < FORGET_AFTER_S
+    assert before["replica"]["pid"] == replicas[0]["pid"]  # top level: the answering one's
+
+    conversations = [first_turn(i, "Stats") for i in range(2)]
+    cached = []
+    # The second conversation starts while the first is being served: the router sends
+    # it to the other replica (same prefill cost, one request less ongoing).
+    streams = []
+    for messages in conversations:
+        streams.append(client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=200 - 150 * len(streams),
+            temperature=0, stream=True, stream_options={"include_usage": True}))
+        next(iter(streams[-1]))
+    for s in streams:
+        usage = [c.usage for c in s if c.usage is not None][-1]
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+    for messages in conversations:  # each next turn: its prefix is cached (hit tokens)
+        turn = messages + [{"role": "assistant", "content": "Fine."},
+                           {"role": "user", "content": "And then?"}]
+        cached.append(chat(client, turn).usage.prompt_tokens_details.cached_tokens)
+    assert sum(cached) >= 2 * 48, cached
+
+    deadline = time.monotonic() + 30
+    while True:
+        after = model_stats(cluster_server)
+        if after["engine"]["finished"] - before["engine"]["finished"] >= 4 or (
+                time.monotonic() > deadline):
+            break
+        time.sleep(0.25)
+    assert after["replicas_complete"], after["replicas_note"]
+    assert after["engine"]["finished"] - before["engine"]["finished"] == 4
+    assert after["cache"]["lookups"] - before["cache"]["lookups"] == 4
+    # The totals are every replica's: all the hit tokens the responses reported.
+    assert after["cache"]["hit_tokens"] - before["cache"]["hit_tokens"] == sum(cached)
+    old, new = by_replica(before), by_replica(after)
+    assert set(old) == set(new)
+    served = {key: new[key]["stats"]["engine"]["finished"]
+              - old[key]["stats"]["engine"]["finished"] for key in new}
+    assert sorted(served.values()) in ([1, 3], [2, 2]), served  # both replicas served
+    # ... and the totals are the sum of the replicas listed, counter by counter.
+    listed = [r["stats"] for r in after["replicas"]]
+    for key in ENGINE_SUMS:
+        assert after["engine"][key] == pytest.approx(sum(s["engine"][key] for s in listed)), key
+    for key in CACHE_SUMS:
+        assert after["cache"][key] == pytest.approx(sum(s["cache"][key] for s in listed)), key
+    tiers = {t for s in listed for t in s["cache"]["hit_tokens_by_tier"]}
+    assert after["cache"]["hit_tokens_by_tier"] == {
+        t: sum(s["cache"]["hit_tokens_by_tier"].get(t, 0) for s in listed) for t in tiers}
+    assert after["engine"]["peak_batch_size"] == max(s["engine"]["peak_batch_size"]
+                                                     for s in listed)

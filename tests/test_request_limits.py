@@ -469,6 +469,31 @@ def test_a_pathological_schema_is_400_under_explicit_grammar_limits(limited):
     assert_serving(limited, SLOW)
 
 
+def test_stats_list_both_replicas_of_one_node_and_total_them(limited):
+    """Two replicas on one node report to the same store: /v1/stats lists both (distinct
+    pids), and the totals are their sum. The one-replica model without a cache is its
+    own total, complete."""
+    for _ in range(4):
+        assert_serving(limited, ROUTED)
+    deadline = time.monotonic() + 60
+    while True:
+        s = wait_idle(limited, ROUTED)
+        listed = [r["stats"] for r in s["replicas"]]
+        if s["replicas_complete"] and sum(x["engine"]["finished"] for x in listed) >= 4:
+            break
+        assert time.monotonic() < deadline, s["replicas_note"]
+        time.sleep(0.5)
+    assert len({r["pid"] for r in s["replicas"]}) == 2
+    assert len({r["node_id"] for r in s["replicas"]}) == 1
+    for key in ("submitted", "finished", "prompt_tokens", "generated_tokens"):
+        assert s["engine"][key] == sum(x["engine"][key] for x in listed), key
+    for key in ("lookups", "hit_tokens", "missed_tokens"):
+        assert s["cache"][key] == sum(x["cache"][key] for x in listed), key
+    single = stats(limited, SLOW)
+    assert single["replicas_complete"] and single["replicas_expected"] == 1
+    assert [r["pid"] for r in single["replicas"]] == [single["replica"]["pid"]]
+
+
 def test_grammar_limits_are_what_refuses_the_pathological_schema(model_home):
     from mlx_lm.utils import load_tokenizer
 

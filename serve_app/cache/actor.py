@@ -47,6 +47,7 @@ from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir, untrus
 from serve_app.cache.tiers import DiskInfo, TailQuery, TieredStore
 from serve_app.metrics import MetricsPump, RayRecorder, Sample, store_samples
 from serve_app.profile import CacheStoreProfile
+from serve_app.replicas import ReplicaBoard, ReplicaReport
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ ACK_WAIT_S = 30.0  # a lookup waits at most this long for the replica's earlier 
 # prefills cold. The profile's ``cache_store.call_timeout_s`` (its default here).
 STORE_CALL_TIMEOUT_S = CacheStoreProfile().call_timeout_s
 RECONNECT_EVERY_S = 1.0  # a replica looks for a replacement of a dead store this often
+REPORT_STUCK_S = 30.0  # a replica's stats report unanswered this long: send another
 REPORT_DROPS_S = 1.0
 FEED_INTERVAL_S = 0.5  # how often a store tells the block directory what changed
 FOLLOW_INTERVAL_S = 0.25  # how often a router or replica pulls the directory's changes
@@ -127,7 +129,8 @@ class CacheStore:
 
     # Bumped whenever a method's signature changes: the actor is detached and outlives
     # a redeploy, so replicas of new code may find one running the old code.
-    PROTOCOL = 3  # 2: put carries the block's token ids; 3: export to other nodes
+    PROTOCOL = 4  # 2: put carries the block's token ids; 3: export to other nodes;
+    # 4: replicas report their stats (report_replica, replica_reports)
 
     def __init__(self, config: CacheStoreProfile,
                  feed_interval_s: float = FEED_INTERVAL_S) -> None:
@@ -135,6 +138,7 @@ class CacheStore:
         self.tiers = TieredStore(int(config.hot_budget), ssd,
                                  int(config.gdn_ssd_pending_max_size), resolve=ray.get)
         self.names: dict[str, str] = {}  # model identity[:16] -> a name it is served under
+        self.replicas = ReplicaBoard()  # this node's model replicas' last stats (/v1/stats)
         self._lock = threading.Lock()
         self.publish_dropped = 0  # blocks replicas could not hand over (they report them)
         self.feed = DirectoryFeed(self.tiers, feed_interval_s, always=config.directory == "on")
@@ -198,6 +202,16 @@ class CacheStore:
 
     def stats(self) -> dict:
         return self._snapshot()
+
+    def report_replica(self, report: ReplicaReport) -> None:
+        """A model replica of this node sends its stats (every second): the ingress
+        gathers them for ``/v1/stats``, which lands on one replica only."""
+        self.replicas.put(report)
+
+    def replica_reports(self, model: str) -> list[ReplicaReport]:
+        """The last stats of each of ``model``'s replicas on this node, with their age
+        (a replica silent for ``serve_app.replicas.FORGET_AFTER_S`` is forgotten)."""
+        return self.replicas.reports(model)
 
     def protocol(self) -> int:
         return self.PROTOCOL
@@ -526,6 +540,8 @@ class RayCacheClient(CacheClient):
         self.reconnects = 0
         self._epoch: str | None = None  # of the store last answering a lookup
         self._closed = False
+        self._report_sent: float | None = None  # a stats report in flight since then
+        self.report_failures = 0
         self._thread = threading.Thread(target=self._publisher, name="cache-publish",
                                         daemon=True)
         self._thread.start()
@@ -786,10 +802,54 @@ class RayCacheClient(CacheClient):
             out = await self._call(self.actor.stats.remote())
         except StoreError as exc:
             out = {"unavailable": str(exc)}
+        out.update(self.own_stats())
+        return out
+
+    def own_stats(self) -> dict:
+        """This replica's part of ``stats()``, no store call: its publisher (drops, puts
+        not acked yet), its circuit breaker on the store, its copy of the directory."""
         with self._cv:
-            out["publisher"] = {"dropped": self.dropped, "unacknowledged": len(self._unacked)}
+            out: dict = {"publisher": {"dropped": self.dropped,
+                                       "unacknowledged": len(self._unacked)}}
         out["breaker"] = {**self.breaker.snapshot(), "reconnects": self.reconnects,
                           "call_timeout_s": self.timeout}
         if self.follower is not None:
             out["directory"] = self.follower.snapshot()
         return out
+
+    def report(self, report: ReplicaReport) -> bool:
+        """Send this replica's stats to the store (``serve_app.replicas``); never waits.
+        One report in flight at most (a stuck store gets no pile of them, but one is
+        sent again after ``REPORT_STUCK_S``); none while the breaker is open. False:
+        not sent."""
+        sent = self._report_sent
+        if self._closed or self.breaker.is_open or not ray.is_initialized() or (
+                sent is not None and time.monotonic() - sent < REPORT_STUCK_S):
+            return False
+        self._report_sent = time.monotonic()
+        try:
+            ref = self.actor.report_replica.remote(report)
+            ref.future().add_done_callback(self._reported)
+        except Exception as exc:
+            self._report_sent = None
+            self._report_failed(exc)
+            return False
+        return True
+
+    def _reported(self, future: Any) -> None:
+        """A report answered or failed (on Ray's callback thread: no Ray calls here)."""
+        try:
+            error = future.exception()
+        except BaseException as exc:  # cancelled
+            error = exc
+        if error is not None:
+            self._report_failed(error)
+            if isinstance(error, ray.exceptions.RayActorError):
+                self._reconnect_soon()  # starts a thread: no Ray call here
+        self._report_sent = None
+
+    def _report_failed(self, error: BaseException) -> None:
+        self.report_failures += 1
+        if self.report_failures == 1 or self.report_failures % 100 == 0:
+            logger.warning("reporting replica stats to the cache store failed (%d so far): "
+                           "%r", self.report_failures, error)
