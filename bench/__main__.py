@@ -51,10 +51,12 @@ QUICK: dict[str, list[tuple[str, str | None]]] = {
                 ("--user-tokens", "100"), ("--gen", "8"), ("--fetch-tokens", "1024")],
     "structured": [("--repeats", "1")],
     "traces": [("--quick", None)],  # the bench's own --quick is used first anyway
+    "lookup": [("--quick", None)],
 }
 # Benches whose model is fixed: four cluster arms take long; the grammar cost is per token;
-# the trace replay runs three servers.
-FIXED_MODELS = {"cluster": "tiny-hybrid", "structured": "tiny-dense", "traces": "tiny-hybrid"}
+# the trace replay runs three servers; the store lookup loads no model.
+FIXED_MODELS = {"cluster": "tiny-hybrid", "structured": "tiny-dense", "traces": "tiny-hybrid",
+                "lookup": "store"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 BENCHES = ("multiturn", "agents", "restart", "checkpoints", "serving", "cluster", "structured",
-           "traces")
+           "traces", "lookup")
 REPORT = "REPORT.md"
 RUNS = "runs.json"
 MACHINE = "machine.json"
@@ -41,6 +41,9 @@ GOALS = {
     "cluster_ttft": ("<=", 0.6),  # issue 12: prefix routing against Ray's default router
     "traces_ttft_p50": ("<=", 0.2),  # issue 18: trace replay, 8 concurrent sessions
     "traces_ttft_p99": ("<=", 0.4),
+    # issue 20: a store lookup's cost flat in block size and in tails under one parent
+    # (the slowest setting against the smallest; 2x leaves room for a noisy CPU)
+    "lookup_flat": ("<=", 2.0),
 }
 CLUSTER_CACHED_GAP = 0.02  # issue 12: cached fraction within this of one node
 _OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge}
@@ -310,10 +313,32 @@ def traces_rows(model: str, d: dict) -> list[Row]:
     return rows
 
 
+def lookup_rows(model: str, d: dict) -> list[Row]:
+    """The slowest store lookup against the smallest setting, and the old tail search."""
+    rows = d.get("rows") or []
+    if not rows:
+        return []
+    small = rows[0]
+    largest = d.get("largest") or {}
+    big = next((r for r in rows if r.get("block_size") == largest.get("block_size")
+                and r.get("tails") == largest.get("tails")), rows[-1])
+    setting = f"block size {big.get('block_size')}, {big.get('tails')} tails"
+    out = [ratio_row("lookup", model, f"store match µs, {setting} vs block size "
+                     f"{small.get('block_size')}, no tails", big.get("dense_match_us"),
+                     small.get("dense_match_us"), " µs", "lookup_flat",
+                     d.get("dense_match_us_max_over_min"))]
+    top = max(rows, key=lambda r: (r.get("block_size", 0), r.get("tails", 0)))
+    out.append(Row("lookup", model, f"tail search by per-length hashing (before), block size "
+                   f"{top.get('block_size')}, {top.get('tails')} tails",
+                   fmt(top.get("dense_match_us"), " µs"),
+                   fmt(top.get("per_length_hashing_us"), " µs"), status="info"))
+    return out
+
+
 ROWS: dict[str, Callable[[str, dict], list[Row]]] = {
     "multiturn": multiturn_rows, "agents": agents_rows, "restart": restart_rows,
     "serving": serving_rows, "cluster": cluster_rows, "structured": structured_rows,
-    "traces": traces_rows}
+    "traces": traces_rows, "lookup": lookup_rows}
 
 
 def summary_rows(results: dict[str, dict[str, dict]], runs: dict[str, dict]) -> list[Row]:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    # llguidance types its JSON compile options only in its private module.
+    from llguidance._lib import JsonCompileOptions as JsonCompileOptions
     from mlx_lm.models.base import BaseModelArgs
 
 # What ``mlx_lm.utils.load_tokenizer`` downloads (mlx-lm 0.32): a tokenizer, no weights.

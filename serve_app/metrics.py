@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+from serve_app.cache.match import Tier
 from serve_app.cache.stats import Usage
 from serve_app.compat import record_metric_zero
 
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 EXPORT_PREFIX = "ray_"  # what Ray's exporter puts in front of every name
 PUMP_INTERVAL_S = 1.0
 
-TIERS = ("hot", "pending", "ssd", "remote")
+TIERS = tuple(Tier)
 MISS_REASONS = ("new_prefix", "diverged", "evicted", "no_checkpoint", "incompatible",
                 "restore_failed", "disabled", "store_unavailable")
 WRITE_RESULTS = ("done", "failed", "dropped")

@@ -25,13 +25,14 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from serve_app.cache.hashing import chain, salted_root
+from serve_app.cache.match import Tier
 from serve_app.metrics import ROUTING_REASONS, RayRecorder, zero_at_start
 from serve_app.prepare import PreparedRequest
 
 logger = logging.getLogger("ray.serve")
 
 # What restoring a block costs, as a fraction of prefilling it.
-TIER_COST = {"hot": 0.0, "ssd": 0.1, "remote": 0.3}
+TIER_COST: dict[str, float] = {Tier.HOT: 0.0, Tier.SSD: 0.1, Tier.REMOTE: 0.3}
 REASONS = ROUTING_REASONS  # the decisions counted (``serve_app_routing_decisions``)
 DECIDED_MEMORY = 4096
 
@@ -94,7 +95,7 @@ def prefill_cost(node_id: str, runs: dict[str, list[str]], prompt_tokens: int,
     local = runs.get(node_id, [])
     remote = max((len(t) for n, t in runs.items() if n != node_id), default=0)
     cost = sum(TIER_COST.get(tier, 1.0) for tier in local) * block_size
-    cost += max(0, remote - len(local)) * TIER_COST["remote"] * block_size
+    cost += max(0, remote - len(local)) * TIER_COST[Tier.REMOTE] * block_size
     return cost + max(0, prompt_tokens - max(len(local), remote) * block_size)
 
 

@@ -55,8 +55,8 @@ from serve_app.compat import wrapped_hf_tokenizer
 
 if TYPE_CHECKING:
     import mlx.core as mx
-    from llguidance._lib import JsonCompileOptions
 
+    from serve_app.compat import JsonCompileOptions
     from serve_app.tools import ToolSupport
 
 logger = logging.getLogger(__name__)

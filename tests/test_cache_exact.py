@@ -17,6 +17,7 @@ import pytest
 
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.hashing import chain, salted_root
+from serve_app.cache.match import Drop
 from serve_app.cache.payload import Tensor
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
@@ -140,7 +141,7 @@ def test_forced_walkback_drops_one_block_and_stays_exact(hybrid_services):
     warm, cold, client = hybrid_services
     prompt = [3 + (i * 7) % 240 for i in range(4 * BS + 3)]
     _, ids = cached_prompt(warm, prompt)
-    client.store.drop("checkpoint", "", ids[3])  # the newest boundary
+    client.store.drop(Drop.CHECKPOINT, "", ids[3])  # the newest boundary
     # Other last tokens: the tail captured at the first prompt's end does not apply.
     other = prompt[:-3] + [9, 8, 7]
     req = CompletionRequest(model="m", prompt=other, max_tokens=16, temperature=0)
@@ -189,8 +190,8 @@ class SlowAnswer(LocalCacheClient):
     """The store grants the lease, then the answer takes a while to come back (as an
     actor reply can): a client that hangs up meanwhile must not leave it pinned."""
 
-    async def _lookup(self, block_ids, need_checkpoint, layout, exact, tails):
-        found = self.store.lookup(block_ids, need_checkpoint, layout, exact, tails)
+    async def _match(self, q):
+        found = self.store.match(q)
         await asyncio.sleep(0.3)
         return found
 

@@ -31,6 +31,7 @@ from serve_app.cache.layout import (
     layout_of,
     probe_layout,
 )
+from serve_app.cache.match import Match, MatchQuery
 from serve_app.cache.payload import BlockPayload, PayloadError, Tensor, from_tensors, to_tensors
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
@@ -210,15 +211,15 @@ def hot_only(budget: int) -> TieredStore:
     return TieredStore(hot_budget=budget)
 
 
-def lookup(store: TieredStore, ids: list[str], need_checkpoint: bool = False) -> dict:
-    return store.lookup(ids, need_checkpoint=need_checkpoint)
+def lookup(store: TieredStore, ids: list[str], need_checkpoint: bool = False) -> Match:
+    return store.match(MatchQuery(ids, need_state=need_checkpoint))
 
 
 def test_budget_is_never_exceeded_and_lru_goes_first():
     store = hot_only(350)
     for i in range(3):
         assert store.hot.put(entry(i))
-    store.release(lookup(store, ["b0"])["lease"])  # b0 becomes most recent
+    store.release(lookup(store, ["b0"]).lease)  # b0 becomes most recent
     assert store.hot.put(entry(3))
     assert "b1" not in store.hot
     assert all(f"b{i}" in store.hot for i in (0, 2, 3))
@@ -231,10 +232,10 @@ def test_pinned_blocks_are_never_evicted():
     for i in range(3):
         store.hot.put(entry(i))
     found = lookup(store, ["b0", "b1", "b2"])
-    assert [s.handle for s in found["sources"]] == [0, 1, 2]
+    assert [s.handle for s in found.sources] == [0, 1, 2]
     assert not store.hot.put(entry(3))  # nothing can be evicted: rejected, not over budget
     assert store.hot.bytes == 300 and store.hot.stats.rejected_puts == 1
-    store.release(found["lease"])
+    store.release(found.lease)
     assert store.hot.put(entry(3)) and "b0" not in store.hot
     assert store.hot.pinned_ids() == set()
 
@@ -248,7 +249,7 @@ def test_many_puts_keep_bytes_within_budget():
         assert store.hot.bytes <= 1000
         if i % 50 == 0:
             store.release(lease)
-            lease = lookup(store, [f"b{i}"])["lease"]
+            lease = lookup(store, [f"b{i}"]).lease
         assert store.hot.pinned_ids() <= {f"b{j}" for j in range(i + 1)}
     assert store.snapshot()["bytes"] == store.hot.bytes
 
@@ -259,14 +260,14 @@ def test_hybrid_lookup_walks_back_to_a_checkpoint():
     store.hot.put(entry(1, checkpoint=True))
     store.hot.put(entry(2, checkpoint=False))
     found = lookup(store, ["b0", "b1", "b2", "b3"], need_checkpoint=True)
-    assert (found["present"], len(found["sources"]), found["walkbacks"]) == (3, 2, 1)
-    store.release(found["lease"])
+    assert (found.present, len(found.sources), found.walkbacks) == (3, 2, 1)
+    store.release(found.lease)
     assert store.hot.drop_checkpoint("b1")
     found = lookup(store, ["b0", "b1", "b2"], need_checkpoint=True)
-    assert (len(found["sources"]), found["walkbacks"]) == (1, 2)
-    store.release(found["lease"])
+    assert (len(found.sources), found.walkbacks) == (1, 2)
+    store.release(found.lease)
     store.hot.put(entry(1, checkpoint=True))  # a fresh capture restores the checkpoint
-    assert len(lookup(store, ["b0", "b1"], need_checkpoint=True)["sources"]) == 2
+    assert len(lookup(store, ["b0", "b1"], need_checkpoint=True).sources) == 2
     assert store.snapshot()["lookups"] == 3 and store.snapshot()["hit_blocks"] == 5
 
 
@@ -274,8 +275,8 @@ def test_lookup_reports_evicted_blocks():
     store = hot_only(100)
     store.hot.put(entry(0))
     store.hot.put(entry(1))  # evicts b0
-    assert lookup(store, ["b0"])["first_missing_evicted"]
-    assert not lookup(store, ["zz"])["first_missing_evicted"]
+    assert lookup(store, ["b0"]).first_missing_evicted
+    assert not lookup(store, ["zz"]).first_missing_evicted
 
 
 # ---- model identity -------------------------------------------------------------------

@@ -32,8 +32,8 @@ from serve_app.cache.actor import (
 from serve_app.cache.client import FetchRequest
 from serve_app.cache.hashing import chain
 from serve_app.cache.layout import KV, ArraySpec, Layout
+from serve_app.cache.match import Match, MatchQuery
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
-from serve_app.cache.tiers import TailQuery
 from serve_app.profile import CacheStoreProfile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def fill(store, node_id: str, tokens: list[int]) -> list[str]:
 
 
 def request(ids: list[str], tokens: list[int]) -> FetchRequest:
-    return FetchRequest("m", ids, LAYOUT, BS, {}, tails=TailQuery("root", tokens[:-1], BS))
+    return FetchRequest("m", ids, LAYOUT, BS, {}, root="root", tokens=tuple(tokens[:-1]))
 
 
 def wait_for(check, timeout: float = 60.0, what: str = ""):
@@ -140,7 +140,7 @@ def check_fetch_and_node_loss(cluster, local, other, ids, tokens, directory, cli
     assert got is not None and len(got.payloads) == 4 and got.seconds >= EXPORT_DELAY_S
     for i, p in enumerate(got.payloads):
         np.testing.assert_array_equal(p.kv[0][0].data, payload(2 + i).kv[0][0].data)
-    wait_for(lambda: _lookup(local, ids[2:])["present"] == 4, what="the promotion")
+    wait_for(lambda: _lookup(local, ids[2:]).present == 4, what="the promotion")
 
     # The other node dies while its store prepares an export: a clean miss, long before
     # the fetch's timeout.
@@ -182,9 +182,9 @@ def _nodes(directory) -> dict[str, int] | None:
         return None
 
 
-def _lookup(store, ids: list[str]) -> dict:
-    found = ray.get(store.lookup.remote(ids, False, LAYOUT.digest), timeout=30)
-    ray.get(store.release.remote(found["lease"]))
+def _lookup(store, ids: list[str]) -> Match:
+    found = ray.get(store.match.remote(MatchQuery(ids, layout=LAYOUT.digest)), timeout=30)
+    ray.get(store.release.remote(found.lease))
     return found
 
 

@@ -3,7 +3,7 @@
 Attention-only models keep position-wise KV, so a request that diverges inside a
 stored block (an edited earlier turn, a regenerated answer) restores that block's
 first tokens instead of recomputing them. The store finds the candidate through
-its parent -> children index (no hashing of every prefix); hybrid models, whose
+its prefix tree (one walk, no hashing of every prefix); hybrid models, whose
 recurrent state exists only at a block's end, keep restoring to block ends.
 
 The index, the lookup and the plan run without MLX or Ray; the exactness tests
@@ -18,11 +18,12 @@ import pytest
 
 from serve_app.cache.blocks import _checked_blocks
 from serve_app.cache.hashing import block_id, chain
-from serve_app.cache.hot import HotEntry, HotStore
+from serve_app.cache.hot import HotEntry
 from serve_app.cache.layout import KV, RECURRENT, ArraySpec, Layout
 from serve_app.cache.manager import RequestPlan
+from serve_app.cache.match import Match, MatchQuery, Partial, Tier
 from serve_app.cache.payload import BlockPayload, PayloadError, RestorePlan, Tensor
-from serve_app.cache.tiers import TailQuery, TieredStore, Trim
+from serve_app.cache.tiers import TieredStore
 from tests.test_formats import DENSES, Server, close_loaded
 
 BS = 16
@@ -41,46 +42,39 @@ def diverge(prompt: list[int], at: int, n: int) -> list[int]:
     return prompt[:at] + rest
 
 
-# ---- the children index (HotStore) ----------------------------------------------------
+# ---- the prefix tree's index, kept by the store ------------------------------------------
 
 
 def child(bid: str, parent: str, tokens: list[int], nbytes: int = 100) -> HotEntry:
     return HotEntry(bid, parent, nbytes, False, handle=bid, model="m", token_ids=tuple(tokens))
 
 
+def indexed(store: TieredStore, parent: str) -> set[str]:
+    """The children of ``parent`` in the store's tree, once a lookup has synced it."""
+    store.release(store.match(MatchQuery([])).lease)
+    return set(store.tree.children(parent))
+
+
 def test_children_are_indexed_on_put_and_forgotten_when_they_leave():
-    hot = HotStore(300)
-    assert hot.put(child("a", "p", [1, 2, 3]))
-    assert hot.put(child("b", "p", [1, 2, 9, 9]))
-    assert hot.put(HotEntry("c", "p", 100, False, handle="c"))  # no tokens: not indexed
-    assert hot.children("p") == {"a": (1, 2, 3), "b": (1, 2, 9, 9)}
-    assert hot.remove("a") and hot.children("p") == {"b": (1, 2, 9, 9)}
-    assert hot.put(child("d", "q", [4], nbytes=250))  # evicts b and c (LRU)
-    assert hot.children("p") == {} and hot.children("q") == {"d": (4,)}
-    assert "p" not in hot._children  # no empty parents left behind
+    store = TieredStore(300)
+    assert store.hot.put(child("a", "p", [1, 2, 3]))
+    assert store.hot.put(child("b", "p", [1, 2, 9, 9]))
+    assert store.hot.put(HotEntry("c", "p", 100, False, handle="c"))  # no tokens: not indexed
+    assert indexed(store, "p") == {"a", "b"}
+    assert store.hot.remove("a") and indexed(store, "p") == {"b"}
+    assert store.hot.put(child("d", "q", [4], nbytes=250))  # evicts b and c (LRU)
+    assert indexed(store, "p") == set() and indexed(store, "q") == {"d"}
+    assert len(store.tree) == 1
 
 
 def test_a_replaced_checkpoint_keeps_its_child_indexed_and_late_tokens_are_adopted():
-    hot = HotStore(1000)
-    hot.put(HotEntry("a", "p", 100, False, handle="a"))  # promoted without its tokens
-    assert hot.children("p") == {}
-    hot.put(child("a", "p", [1, 2]))
-    assert hot.children("p") == {"a": (1, 2)}
-    hot.put(HotEntry("a", "p", 100, True, handle="a2", token_ids=(1, 2)))  # fresh checkpoint
-    assert hot.children("p") == {"a": (1, 2)} and hot.entry("a").handle == "a2"
-
-
-def test_best_child_shares_the_longest_prefix_and_prefers_a_whole_match():
-    hot = HotStore(1 << 20)
-    hot.put(child("block", "p", [1, 2, 3, 4, 5, 6]))
-    hot.put(child("tail", "p", [1, 2, 3]))
-    hot.put(child("other", "p", [7, 8]))
-    best = hot.best_child("p", [1, 2, 3, 4, 9])
-    assert (best.block_id, best.stored, best.common, best.whole) == ("block", 6, 4, False)
-    tie = hot.best_child("p", [1, 2, 3, 9])  # the tail matches whole: no cut needed
-    assert (tie.block_id, tie.common, tie.whole) == ("tail", 3, True)
-    assert hot.best_child("p", [9, 9]) is None  # no common token
-    assert hot.best_child("nobody", [1]) is None
+    store = TieredStore(1000)
+    store.hot.put(HotEntry("a", "p", 100, False, handle="a"))  # promoted without its tokens
+    assert indexed(store, "p") == set()
+    store.hot.put(child("a", "p", [1, 2]))
+    assert indexed(store, "p") == {"a"}
+    store.hot.put(HotEntry("a", "p", 100, True, handle="a2", token_ids=(1, 2)))  # checkpoint
+    assert indexed(store, "p") == {"a"} and store.hot.entry("a").handle == "a2"
 
 
 # ---- lookups through the tiered store ------------------------------------------------
@@ -103,10 +97,15 @@ def publish(store: TieredStore, prompt: list[int], *, with_state: bool = False) 
     return ids
 
 
-def look(store: TieredStore, prompt: list[int], hybrid: bool = False) -> dict:
+def query(prompt: list[int], hybrid: bool = False) -> MatchQuery:
     ids = chain(ROOT, prompt, BS)[: (len(prompt) - 1) // BS]
-    found = store.lookup(ids, need_checkpoint=hybrid, tails=TailQuery(ROOT, prompt[:-1], BS))
-    store.release(found["lease"])
+    return MatchQuery(ids, need_state=hybrid, root=ROOT, tokens=tuple(prompt[:-1]),
+                      block_size=BS)
+
+
+def look(store: TieredStore, prompt: list[int], hybrid: bool = False) -> Match:
+    found = store.match(query(prompt, hybrid))
+    store.release(found.lease)
     return found
 
 
@@ -116,13 +115,14 @@ def test_a_dense_lookup_cuts_the_child_where_the_prompt_leaves_it():
     ids = publish(store, prompt)
     other = diverge(prompt, BS + 5, 2 * BS)
     found = look(store, other)
-    assert found["ids"] == [ids[0], ids[1]] and found["tail_tokens"] == 5
-    assert found["trim"] == Trim(ids[1], BS, 5)
-    assert found["sources"][-1].tier == "hot"
+    assert found.ids == [ids[0], ids[1]] and found.partial == Partial(5, BS)
+    assert found.block_tokens(BS) == [BS, 5] and found.stored_tokens(BS) == [BS, BS]
+    assert found.sources[-1].tier == Tier.HOT
+    assert found.sources[-1].token_ids == tuple(prompt[BS : 2 * BS])  # its own, not the prompt's
     assert store.snapshot()["trim_hits"] == 1 and store.snapshot()["pinned_blocks"] == 0
     # Diverging inside the first block: its root's child is cut (no full block before).
     first = look(store, diverge(prompt, 3, 2 * BS))
-    assert first["trim"] == Trim(ids[0], BS, 3) and first["ids"] == [ids[0]]
+    assert first.partial == Partial(3, BS) and first.ids == [ids[0]]
 
 
 def test_a_trimmed_child_is_pinned_until_released():
@@ -130,13 +130,12 @@ def test_a_trimmed_child_is_pinned_until_released():
     prompt = tokens_of(41, 2 * BS + 2)
     ids = publish(store, prompt)
     other = diverge(prompt, BS + 7, BS)
-    found = store.lookup(chain(ROOT, other, BS)[:1], need_checkpoint=False,
-                         tails=TailQuery(ROOT, other[:-1], BS))
-    assert found["trim"].block_id == ids[1] and store.hot.entry(ids[1]).pins == 1
+    found = store.match(query(other))
+    assert found.ids[-1] == ids[1] and found.partial.cut and store.hot.entry(ids[1]).pins == 1
     assert not store.hot.remove(ids[1])  # pinned: never evicted mid-restore
-    store.release(found["lease"])
+    store.release(found.lease)
     assert store.hot.entry(ids[1]).pins == 0 and store.hot.remove(ids[1])
-    assert look(store, other)["trim"] is None  # forgotten with its block
+    assert look(store, other).partial is None  # forgotten with its block
 
 
 def test_an_exact_tail_wins_a_tie_and_full_matches_are_plain_hits():
@@ -147,10 +146,10 @@ def test_an_exact_tail_wins_a_tie_and_full_matches_are_plain_hits():
     tid = block_id(ids[1], tail)
     store.hot.put(HotEntry(tid, ids[1], 64, False, handle=stored(tail), token_ids=tuple(tail)))
     again = look(store, prompt[: 2 * BS + 5] + [200, 201, 202])
-    assert again["ids"][-1] == tid and again["tail_tokens"] == 5 and again["trim"] is None
+    assert again.ids[-1] == tid and again.partial == Partial(5, 5) and not again.partial.cut
     # The whole chain present: the full blocks are the hit, nothing is cut.
     same = look(store, prompt[: 2 * BS + 1])
-    assert same["ids"] == ids[:2] and same["trim"] is None and same["tail_tokens"] == 0
+    assert same.ids == ids[:2] and same.partial is None
 
 
 def test_a_cut_always_leaves_the_last_prompt_token_to_compute():
@@ -158,7 +157,7 @@ def test_a_cut_always_leaves_the_last_prompt_token_to_compute():
     prompt = tokens_of(31, 2 * BS)
     ids = publish(store, prompt)
     found = look(store, prompt)  # the second block is the prompt's last: at most BS - 1
-    assert found["trim"] == Trim(ids[1], BS, BS - 1)
+    assert found.ids == ids[:2] and found.partial == Partial(BS - 1, BS)
 
 
 def test_hybrid_lookups_never_cut():
@@ -166,7 +165,7 @@ def test_hybrid_lookups_never_cut():
     prompt = tokens_of(29, 3 * BS + 4)
     ids = publish(store, prompt, with_state=True)
     found = look(store, diverge(prompt, BS + 5, 2 * BS), hybrid=True)
-    assert found["ids"] == [ids[0]] and found["trim"] is None and found["tail_tokens"] == 0
+    assert found.ids == [ids[0]] and found.partial is None
     assert store.snapshot()["trim_hits"] == 0
 
 
@@ -190,19 +189,19 @@ def test_a_cut_restore_is_checked_as_stored_and_cut_only_for_attention_layouts()
     spec = ArraySpec((1, 1, None, 2), "float32")
     dense = Layout((KV,), arrays=((spec, spec),))
     block, tail = stored(list(range(BS))), stored(list(range(BS)))
-    plan = RestorePlan([BS, 5], [block, tail], trimmed_from=BS)
+    plan = RestorePlan([BS, 5], [block, tail], Partial(5, BS))
     assert plan.tokens == BS + 5 and plan.stored_tokens == [BS, BS]
     blocks = _checked_blocks(dense, plan)
     assert [b.tokens for b in blocks] == [BS, 5]
     assert np.array_equal(blocks[1].kv[0][0].data, tail.kv[0][0].data[:, :, :5])
     with pytest.raises(ValueError, match="does not fit"):  # the payload is not what it says
-        _checked_blocks(dense, RestorePlan([BS, 5], [block, stored([1] * 9)], BS))
+        _checked_blocks(dense, RestorePlan([BS, 5], [block, stored([1] * 9)], Partial(5, BS)))
     with pytest.raises(ValueError, match="out of range"):
-        _checked_blocks(dense, RestorePlan([BS, BS], [block, tail], BS))
+        _checked_blocks(dense, RestorePlan([BS, BS], [block, tail], Partial(5, BS)))
     hybrid = Layout((KV, RECURRENT), arrays=((spec, spec), (ArraySpec((1, 3), "float32"),)))
     with_state = stored(list(range(BS)), with_state=True)
     with pytest.raises(ValueError, match="hybrid"):
-        _checked_blocks(hybrid, RestorePlan([5], [with_state], BS))
+        _checked_blocks(hybrid, RestorePlan([5], [with_state], Partial(5, BS)))
 
 
 def test_a_request_restored_to_a_cut_captures_its_own_chain():
@@ -293,24 +292,24 @@ def test_hybrid_models_restore_to_block_ends_as_before(home):
     assert stats.trim_hits == 0 and stats.restore_failures == 0
     assert server.store.snapshot()["trim_hits"] == 0
     # indexed all the same; a hybrid lookup never cuts
-    assert server.store.hot.children(server.ids(prompt)[0])
+    assert set(server.store.tree.children(server.ids(prompt)[0]))
     server.close()
 
 
-def test_best_child_compares_only_the_newest_candidates():
-    """Below a parent shared by many sessions the scan is bounded: the oldest children
-    beyond MAX_TRIM_CANDIDATES are not compared (a slower cache, never a long lock)."""
-    from serve_app.cache.hot import MAX_TRIM_CANDIDATES
-
-    hot = HotStore(1 << 30)
-    target = [7, 8, 9, 10]
-    hot.put(HotEntry("old", "p", 10, False, handle="old", token_ids=tuple(target)))
-    for i in range(MAX_TRIM_CANDIDATES):
-        hot.put(HotEntry(f"c{i}", "p", 10, False, handle=i, token_ids=(7, 100 + i)))
-    assert hot.best_child("p", target).block_id != "old"  # out of reach: 65th newest
-    hot.put(HotEntry("new", "p", 10, False, handle="new", token_ids=tuple(target[:3])))
-    best = hot.best_child("p", target)
-    assert (best.block_id, best.common) == ("new", 3)
+def test_a_cut_is_found_among_thousands_of_siblings():
+    """Below a parent shared by many sessions the walk goes down one path: the child
+    sharing the most tokens is found however many tails that parent has, even the oldest."""
+    store = TieredStore(1 << 30)
+    prompt = tokens_of(53, 2 * BS + 6)
+    ids = publish(store, prompt)
+    for i in range(3000):  # tails of other sessions, each leaving the prompt early
+        own = prompt[BS : BS + 1 + i % 3] + [300 + i % 9, 400 + i % 200]
+        store.hot.put(HotEntry(block_id(ids[0], own), ids[0], 8, False, handle=i,
+                               token_ids=tuple(own)))
+    store.hot.put(HotEntry("x" * 64, ids[0], 8, False, handle="x", token_ids=(1,)))
+    other = diverge(prompt, BS + 5, BS)
+    found = look(store, other)
+    assert found.ids == [ids[0], ids[1]] and found.partial == Partial(5, BS)
 
 
 def test_a_restored_cut_child_counts_as_recently_used():
@@ -319,6 +318,6 @@ def test_a_restored_cut_child_counts_as_recently_used():
     prompt = tokens_of(47, 2 * BS + 2)
     ids = publish(store, prompt)  # ids[0], then ids[1]: ids[0] is the oldest
     other = diverge(prompt, BS + 6, BS)
-    assert look(store, other)["trim"].block_id == ids[1]
+    assert look(store, other).ids[-1] == ids[1]
     order = store.hot.ids()
     assert order.index(ids[1]) == len(order) - 1  # the newest now

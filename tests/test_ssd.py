@@ -16,8 +16,8 @@ from serve_app.cache.ssd import (
     TMP_MARK,
     SSDError,
     SSDStore,
+    digest_of,
     read_header,
-    token_of,
 )
 
 LAYOUT = hashlib.sha256(b"layout").hexdigest()
@@ -230,10 +230,10 @@ def test_remove_leaves_a_file_rewritten_since(tmp_path):
     stale = s.block_entry(bid(0))
     s.write("block", bid(0), tensors(), meta())  # same content: a new write id, a new token
     fresh = s.block_entry(bid(0))
-    assert token_of(fresh) != token_of(stale)
-    assert not s.remove(stale) and not s.remove_file("block", LAYOUT, bid(0), token_of(stale))
+    assert digest_of(fresh) != digest_of(stale)
+    assert not s.remove(stale) and not s.remove_file("block", LAYOUT, bid(0), digest_of(stale))
     assert s.block_entry(bid(0)) is fresh and fresh.path.exists()
-    assert s.remove_file("block", LAYOUT, bid(0), token_of(fresh))
+    assert s.remove_file("block", LAYOUT, bid(0), digest_of(fresh))
     assert not s.has_block(bid(0)) and not fresh.path.exists()
 
 
@@ -258,7 +258,7 @@ def test_a_remover_cannot_slip_between_rename_and_index(tmp_path, monkeypatch):
     assert s.write("block", bid(0), tensors(), meta())
     removers[0].join(10)
     fresh = s.block_entry(bid(0))
-    assert fresh is not None and token_of(fresh) != token_of(stale)
+    assert fresh is not None and digest_of(fresh) != digest_of(stale)
     assert fresh.path.exists()
 
 

@@ -26,6 +26,7 @@ from serve_app.cache.actor import (
     RayCacheClient,
     make_ssd,
 )
+from serve_app.cache.match import MatchQuery
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
 from serve_app.metrics import DROP_REASONS
 from serve_app.profile import CacheStoreProfile
@@ -109,12 +110,12 @@ def test_a_slow_put_does_not_hold_up_other_calls(local_ray, tmp_path):
     for _ in range(5):
         _, took = timed(actor.stats.remote())
         assert took < 0.3, f"stats waited {took:.2f} s behind puts"
-        _, took = timed(actor.lookup.remote([bid(100)], False, LAYOUT))
+        _, took = timed(actor.match.remote(MatchQuery([bid(100)], layout=LAYOUT)))
         assert took < 0.3, f"a lookup waited {took:.2f} s behind puts"
         most = max(most, client._in_flight)
     assert most <= MAX_UNACKED_PUTS
-    found = asyncio.run(client._lookup([bid(i) for i in range(12)], False, LAYOUT, True, None))
-    assert found["present"] == 12  # it waited for its own puts' acks
+    found = asyncio.run(client._match(MatchQuery([bid(i) for i in range(12)], layout=LAYOUT)))
+    assert found.present == 12  # it waited for its own puts' acks
     staging = ray.get(actor.stats.remote())["staging"]
     assert staging["backpressure_seconds"] > 0 and staging["inline_writes"] > 0
     ray.kill(actor)
@@ -134,7 +135,7 @@ class IndexNotReady(CacheStore):
 def test_a_lookup_waiting_for_the_index_does_not_hold_up_other_calls(local_ray, tmp_path):
     actor = ray.remote(**ACTOR_OPTIONS)(IndexNotReady).remote(ssd_config(tmp_path))
     ray.get(actor.stats.remote(), timeout=60)
-    slow = actor.lookup.remote([bid(0)], False, LAYOUT)
+    slow = actor.match.remote(MatchQuery([bid(0)], layout=LAYOUT))
     time.sleep(0.2)  # the lookup is waiting now
     _, took = timed(actor.stats.remote())
     assert took < 0.5, f"stats waited {took:.2f} s behind a lookup"
@@ -142,7 +143,7 @@ def test_a_lookup_waiting_for_the_index_does_not_hold_up_other_calls(local_ray, 
     _, took = timed(actor.put.remote("m", bid(0), "", 4096, False, [ref], None))
     assert took < 0.5, f"a put waited {took:.2f} s behind a lookup"
     assert not ray.wait([slow], timeout=0)[0]  # still waiting for the index
-    assert ray.get(slow, timeout=30)["present"] == 1
+    assert ray.get(slow, timeout=30).present == 1
     ray.kill(actor)
 
 
@@ -156,9 +157,9 @@ def test_back_to_back_publish_then_lookup_sees_the_block(local_ray):
     async def turns() -> None:
         for i in range(50):
             client.publish("m", block(i), None)
-            found = await client._lookup([bid(i)], False, LAYOUT, True, None)
-            assert found["present"] == 1, f"turn {i} missed its own block"
-            await client.release(found["lease"])
+            found = await client._match(MatchQuery([bid(i)], layout=LAYOUT))
+            assert found.present == 1, f"turn {i} missed its own block"
+            await client.release(found.lease)
 
     asyncio.run(turns())
     ray.kill(actor)
@@ -179,8 +180,8 @@ def test_a_block_that_cannot_be_published_is_counted(local_ray):
     ray.get(actor.stats.remote(), timeout=60)
     client = RayCacheClient(actor)
     client.publish("m", CapturedBlock(bid(0), "", Unpicklable()), None)
-    found = asyncio.run(client._lookup([bid(0)], False, LAYOUT, True, None))  # not held up
-    assert found["present"] == 0 and client.dropped == 1
+    found = asyncio.run(client._match(MatchQuery([bid(0)], layout=LAYOUT)))  # not held up
+    assert found.present == 0 and client.dropped == 1
     deadline = time.monotonic() + 10
     while (stats := asyncio.run(client.stats()))["dropped"]["publish"] != 1:
         assert time.monotonic() < deadline, stats["dropped"]

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from serve_app.cache.hot import HotEntry
+from serve_app.cache.match import Drop, MatchQuery, StateAt
 from serve_app.cache.payload import BlockPayload, Tensor
-from serve_app.cache.ssd import SSDError, SSDStore, read_file, token_of
+from serve_app.cache.ssd import SSDError, SSDStore, digest_of, read_file
 from serve_app.cache.tiers import GONE, DiskInfo, TieredStore
 from tests.test_ssd import LAYOUT, MODEL, bid, meta, tensors
 
@@ -37,16 +38,16 @@ def test_pending_blocks_are_readable_before_their_file_exists(tmp_path):
     ssd.write = lambda *a, **k: gate.wait(10) and real_write(*a, **k)
     store = TieredStore(hot_budget=1000, ssd=ssd, pending_max_bytes=1 << 20)  # too small for hot
     store.put(entry(0), DISK)
-    found = store.lookup([bid(0)], need_checkpoint=False, layout=LAYOUT)
-    assert [s.tier for s in found["sources"]] == ["pending"]
+    found = store.match(MatchQuery([bid(0)], need_state=False, layout=LAYOUT))
+    assert [s.tier for s in found.sources] == ["pending"]
     assert not ssd.block_path(bid(0)).exists()
-    store.release(found["lease"])
+    store.release(found.lease)
     gate.set()
     wait(lambda: store.snapshot()["staging"]["pending_bytes"] == 0)
-    found = store.lookup([bid(0)], need_checkpoint=False, layout=LAYOUT)
-    assert [s.tier for s in found["sources"]] == ["ssd"]
+    found = store.match(MatchQuery([bid(0)], need_state=False, layout=LAYOUT))
+    assert [s.tier for s in found.sources] == ["ssd"]
     assert ssd.block_path(bid(0)).exists()
-    store.release(found["lease"])
+    store.release(found.lease)
     assert not ssd._pins
 
 
@@ -57,11 +58,11 @@ def test_chain_spans_tiers_in_order(tmp_path):
         store.put(entry(i), DISK)
     wait(lambda: store.snapshot()["staging"]["pending_bytes"] == 0)
     store.hot.remove(bid(1))  # only on disk now
-    found = store.lookup([bid(0), bid(1), bid(2), bid(3)], need_checkpoint=False, layout=LAYOUT)
-    assert found["present"] == 3
-    assert [s.tier for s in found["sources"]] == ["hot", "ssd", "hot"]
+    found = store.match(MatchQuery([bid(i) for i in range(4)], layout=LAYOUT))
+    assert found.present == 3
+    assert [s.tier for s in found.sources] == ["hot", "ssd", "hot"]
     assert store.hot.pinned_ids() == {bid(0), bid(2)} and set(ssd._pins) == {bid(1)}
-    store.release(found["lease"])
+    store.release(found.lease)
     assert store.hot.pinned_ids() == set() and not ssd._pins
 
 
@@ -81,13 +82,13 @@ class EvictingStore(TieredStore):
 
     victim = None
 
-    def _disk_checkpoint(self, bid: str, layout: str, exact: bool = True):
+    def _embedded_state(self, bid: str) -> bool:
         if self.ssd.block_entry(bid) is None:
             with self.ssd._lock:
                 self.ssd._index(self.victim)
-        where = super()._disk_checkpoint(bid, layout, exact)
+        embedded = super()._embedded_state(bid)
         self.ssd.remove(self.ssd.block_entry(bid))  # file and index entry gone
-        return where
+        return embedded
 
 
 @pytest.mark.parametrize("tier", ["ssd", "hot"])
@@ -101,34 +102,34 @@ def test_lookup_racing_an_eviction_is_a_clean_miss(tmp_path, tier):
     store.victim = ssd.block_entry(bid(0))
     if tier == "hot":  # the block is hot too, without its checkpoint
         store.put(entry(0), None)
-    found = store.lookup([bid(0)], need_checkpoint=True, layout=LAYOUT)
-    (source,) = found["sources"]
-    assert (source.tier, source.checkpoint) == ("ssd", "embedded")
-    assert source.token == (token_of(store.victim) if tier == "ssd" else GONE)
+    found = store.match(MatchQuery([bid(0)], need_state=True, layout=LAYOUT))
+    (source,) = found.sources
+    assert (source.tier, source.state) == ("ssd", StateAt.EMBEDDED)
+    assert source.file_digest == (digest_of(store.victim) if tier == "ssd" else GONE)
     with pytest.raises(SSDError):
         read_file(source.handle, {})
-    store.drop("block", LAYOUT, bid(0), source.token)  # what the replica does next
-    store.release(found["lease"])
+    store.drop(Drop.BLOCK, LAYOUT, bid(0), source.file_digest)  # what the replica does next
+    store.release(found.lease)
     assert not ssd._pins
 
 
 def test_drop_removes_only_the_file_the_reader_saw(tmp_path):
-    """A replica drops a bad file by the token its lookup saw; a file rewritten since under
+    """A replica drops a bad file by the digest its lookup saw; a file rewritten since under
     the same name stays (a stale drop used to delete the fresh file)."""
     ssd = SSDStore(tmp_path, 1 << 30)
     store = TieredStore(hot_budget=1 << 20, ssd=ssd)
     wait(ssd.ready.is_set)
     ssd.write("block", bid(0), tensors(), meta())
-    found = store.lookup([bid(0)], need_checkpoint=False, layout=LAYOUT)
-    old = found["sources"][0].token
-    store.release(found["lease"])
-    ssd.write("block", bid(0), tensors(), meta())  # rewritten: a new file, a new token
-    new = token_of(ssd.block_entry(bid(0)))
+    found = store.match(MatchQuery([bid(0)], need_state=False, layout=LAYOUT))
+    old = found.sources[0].file_digest
+    store.release(found.lease)
+    ssd.write("block", bid(0), tensors(), meta())  # rewritten: a new file, a new digest
+    new = digest_of(ssd.block_entry(bid(0)))
     assert new != old
-    store.drop("block", LAYOUT, bid(0), old)
+    store.drop(Drop.BLOCK, LAYOUT, bid(0), old)
     assert ssd.has_block(bid(0)) and ssd.block_path(bid(0)).exists()
-    assert token_of(ssd.block_entry(bid(0))) == new
-    store.drop("block", LAYOUT, bid(0), new)
+    assert digest_of(ssd.block_entry(bid(0))) == new
+    store.drop(Drop.BLOCK, LAYOUT, bid(0), new)
     assert not ssd.has_block(bid(0)) and not ssd.block_path(bid(0)).exists()
 
 

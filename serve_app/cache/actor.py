@@ -42,9 +42,10 @@ from serve_app.cache.client import (
 )
 from serve_app.cache.directory import BlockDirectory, Changes, EventBatch
 from serve_app.cache.hot import HotEntry
+from serve_app.cache.match import Drop, Match, MatchQuery, Tier
 from serve_app.cache.payload import BlockPayload, CapturedBlock
 from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir, untrusted_reason
-from serve_app.cache.tiers import DiskInfo, TailQuery, TieredStore
+from serve_app.cache.tiers import DiskInfo, TieredStore
 from serve_app.metrics import MetricsPump, RayRecorder, Sample, store_samples
 from serve_app.profile import CacheStoreProfile
 from serve_app.replicas import ReplicaBoard, ReplicaReport
@@ -129,8 +130,8 @@ class CacheStore:
 
     # Bumped whenever a method's signature changes: the actor is detached and outlives
     # a redeploy, so replicas of new code may find one running the old code.
-    PROTOCOL = 4  # 2: put carries the block's token ids; 3: export to other nodes;
-    # 4: replicas report their stats (report_replica, replica_reports)
+    PROTOCOL = 5  # 2: put carries the block's token ids; 3: export to other nodes;
+    # 4: replicas report their stats (report_replica, replica_reports); 5: match
 
     def __init__(self, config: CacheStoreProfile,
                  feed_interval_s: float = FEED_INTERVAL_S) -> None:
@@ -179,10 +180,9 @@ class CacheStore:
         if self.tiers.ssd is not None:
             self.tiers.ssd.activate(model, layout)
 
-    def lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
-               exact: bool = True, tails: TailQuery | None = None) -> dict:
-        found = self.tiers.lookup(block_ids, need_checkpoint, layout, exact, tails)
-        found["store_epoch"] = self.feed.epoch  # new after every (re)start of the store
+    def match(self, q: MatchQuery) -> Match:
+        found = self.tiers.match(q)
+        found.store_epoch = self.feed.epoch  # new after every (re)start of the store
         return found
 
     def release(self, lease: int | None) -> None:
@@ -197,8 +197,8 @@ class CacheStore:
         self.tiers.release(found.lease)
         return replace(found, lease=None)
 
-    def drop(self, kind: str, layout: str, block_id: str, token: str | None = None) -> None:
-        self.tiers.drop(kind, layout, block_id, token)
+    def drop(self, why: Drop, layout: str, block_id: str, digest: str | None = None) -> None:
+        self.tiers.drop(why, layout, block_id, digest)
 
     def stats(self) -> dict:
         return self._snapshot()
@@ -718,8 +718,7 @@ class RayCacheClient(CacheClient):
         with self._cv:
             self._cv.wait_for(lambda: not (seqs & self._unacked), timeout=timeout)
 
-    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
-                      exact: bool, tails: TailQuery | None) -> dict:
+    async def _match(self, q: MatchQuery) -> Match:
         # Blocks published before this lookup must be visible to it: wait for the
         # store's acks of those puts (not of the ones published after).
         with self._cv:
@@ -727,9 +726,8 @@ class RayCacheClient(CacheClient):
         if before:  # bounded: a stuck store must not hold executor threads for long
             await asyncio.get_running_loop().run_in_executor(
                 None, self._wait_acked, before, min(ACK_WAIT_S, self.timeout))
-        found = await self.actor.lookup.remote(block_ids, need_checkpoint, layout, exact,
-                                               tails)
-        self._seen_epoch(found.get("store_epoch"))
+        found = await self.actor.match.remote(q)
+        self._seen_epoch(found.store_epoch)
         return found
 
     def _seen_epoch(self, epoch: str | None) -> None:
@@ -754,9 +752,9 @@ class RayCacheClient(CacheClient):
     async def _resolve(self, handle: Any) -> BlockPayload:
         return await asyncio.wait_for(resolve_hot(handle), self.timeout)
 
-    async def _drop(self, kind: str, layout: str, block_id: str,
-                    token: str | None = None) -> None:
-        await self._call(self.actor.drop.remote(kind, layout, block_id, token))
+    async def _drop(self, why: Drop, layout: str, block_id: str,
+                    digest: str | None = None) -> None:
+        await self._call(self.actor.drop.remote(why, layout, block_id, digest))
 
     def remote_prefix(self, block_ids: list[str],
                       usable: Callable[[str], bool] | None = None) -> RemotePrefix | None:
@@ -769,7 +767,7 @@ class RayCacheClient(CacheClient):
         if not runs:
             return None
         # The longest run; between equals, the one with more of it in RAM.
-        node_id, tiers = max(runs.items(), key=lambda kv: (len(kv[1]), kv[1].count("hot")))
+        node_id, tiers = max(runs.items(), key=lambda kv: (len(kv[1]), kv[1].count(Tier.HOT)))
         return RemotePrefix(node_id, len(tiers))
 
     async def _export(self, node_id: str, req: FetchRequest,

@@ -45,7 +45,7 @@ def build_cache(model, layout: Layout, plan: RestorePlan) -> list:
 
     Checks every block against the layout first, as stored: a payload that
     does not fit raises ``ValueError`` here, never inside the running batch. A
-    cut last block (``plan.trimmed_from``, attention-only models: there is no
+    cut last block (``plan.partial``, attention-only models: there is no
     recurrent state to cut) keeps the KV of its first ``block_tokens[-1]`` tokens.
     """
     blocks = _checked_blocks(layout, plan)
@@ -73,11 +73,11 @@ def _checked_blocks(layout: Layout, plan: RestorePlan) -> list[BlockPayload]:
         reason = layout.check(block, tokens, need_state=layout.hybrid and last)
         if reason is not None:
             raise ValueError(f"restored block {n} does not fit the model: {reason}")
-    if not plan.trimmed_from:
+    if not plan.cut_from:
         return list(plan.blocks)
     keep = plan.block_tokens[-1]
-    if layout.hybrid or not 0 < keep < plan.trimmed_from:
-        raise ValueError(f"cannot cut a block of {plan.trimmed_from} tokens to {keep} "
+    if layout.hybrid or not 0 < keep < plan.cut_from:
+        raise ValueError(f"cannot cut a block of {plan.cut_from} tokens to {keep} "
                          f"({'hybrid model' if layout.hybrid else 'out of range'})")
     cut = plan.blocks[-1].cut(keep)
     reason = layout.check(cut, keep, need_state=False)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from serve_app.cache import codecs
 from serve_app.cache.hot import HotEntry
+from serve_app.cache.match import Drop, Match, MatchQuery, Partial, Source, StateAt, Tier
 from serve_app.cache.payload import (
     BlockPayload,
     CapturedBlock,
@@ -32,7 +33,7 @@ from serve_app.cache.payload import (
     state_from_names,
 )
 from serve_app.cache.ssd import SSDError, read_file
-from serve_app.cache.tiers import DiskInfo, Source, TailQuery, TieredStore, Trim
+from serve_app.cache.tiers import DiskInfo, TieredStore
 
 if TYPE_CHECKING:  # layout.py imports mlx-lm; this module (and the cache policy) need not
     from serve_app.cache.layout import Layout
@@ -117,17 +118,21 @@ class FetchedChain:
     payloads: list[BlockPayload]
     lease: int | None
     first_missing_evicted: bool
-    tiers: list[str] = field(default_factory=list)
+    tiers: list[Tier] = field(default_factory=list)
     checkpoint_rejects: int = 0
     incompatible: int = 0  # payloads whose shapes or dtypes did not fit the layout
     incompatible_reason: str | None = None
-    tail_tokens: int = 0  # the last payload is a tail of this many tokens (0: none)
-    block_tokens: list[int] = field(default_factory=list)  # tokens of each payload
+    partial: Partial | None = None  # the last payload is a tail, or cut on restore
+    block_tokens: list[int] = field(default_factory=list)  # tokens restored from each payload
     sidecar_loads: int = 0
     ssd_bytes: int = 0
     ssd_seconds: float = 0.0
-    trim: Trim | None = None  # the last payload is cut to ``trim.common`` tokens on restore
     store_error: str | None = None  # the store failed (its kind): nothing was looked up
+
+    @property
+    def full_blocks(self) -> int:
+        """Payloads that are full blocks of the prompt (all but a partial last one)."""
+        return len(self.block_tokens) - (self.partial is not None)
 
 
 @dataclass(frozen=True)
@@ -140,29 +145,21 @@ class FetchRequest:
     block_size: int
     expect: dict[str, str]  # metadata every SSD file of this model must carry
     exact: bool = True  # only exact checkpoints (no lossy sidecar codec)
-    tails: TailQuery | None = None  # also look for a tail past the last full block
+    root: str = ""  # the chain's (salted) root: the first block's parent
+    tokens: tuple[int, ...] = ()  # the restorable prompt, for a partial last block; ():
+    # full blocks only
     first: int = 0  # payloads of the blocks before this one are not loaded (another
     # node's store exporting what the asking replica lacks)
 
-    def block_tokens(self, found: dict) -> list[int]:
-        """Tokens of each block a lookup returned (the last may be a tail)."""
-        n = len(found["ids"])
-        tail = found.get("tail_tokens", 0)
-        return [self.block_size] * (n - bool(tail)) + ([tail] if tail else [])
-
-    def stored_tokens(self, found: dict) -> list[int]:
-        """Tokens each returned payload holds (a cut one holds more than it restores)."""
-        counts = self.block_tokens(found)
-        trim: Trim | None = found.get("trim")
-        return [*counts[:-1], trim.stored] if trim is not None else counts
+    def query(self) -> MatchQuery:
+        return MatchQuery(self.block_ids, self.layout.hybrid, self.layout.digest, self.exact,
+                          self.root, self.tokens, self.block_size)
 
     def token_ids(self, index: int, count: int) -> tuple[int, ...]:
         """The prompt tokens of payload ``index`` holding ``count`` tokens (full blocks
         come first, so it starts at ``index * block_size``); () when unknown."""
-        if self.tails is None:
-            return ()
         start = index * self.block_size
-        return tuple(self.tails.tokens[start : start + count])
+        return tuple(self.tokens[start : start + count])
 
 
 @dataclass(frozen=True)
@@ -188,12 +185,12 @@ class RemoteChain:
 class BadFile(Exception):
     """A block or checkpoint that cannot be used: dropped, then the lookup is redone."""
 
-    def __init__(self, kind: str, block_id: str, token: str | None = None,
+    def __init__(self, why: Drop, block_id: str, digest: str | None = None,
                  incompatible: str | None = None) -> None:
-        super().__init__(f"{kind} {block_id}")
-        self.kind = kind
+        super().__init__(f"{why} {block_id}")
+        self.why = why
         self.block_id = block_id
-        self.token = token
+        self.digest = digest
         self.incompatible = incompatible
 
 
@@ -212,15 +209,14 @@ class CacheClient:
         a block that does not fit the publish queue now is dropped and counted."""
         raise NotImplementedError
 
-    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
-                      exact: bool, tails: TailQuery | None) -> dict:
+    async def _match(self, q: MatchQuery) -> Match:
         raise NotImplementedError
 
     async def _resolve(self, handle: Any) -> BlockPayload:
         raise NotImplementedError
 
-    async def _drop(self, kind: str, layout: str, block_id: str,
-                    token: str | None = None) -> None:
+    async def _drop(self, why: Drop, layout: str, block_id: str,
+                    digest: str | None = None) -> None:
         raise NotImplementedError
 
     async def release(self, lease: int | None) -> None:
@@ -248,7 +244,7 @@ class CacheClient:
         SSD blocks and promoted into this node's hot tier; None is a clean miss (the node
         died, answered late, or sent nothing usable)."""
         tic = time.perf_counter()
-        remote = replace(req, first=start, tails=None)
+        remote = replace(req, first=start, tokens=())
         found = await self._export(node_id, remote, timeout)
         seconds = time.perf_counter() - tic
         # The exporter walked back to its last checkpoint: what it restores is what it sent.
@@ -265,7 +261,7 @@ class CacheClient:
                 return None
         payloads = [p if i == len(found.payloads) - 1 else p.without_state()
                     for i, p in enumerate(found.payloads)]
-        parents = [req.tails.root if req.tails else "", *req.block_ids]
+        parents = [req.root, *req.block_ids]
         for i, payload in enumerate(payloads):
             index = start + i
             self.publish(req.model, CapturedBlock(req.block_ids[index], parents[index], payload,
@@ -278,31 +274,30 @@ class CacheClient:
         rejects = incompatible = 0
         reason = None
         for _ in range(MAX_ATTEMPTS):
-            found = await self._pinned_lookup(req)
+            found = await self._pinned_match(req)
             try:
                 tic = time.perf_counter()
                 payloads, loads = await self._load(req, found)
                 toc = time.perf_counter()
             except BadFile as bad:
-                await self.release(found["lease"])
-                await self._drop(bad.kind, req.layout.digest, bad.block_id, bad.token)
-                rejects += bad.kind not in ("block", "lost")
+                await self.release(found.lease)
+                await self._drop(bad.why, req.layout.digest, bad.block_id, bad.digest)
+                rejects += bad.why not in (Drop.BLOCK, Drop.LOST)
                 if bad.incompatible is not None:
                     incompatible += 1
                     reason = bad.incompatible
                 continue
             except BaseException:  # cancelled or unexpected: never leave pins behind
-                self._release_soon(found["lease"])
+                self._release_soon(found.lease)
                 raise
             # A rejected checkpoint shows up as a walkback of the next lookup.
-            tiers = [s.tier for s in found["sources"]]
+            tiers = [s.tier for s in found.sources]
             ssd_bytes = sum(p.nbytes for p, t in zip(payloads, tiers[req.first:], strict=True)
-                            if t == "ssd")
-            return FetchedChain(found["present"], found["walkbacks"], payloads,
-                                found["lease"], found["first_missing_evicted"], tiers, rejects,
-                                incompatible, reason, found["tail_tokens"],
-                                req.block_tokens(found), loads, ssd_bytes,
-                                (toc - tic) if ssd_bytes else 0.0, found.get("trim"))
+                            if t == Tier.SSD)
+            return FetchedChain(found.present, found.walkbacks, payloads, found.lease,
+                                found.first_missing_evicted, tiers, rejects, incompatible,
+                                reason, found.partial, found.block_tokens(req.block_size),
+                                loads, ssd_bytes, (toc - tic) if ssd_bytes else 0.0)
         return FetchedChain(0, 0, [], None, False, [], rejects, incompatible, reason)
 
     def _release_soon(self, lease: int | None) -> None:
@@ -310,14 +305,13 @@ class CacheClient:
         if lease is not None:
             asyncio.ensure_future(self.release_quietly(lease))
 
-    async def _pinned_lookup(self, req: FetchRequest) -> dict:
+    async def _pinned_match(self, req: FetchRequest) -> Match:
         """A lookup whose lease is released even if the caller is cancelled meanwhile.
 
         The store grants the lease when the lookup runs; a client that hangs up
         while waiting for the answer would otherwise leave its blocks pinned.
         """
-        task = asyncio.ensure_future(self._lookup(req.block_ids, req.layout.hybrid,
-                                                  req.layout.digest, req.exact, req.tails))
+        task = asyncio.ensure_future(self._match(req.query()))
         try:
             return await asyncio.wait_for(asyncio.shield(task), self.timeout)
         except TimeoutError:  # a store that answers later: its lease is released then
@@ -329,7 +323,7 @@ class CacheClient:
 
     def _release_abandoned(self, task: asyncio.Future) -> None:
         if not task.cancelled() and task.exception() is None:
-            self._release_soon(task.result()["lease"])
+            self._release_soon(task.result().lease)
 
     async def release_quietly(self, lease: int | None) -> str | None:
         """Release a lease; a store that fails or times out only costs the lease (the
@@ -344,82 +338,88 @@ class CacheClient:
             return kind
         return None
 
-    async def _load(self, req: FetchRequest, found: dict):
+    async def _load(self, req: FetchRequest, found: Match) -> tuple[list[BlockPayload], int]:
         payloads: list[BlockPayload] = []
         sidecar_loads = 0
         loop = asyncio.get_running_loop()
-        first = min(req.first, len(found["sources"]))
-        sources: list[Source] = found["sources"][first:]
-        block_ids, layout = found["ids"][first:], req.layout
-        counts = req.stored_tokens(found)[first:]  # a cut payload is checked as stored
+        first = min(req.first, len(found.sources))
+        sources: list[Source] = found.sources[first:]
+        block_ids, layout = found.ids[first:], req.layout
+        counts = found.stored_tokens(req.block_size)[first:]  # a cut one is checked as stored
         # Read every SSD block file at once; the disk does better with queue depth.
         reads = await asyncio.gather(*(
             loop.run_in_executor(None, _read_or_none, s.handle, {**req.expect, "block_id": b})
-            for b, s in zip(block_ids, sources, strict=False) if s.tier == "ssd"))
+            for b, s in zip(block_ids, sources, strict=False) if s.tier == Tier.SSD))
         files = iter(reads)
         # Hot payloads at once too: one await each would cost a round trip per block.
         resolved = iter(await asyncio.gather(
-            *(self._resolve(s.handle) for s in sources if s.tier != "ssd"),
+            *(self._resolve(s.handle) for s in sources if s.tier != Tier.SSD),
             return_exceptions=True))
         for i, source in enumerate(sources):
             last = i == len(sources) - 1
             bid = block_ids[i]
             parent = ""
-            if source.tier != "ssd":
+            if source.tier != Tier.SSD:
                 payload = next(resolved)
                 if isinstance(payload, LookupError):
-                    raise BadFile("lost", bid) from None
+                    raise BadFile(Drop.LOST, bid) from None
                 if isinstance(payload, BaseException):
                     raise payload
-                bad_kind = "lost"  # a hot payload that does not fit: drop it from RAM
+                bad = Drop.LOST  # a hot payload that does not fit: drop it from RAM
             else:
                 read = next(files)
                 if read is None:
-                    raise BadFile("block", bid, source.token)
+                    raise BadFile(Drop.BLOCK, bid, source.file_digest)
                 tensors, meta = read
                 parent = meta.get("parent_id", "")
                 try:
                     payload = from_tensors(tensors, meta.get("dtypes", ""))
                 except PayloadError as exc:
-                    raise BadFile("block", bid, source.token, str(exc)) from None
-                bad_kind = "block"
+                    raise BadFile(Drop.BLOCK, bid, source.file_digest, str(exc)) from None
+                bad = Drop.BLOCK
             lossy = False
-            if last and layout.hybrid and source.checkpoint is not None:
+            if last and layout.hybrid and source.state in (StateAt.EMBEDDED, StateAt.SIDECAR):
                 state, lossy = await self._load_checkpoint(loop, req, source, payload, bid)
                 payload = payload.with_state(state)
-                sidecar_loads += source.checkpoint != "embedded"
+                sidecar_loads += source.state == StateAt.SIDECAR
             reason = layout.check(payload.without_state(), counts[i], need_state=False)
             if reason is not None:
-                raise BadFile(bad_kind, bid, source.token, reason)
+                raise BadFile(bad, bid, source.file_digest, reason)
             if last and layout.hybrid:
                 reason = layout.check(payload, counts[i], need_state=True)
                 if reason is not None:  # a walkback: this checkpoint is unusable
-                    kind = "checkpoint" if source.checkpoint is None else (
-                        "sidecar" if source.checkpoint != "embedded" else "block")
-                    token = source.checkpoint_token if kind == "sidecar" else source.token
-                    raise BadFile(kind, bid, token, reason)
+                    raise _bad_checkpoint(source, bid, reason)
             else:
                 payload = payload.without_state()
             payloads.append(payload)
-            if source.tier == "ssd":  # validated: promote to the hot tier (never lossy state)
+            if source.tier == Tier.SSD:  # validated: promote to the hot tier (never lossy state)
                 promoted = payload.without_state() if lossy else payload
-                self.publish(req.model, CapturedBlock(
-                    bid, parent, promoted, token_ids=req.token_ids(first + i, counts[i])),
-                    None, wait=False)  # on the event loop: a promotion never waits
+                own = source.token_ids or req.token_ids(first + i, counts[i])
+                self.publish(req.model, CapturedBlock(bid, parent, promoted, token_ids=own),
+                             None, wait=False)  # on the event loop: a promotion never waits
         return payloads, sidecar_loads
 
     async def _load_checkpoint(self, loop, req: FetchRequest, source: Source,
                                payload: BlockPayload, bid: str) -> tuple[dict, bool]:
         """The block's recurrent state and whether it came through a lossy codec."""
-        if source.checkpoint == "embedded":
+        if source.state == StateAt.EMBEDDED:
             return payload.state, False
         try:
             encoded, meta = await loop.run_in_executor(
-                None, read_file, source.checkpoint, {**req.expect, "block_id": bid})
+                None, read_file, source.sidecar, {**req.expect, "block_id": bid})
             named = codecs.decode_state(encoded, meta.get("codec_meta", ""), req.exact)
             return state_from_names(named), meta.get("codec") != codecs.EXACT
         except Exception:  # unreadable, wrong metadata, or a codec that does not decode
-            raise BadFile("sidecar", bid, source.checkpoint_token) from None
+            raise BadFile(Drop.SIDECAR, bid, source.sidecar_digest) from None
+
+
+def _bad_checkpoint(source: Source, bid: str, reason: str) -> BadFile:
+    """What to drop when a block's checkpoint does not fit: where it was read from."""
+    if source.state == StateAt.SIDECAR:
+        return BadFile(Drop.SIDECAR, bid, source.sidecar_digest, reason)
+    if source.state == StateAt.EMBEDDED:
+        return BadFile(Drop.BLOCK, bid, source.file_digest, reason)
+    return BadFile(Drop.CHECKPOINT, bid, None, reason)
 
 
 def _read_or_none(path: str, expect: dict[str, str]) -> tuple[dict, dict] | None:
@@ -452,16 +452,15 @@ class LocalCacheClient(CacheClient):
                 wait: bool = True) -> None:
         self.store.put(entry_for(model, block, block.payload), disk)
 
-    async def _lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str,
-                      exact: bool, tails: TailQuery | None) -> dict:
-        return self.store.lookup(block_ids, need_checkpoint, layout, exact, tails)
+    async def _match(self, q: MatchQuery) -> Match:
+        return self.store.match(q)
 
     async def _resolve(self, handle: Any) -> BlockPayload:
         return handle
 
-    async def _drop(self, kind: str, layout: str, block_id: str,
-                    token: str | None = None) -> None:
-        self.store.drop(kind, layout, block_id, token)
+    async def _drop(self, why: Drop, layout: str, block_id: str,
+                    digest: str | None = None) -> None:
+        self.store.drop(why, layout, block_id, digest)
 
     async def release(self, lease: int | None) -> None:
         self.store.release(lease)

@@ -26,8 +26,10 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
+from serve_app.cache.match import Tier
+
 # Credit order when a router compares holders: RAM beats SSD.
-TIER_RANK = {"hot": 0, "ssd": 1}
+TIER_RANK = {Tier.HOT: 0, Tier.SSD: 1}
 
 
 @dataclass(frozen=True)

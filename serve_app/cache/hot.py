@@ -4,28 +4,17 @@ Plain Python, no Ray: ``TieredStore`` walks chains across it and the other
 tiers. It stores opaque handles (Ray object refs in production, payload dicts
 in tests) with their sizes; it never looks inside a payload.
 
-It also owns the parent -> children index (each child's id and token ids,
-full block or tail), kept with the entries under the store's lock: a lookup
-for an attention-only model finds the stored child that shares the longest
-common prefix with the rest of a prompt by comparing tokens, without hashing
-every prefix, and an entry that leaves (evicted, removed, replaced) leaves the
-index with it. Only hot entries are indexed: SSD files record their token
-count, not their tokens, so a block on SSD alone is no candidate until a
-restore promotes it (with the prompt's tokens); a pending write is in the hot
-tier too unless the hot tier rejected it.
+Each entry keeps its own token ids: the store's prefix tree (``tree.py``)
+learns them from here, told of every entry that comes or goes by ``on_change``.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-from serve_app.cache.prefix import common_prefix
-
-MAX_TRIM_CANDIDATES = 64  # a trim lookup compares at most this many children of a parent
 
 
 @dataclass
@@ -37,21 +26,7 @@ class HotEntry:
     handle: Any
     model: str = ""
     pins: int = 0
-    token_ids: tuple[int, ...] = ()  # its own tokens (empty: unknown, so never a trim candidate)
-
-
-@dataclass(frozen=True)
-class ChildMatch:
-    """A stored child of a block whose first ``common`` tokens match a query."""
-
-    block_id: str
-    stored: int  # tokens the child holds
-    common: int  # its leading tokens equal to the query's
-
-    @property
-    def whole(self) -> bool:
-        """The child matches entirely: restoring it needs no cut."""
-        return self.common == self.stored
+    token_ids: tuple[int, ...] = ()  # its own tokens (empty: unknown, so never cut)
 
 
 @dataclass
@@ -80,7 +55,6 @@ class HotStore:
         self._lease_ids = itertools.count(1)
         self._evicted: OrderedDict[str, None] = OrderedDict()
         self._remember_evicted = remember_evicted
-        self._children: dict[str, dict[str, tuple[int, ...]]] = {}  # parent -> child -> tokens
         # Told the id of every block that enters or leaves (the block directory's feed).
         self.on_change: Callable[[str], None] = lambda block_id: None
 
@@ -98,9 +72,9 @@ class HotStore:
             self._entries.move_to_end(entry.block_id)
             if entry.token_ids and not old.token_ids:  # e.g. promoted first, captured now
                 old.token_ids = entry.token_ids
-                self._adopt(old)
+                self.on_change(old.block_id)
             if entry.has_checkpoint and not old.has_checkpoint and old.pins == 0:
-                entry.token_ids = entry.token_ids or old.token_ids  # stays a trim candidate
+                entry.token_ids = entry.token_ids or old.token_ids
                 self._evict(old, count=False)  # a fresh checkpoint replaces a dropped one
             else:
                 return True
@@ -109,7 +83,6 @@ class HotStore:
             return False
         self._entries[entry.block_id] = entry
         self.on_change(entry.block_id)
-        self._adopt(entry)
         self._evicted.pop(entry.block_id, None)
         self.bytes += entry.nbytes
         self.stats.puts += 1
@@ -119,27 +92,6 @@ class HotStore:
 
     def entry(self, block_id: str) -> HotEntry | None:
         return self._entries.get(block_id)
-
-    def children(self, parent_id: str) -> dict[str, tuple[int, ...]]:
-        """The indexed children of ``parent_id`` (block id -> its token ids)."""
-        return dict(self._children.get(parent_id, {}))
-
-    def best_child(self, parent_id: str, tokens: Sequence[int]) -> ChildMatch | None:
-        """The child of ``parent_id`` whose tokens share the longest common prefix with
-        ``tokens`` (at least one token); on a tie one that matches whole (no cut needed).
-
-        A scan of that parent's newest ``MAX_TRIM_CANDIDATES`` children, each compared
-        up to its first differing token: no hashing, and a bounded time under the store's
-        lock even below a system prompt shared by thousands of sessions.
-        """
-        best: ChildMatch | None = None
-        newest = reversed(self._children.get(parent_id, {}).items())
-        for child, own in itertools.islice(newest, MAX_TRIM_CANDIDATES):
-            common = common_prefix(own, tokens)
-            match = ChildMatch(child, len(own), common)
-            if common and (best is None or (common, match.whole) > (best.common, best.whole)):
-                best = match
-        return best
 
     def touch(self, block_id: str) -> None:
         if block_id in self._entries:
@@ -214,24 +166,12 @@ class HotStore:
             self._evict(entry)
         return True
 
-    def _adopt(self, entry: HotEntry) -> None:
-        if entry.token_ids:
-            self._children.setdefault(entry.parent_id, {})[entry.block_id] = entry.token_ids
-
-    def _disown(self, entry: HotEntry) -> None:
-        siblings = self._children.get(entry.parent_id)
-        if siblings is not None:
-            siblings.pop(entry.block_id, None)
-            if not siblings:
-                del self._children[entry.parent_id]
-
     def ids(self) -> list[str]:
         return list(self._entries)
 
     def _evict(self, entry: HotEntry, count: bool = True) -> None:
         del self._entries[entry.block_id]
         self.on_change(entry.block_id)
-        self._disown(entry)
         self.bytes -= entry.nbytes
         m = self._model_stats(entry.model)
         m["blocks"] -= 1

@@ -37,8 +37,9 @@ from serve_app.cache.divergence import (
     position_bucket,
 )
 from serve_app.cache.hashing import block_id, chain, model_identity, root_id, salted_root
+from serve_app.cache.match import Tier
 from serve_app.cache.payload import BlockPayload, CapturedBlock, RestorePlan
-from serve_app.cache.tiers import DiskInfo, TailQuery
+from serve_app.cache.tiers import DiskInfo
 from serve_app.embedded import default_home
 from serve_app.profile import ModelProfile
 
@@ -133,7 +134,8 @@ def miss_reason(found: FetchedChain, restored: int, block_size: int) -> Miss:
     if found.present > restored:
         return Miss("no_checkpoint",
                     f"no valid recurrent checkpoint after token {restored * block_size}")
-    where = found.present * block_size + (found.trim.common if found.trim else 0)
+    cut = found.partial is not None and found.partial.cut
+    where = found.present * block_size + (found.partial.tokens if cut and found.partial else 0)
     if found.first_missing_evicted:
         return Miss("evicted", f"evicted at token {where}")
     if found.present == 0:
@@ -531,7 +533,7 @@ class CacheManager:
         tic = time.perf_counter()
         req = FetchRequest(self.settings.model, ids[:restorable], self.layout, bs, self._expect,
                            exact=self.settings.codec == codecs.EXACT,
-                           tails=TailQuery(root, prompt[:-1], bs))
+                           root=root, tokens=tuple(prompt[:-1]))
         found = await self._fetch(client, req)
         try:
             found = await self._extend_from_remote(client, req, found)
@@ -574,7 +576,7 @@ class CacheManager:
         directory says one holds more and fetching is cheaper than prefilling them."""
         offer = client.remote_prefix(req.block_ids, usable=self.remote.usable)
         bs = self.settings.block_size
-        full = len(found.block_tokens) - bool(found.tail_tokens)  # local full blocks
+        full = found.full_blocks  # local full blocks
         if offer is None or offer.blocks * bs <= sum(found.block_tokens):
             return found
         stats = self.stats
@@ -605,8 +607,8 @@ class CacheManager:
             local[-1] = local[-1].without_state()
         n = full + len(chain.payloads)
         return replace(found, present=max(found.present, n), payloads=local + chain.payloads,
-                       tiers=found.tiers[:full] + ["remote"] * len(chain.payloads),
-                       block_tokens=[bs] * n, tail_tokens=0, trim=None)
+                       tiers=found.tiers[:full] + [Tier.REMOTE] * len(chain.payloads),
+                       block_tokens=[bs] * n, partial=None)
 
     def _count(self, found: FetchedChain, prompt_len: int, restorable: int) -> RestorePlan | None:
         """Count a fetch in the stats; the restore it allows, if any."""
@@ -625,16 +627,16 @@ class CacheManager:
         stats.hit_tokens += hit
         stats.missed_tokens += prompt_len - hit
         if hit < restorable * bs:
-            stats.miss(miss_reason(found, len(counts) - bool(found.tail_tokens), bs))
+            stats.miss(miss_reason(found, found.full_blocks, bs))
         if not counts:
             return None
         if self.layout.hybrid:
             loads = stats.checkpoint_loads_by_tier
             loads[found.tiers[-1]] = loads.get(found.tiers[-1], 0) + 1
-        if found.trim is not None:
+        if found.partial is not None and found.partial.cut:
             stats.trim_hits += 1
-            stats.trim_hit_tokens += found.trim.common
-        return RestorePlan(counts, found.payloads, found.trim.stored if found.trim else 0)
+            stats.trim_hit_tokens += found.partial.tokens
+        return RestorePlan(counts, found.payloads, found.partial)
 
     def restore_failed(self, planned: int) -> None:
         """The engine could not build a planned restore: those tokens were missed."""

@@ -14,10 +14,15 @@ named tensors of a safetensors file and back.
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from serve_app.cache.match import Partial
 
 # MLX dtype name -> the numpy dtype that carries its bits.
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
@@ -157,27 +162,32 @@ class CapturedBlock:
 class RestorePlan:
     """What a request starts from: the KV of its first blocks, the last one's checkpoint.
 
-    Every block holds ``block_size`` tokens but the last, which may be a tail
-    (a partial block captured where a conversation branches). For an
-    attention-only model the last may also be a stored block or tail that
-    shares only its first tokens with the prompt: it holds ``trimmed_from``
-    tokens and only its first ``block_tokens[-1]`` are restored.
+    Every block holds ``block_size`` tokens but the last, which may be
+    ``partial``: a tail (a partial block captured where a conversation branches)
+    or, for an attention-only model, a stored block or tail that shares only its
+    first tokens with the prompt: it holds ``partial.stored`` tokens and only its
+    first ``block_tokens[-1]`` are restored.
     """
 
     block_tokens: list[int]
     blocks: list[BlockPayload]
-    trimmed_from: int = 0  # tokens the last block holds when it is cut (0: not cut)
+    partial: Partial | None = None
 
     @property
     def tokens(self) -> int:
         return sum(self.block_tokens)
 
     @property
+    def cut_from(self) -> int:
+        """Tokens the last block holds when it is cut; 0 when it is not."""
+        return self.partial.stored if self.partial is not None and self.partial.cut else 0
+
+    @property
     def stored_tokens(self) -> list[int]:
         """Tokens each block holds as stored (what its payload is checked against)."""
-        if not self.trimmed_from or not self.block_tokens:
+        if not self.cut_from or not self.block_tokens:
             return list(self.block_tokens)
-        return [*self.block_tokens[:-1], self.trimmed_from]
+        return [*self.block_tokens[:-1], self.cut_from]
 
     @property
     def nbytes(self) -> int:
@@ -185,6 +195,26 @@ class RestorePlan:
 
 
 # ---- safetensors naming: the file format, in one place ---------------------------------
+
+MAX_TOKEN_IDS = 1 << 16  # more than any block size: a longer ``token_ids`` is no block's
+
+
+def encode_token_ids(token_ids: Sequence[int]) -> str:
+    """A block's own tokens for its file's metadata (little-endian uint32, base64), so a
+    restart knows them without promoting the block: the prefix tree can cut it."""
+    return base64.b64encode(struct.pack(f"<{len(token_ids)}I", *token_ids)).decode()
+
+
+def decode_token_ids(text: str) -> tuple[int, ...]:
+    """The tokens ``encode_token_ids`` wrote; () for none or anything malformed."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        return ()
+    if len(raw) % 4 or len(raw) > 4 * MAX_TOKEN_IDS:
+        return ()
+    return struct.unpack(f"<{len(raw) // 4}I", raw)
+
 
 def kv_tensors(payload: BlockPayload) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The KV arrays as named tensors (``k{layer}``, ``v{layer}``) and their dtypes."""

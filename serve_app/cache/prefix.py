@@ -9,13 +9,21 @@ Renderer = Callable[[list[dict[str, str]]], list[int]]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading tokens ``a`` and ``b`` share, compared in C where they agree:
+    equal runs are checked with one slice comparison, a difference found by halving."""
+    if type(a) is not type(b):  # a list slice never equals a tuple slice
+        a, b = tuple(a), tuple(b)
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def find_branch_points(messages: list[dict[str, str]], prompt: list[int],

@@ -105,7 +105,7 @@ class SSDStats:
     foreign_files: int = 0
 
 
-def token_of(entry: DiskEntry) -> str | None:
+def digest_of(entry: DiskEntry) -> str | None:
     """What names one written file: its checksum (unique per write, see ``write``)."""
     return entry.meta.get("sha256")
 
@@ -662,7 +662,7 @@ class SSDStore:
         """
         with self._lock:
             indexed = self._indexed_as(entry.kind, entry.layout, entry.block_id)
-            if indexed is not None and token_of(indexed) != token_of(entry):
+            if indexed is not None and digest_of(indexed) != digest_of(entry):
                 return False
             if indexed is not None:
                 self._unindex(indexed)
@@ -675,11 +675,11 @@ class SSDStore:
             self._unlink(entry.path)
             return True
 
-    def remove_file(self, kind: str, layout: str, block_id: str, token: str | None) -> bool:
-        """Remove the indexed file of a key if it is the one ``token`` names (None: any)."""
+    def remove_file(self, kind: str, layout: str, block_id: str, digest: str | None) -> bool:
+        """Remove the indexed file of a key if it is the one ``digest`` names (None: any)."""
         with self._lock:
             entry = self._indexed_as(kind, layout, block_id)
-            if entry is None or (token is not None and token_of(entry) != token):
+            if entry is None or (digest is not None and digest_of(entry) != digest):
                 return False
             return self.remove(entry)
 

@@ -23,16 +23,24 @@ from serve_app.cache import codecs
 from serve_app.cache.directory import BlockEvent
 from serve_app.cache.hashing import block_id
 from serve_app.cache.hot import HotEntry, HotStore
-from serve_app.cache.payload import BlockPayload, state_tensors, to_tensors
-from serve_app.cache.ssd import DiskEntry, SSDStore, WriteResult, token_of
+from serve_app.cache.match import Drop, Match, MatchQuery, Partial, Source, StateAt, Tier
+from serve_app.cache.payload import (
+    BlockPayload,
+    decode_token_ids,
+    encode_token_ids,
+    state_tensors,
+    to_tensors,
+)
+from serve_app.cache.ssd import DiskEntry, SSDStore, WriteResult, digest_of
 from serve_app.cache.stats import StagingStats, StoreStats, Usage
+from serve_app.cache.tree import PrefixTree, Walk
 
 logger = logging.getLogger(__name__)
 
 BACKPRESSURE_WAIT_S = 0.5
-GONE = "gone"  # the token of a file evicted before a lookup could capture it: matches no file
+GONE = "gone"  # the digest of a file evicted before a lookup could capture it: matches none
 LEASE_TTL_S = 120.0  # a restore copies its blocks in well under this
-MIN_TRIM_TOKENS = 1  # the fewest tokens worth cutting a stored block to
+MIN_CUT_TOKENS = 1  # the fewest tokens worth cutting a stored block to
 
 
 @dataclass(frozen=True)
@@ -50,50 +58,6 @@ class DiskInfo:
 class PendingWrite:
     entry: HotEntry
     disk: DiskInfo
-
-
-@dataclass(frozen=True)
-class TailQuery:
-    """What a lookup needs to find tails: the chain's root and the restorable tokens."""
-
-    root: str
-    tokens: list[int]  # the prompt without its last token (always computed)
-    block_size: int
-
-
-@dataclass
-class Source:
-    """Where one block of a restore comes from."""
-
-    tier: str  # "hot", "pending" or "ssd"
-    handle: Any = None  # hot/pending: the store's handle; ssd: the block file path
-    checkpoint: str | None = None  # ssd: sidecar path, "embedded", or None
-    token: str | None = None  # ssd: the block file's sha256 when looked up (see drop)
-    checkpoint_token: str | None = None  # ssd: the sidecar file's sha256 when looked up
-
-
-@dataclass(frozen=True)
-class Trim:
-    """A lookup's last payload is cut: a stored block or tail that shares only its
-    first ``common`` tokens with the rest of the prompt (attention-only models)."""
-
-    block_id: str
-    stored: int  # tokens the payload holds
-    common: int  # of those, the tokens restored
-
-
-@dataclass(frozen=True)
-class PartialHit:
-    """A position inside the block after the last full block restored."""
-
-    block_id: str
-    tokens: int  # tokens restored from it
-    source: Source
-    stored: int = 0  # tokens it holds when more than ``tokens`` (a trim); 0: all restored
-
-    @property
-    def trim(self) -> Trim | None:
-        return Trim(self.block_id, self.stored, self.tokens) if self.stored else None
 
 
 class TieredStore:
@@ -119,7 +83,9 @@ class TieredStore:
         self.decode_failures = 0
         # Blocks that entered or left a tier since the directory was last told.
         self._changed: set[str] = set()
+        self._tree_changed: set[str] = set()  # the same, for the prefix tree
         self._changed_lock = threading.Lock()  # a leaf: taken under the tier locks
+        self.tree = PrefixTree()
         self.hot.on_change = self._mark_changed
         if ssd is not None:
             ssd.on_block_change = self._mark_changed
@@ -194,6 +160,7 @@ class TieredStore:
                 self._pending.pop(block_id, None)
                 self.staging.pending_bytes -= item.entry.nbytes
                 self._cv.notify_all()
+            self._mark_changed(block_id)  # the tree forgets it if no tier kept it
 
     def _write(self, ssd: SSDStore, item: PendingWrite) -> None:
         entry, disk = item.entry, item.disk
@@ -203,7 +170,8 @@ class TieredStore:
             tensors, dtypes = to_tensors(payload, with_state=embedded)
             meta = {"model": disk.model, "layout": disk.layout,
                     "block_size": str(disk.block_size), "tokens": str(payload.tokens),
-                    "parent_id": entry.parent_id, "dtypes": dtypes}
+                    "parent_id": entry.parent_id, "dtypes": dtypes,
+                    "token_ids": encode_token_ids(entry.token_ids)}
             if embedded:
                 meta["checkpoint"] = "embedded"
             result = WriteResult.DONE
@@ -228,6 +196,7 @@ class TieredStore:
     def _mark_changed(self, bid: str) -> None:
         with self._changed_lock:
             self._changed.add(bid)
+            self._tree_changed.add(bid)
 
     def directory_events(self, full: bool = False) -> list[BlockEvent]:
         """Each block that changed since the last call, with the best tier holding it now
@@ -242,86 +211,65 @@ class TieredStore:
 
     def _best_tier(self, bid: str) -> str | None:
         if bid in self.hot:
-            return "hot"
+            return Tier.HOT
         if self.ssd is not None and self.ssd.has_block(bid):
-            return "ssd"
+            return Tier.SSD
         return None
 
     # ---- lookups ------------------------------------------------------------------------
 
-    def lookup(self, block_ids: list[str], need_checkpoint: bool, layout: str = "",
-               exact: bool = True, tails: TailQuery | None = None) -> dict:
-        """The restorable chain across tiers, pinned under one lease.
+    def match(self, q: MatchQuery) -> Match:
+        """The deepest position ``q`` can restore from, across tiers, pinned under one lease.
 
-        ``exact``: a checkpoint in a lossy-codec sidecar does not count.
-        ``tails``: also look for a tail (a partial block captured where a
-        conversation branches) past the last usable full block and, without
-        ``need_checkpoint`` (attention-only models), a stored block or tail to
-        cut to the tokens it shares with the prompt (``trim`` in the result).
+        One pass: the leading full blocks by id, then from the deepest down, the
+        partial position under each (the prefix tree's walk: a tail, or a cut for
+        an attention-only model) and the block's own end, until one is restorable
+        (a hybrid model needs its recurrent checkpoint there; each full block given
+        up is a walkback).
         """
         if self.ssd is not None:
             self.ssd.ready.wait(timeout=2.0)  # a restart's index rebuild, briefly
         # SSD files as this lookup saw them, captured once: the writer thread may
         # evict any of them meanwhile, and a file gone by the time the replica
-        # reads it is a clean miss there (its token then matches nothing).
+        # reads it is a clean miss there (its digest then matches nothing).
         seen: dict[str, DiskEntry] = {}
         with self._lock:
             self._expire_leases()
+            self._sync_tree()
             sources: list[Source] = []
-            for bid in block_ids:
-                source = self._source(bid, layout, seen)
+            for bid in q.block_ids:
+                source = self._source(bid, seen)
                 if source is None:
                     break
                 sources.append(source)
             present = len(sources)
-            restore, tail = self._restore_point(block_ids, sources, need_checkpoint, layout,
-                                                exact, tails, seen)
-            sources = sources[:restore]
-            ids = block_ids[:restore]
-            if tail is not None:  # a partial block past the last full one
-                ids.append(tail.block_id)
-                sources.append(tail.source)
-            sidecar = None
-            # (without an SSD tier, a restore point always carries its checkpoint inline)
-            if (need_checkpoint and sources and self.ssd is not None
-                    and not self._inline_checkpoint(ids[-1], sources[-1])):
-                disk = self._disk_checkpoint(ids[-1], layout, exact)
-                if disk == "embedded":  # the state is in the block file: read that file
-                    sources[-1] = self._block_file(self.ssd, ids[-1], seen)
-                elif disk is not None:
-                    sidecar = self.ssd.sidecar_entry(layout, ids[-1])
-                    sources[-1].checkpoint_token = token_of(sidecar) if sidecar else GONE
-                sources[-1].checkpoint = disk
-            hot_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == "hot"]
-            ssd_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == "ssd"]
-            lease = None
-            if ids:
-                lease = next(self._lease_ids)
-                self._leases[lease] = (self.hot.pin(hot_ids), ssd_ids, time.monotonic())
-                if ssd_ids and self.ssd is not None:
-                    self.ssd.pin(ssd_ids)
-            for bid in block_ids[:present]:
+            restore, partial = self._restore_point(q, sources, seen)
+            ids, sources = list(q.block_ids[:restore]), sources[:restore]
+            if partial is not None:
+                ids.append(partial[0])
+                sources.append(partial[1])
+            sidecar = self._locate_state(q, ids, sources, seen) if q.need_state else None
+            ssd_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == Tier.SSD]
+            lease = self._lease(ids, sources, ssd_ids)
+            for bid in ids[:restore] + list(q.block_ids[restore:present]):
                 self.hot.touch(bid)
-            if tail is not None:  # a restored tail or cut child is as recently used
-                self.hot.touch(tail.block_id)
+            if partial is not None:  # a restored tail or cut child is as recently used
+                self.hot.touch(partial[0])
             touched = [seen.get(bid) for bid in ssd_ids] + [sidecar]
-            evicted = present < len(block_ids) and self.hot.was_evicted(block_ids[present])
+            evicted = present < len(q.block_ids) and self.hot.was_evicted(q.block_ids[present])
+            cut = partial[2] if partial is not None else None
             self.hot.stats.lookups += 1
             self.hot.stats.hit_blocks += restore
             self.hot.stats.walkbacks += present - restore
-            self.hot.stats.trim_hits += tail is not None and tail.trim is not None
+            self.hot.stats.trim_hits += cut is not None and cut.cut
         if self.ssd is not None:
             for disk_entry in touched:
                 self.ssd.touch(disk_entry)  # file mtimes: outside the lock
-        return {"present": present, "walkbacks": present - restore, "lease": lease,
-                "sources": sources, "first_missing_evicted": evicted, "ids": ids,
-                "tail_tokens": tail.tokens if tail is not None else 0,
-                "trim": tail.trim if tail is not None else None}
+        return Match(ids, sources, cut, present, present - restore, evicted, lease)
 
-    def _restore_point(self, block_ids: list[str], sources: list[Source], need_checkpoint: bool,
-                       layout: str, exact: bool, tails: TailQuery | None,
-                       seen: dict[str, DiskEntry]) -> tuple[int, PartialHit | None]:
-        """(full blocks, partial hit or None) of the deepest position a request can start from.
+    def _restore_point(self, q: MatchQuery, sources: list[Source], seen: dict[str, DiskEntry]
+                       ) -> tuple[int, tuple[str, Source, Partial] | None]:
+        """(full blocks, partial block or None) of the deepest position to start from.
 
         Positions in order, deepest first: the deepest partial position under
         the last present block, that block's own end, the same under the block
@@ -329,58 +277,122 @@ class TieredStore:
         (a tail carries its own; a tail needs none at its parent's end).
         """
         for i in range(len(sources), -1, -1):
-            if tails is not None:
-                partial = self._partial(tails, block_ids, i, need_checkpoint, layout, exact,
-                                        seen)
+            if q.tokens:
+                partial = self._partial(q, i, seen)
                 if partial is not None:
                     return i, partial
-            if i and (not need_checkpoint or self._has_checkpoint(
-                    block_ids[i - 1], sources[i - 1], layout, exact)):
+            if i and (not q.need_state or self._has_state(q.block_ids[i - 1], sources[i - 1],
+                                                          q)):
                 return i, None
         return 0, None
 
-    def _partial(self, q: TailQuery, block_ids: list[str], i: int, need_checkpoint: bool,
-                 layout: str, exact: bool, seen: dict[str, DiskEntry]) -> PartialHit | None:
-        """The deepest partial position under full block ``i``: the longest tail whose
-        tokens are a prefix of the rest, or, for a model without recurrent state, a
-        stored child cut deeper than that."""
-        tail = self._longest_tail(q, block_ids, i, need_checkpoint, layout, exact, seen)
-        if need_checkpoint:  # a recurrent state exists only at a child's end: no cut
+    def _partial(self, q: MatchQuery, i: int, seen: dict[str, DiskEntry]
+                 ) -> tuple[str, Source, Partial] | None:
+        """The deepest partial position under full block ``i``, from one walk of the
+        tree: the longest stored tail that begins the rest of the prompt (with its
+        checkpoint, for a hybrid model) or, for an attention-only model, a stored
+        child sharing more leading tokens than that, to be cut to them."""
+        start = i * q.block_size
+        parent = q.block_ids[i - 1] if i else q.root
+        walk = self.tree.walk(parent, q.tokens[start : start + q.block_size])
+        tail = None
+        for tokens, tid in reversed(walk.prefixes):
+            if tokens >= q.block_size:  # the next full block itself: not partial
+                continue
+            source = self._source(tid, seen)
+            if source is not None and (not q.need_state or self._has_state(tid, source, q)):
+                tail = (tid, source, Partial(tokens, tokens))
+                break
+        if q.need_state:  # a recurrent state exists only at a child's end: no cut
             return tail
-        trim = self._trim(q, block_ids, i)
-        if trim is not None and trim.tokens > (tail.tokens if tail is not None else 0):
-            return trim
+        cut = self._cut(walk, seen)
+        if cut is not None and cut[2].tokens > (tail[2].tokens if tail is not None else 0):
+            return cut
         return tail
 
-    def _longest_tail(self, q: TailQuery, block_ids: list[str], i: int, need_checkpoint: bool,
-                      layout: str, exact: bool, seen: dict[str, DiskEntry]) -> PartialHit | None:
-        """The longest stored tail under full block ``i`` (in any tier)."""
-        start = i * q.block_size
-        parent = block_ids[i - 1] if i else q.root
-        for k in range(min(q.block_size - 1, len(q.tokens) - start), 0, -1):
-            tid = block_id(parent, q.tokens[start : start + k])
-            source = self._source(tid, layout, seen)
-            if source is None:
-                continue
-            if need_checkpoint and not self._has_checkpoint(tid, source, layout, exact):
-                continue
-            return PartialHit(tid, k, source)
+    def _cut(self, walk: Walk, seen: dict[str, DiskEntry]) -> tuple[str, Source, Partial] | None:
+        """The child sharing the walk's most tokens, to be cut to them (None: it matches
+        whole, which is a tail, or it shares too few)."""
+        if walk.sharing is None or walk.common < MIN_CUT_TOKENS:
+            return None
+        own = self.tree.nodes[walk.sharing].token_ids
+        if walk.common >= len(own):
+            return None
+        source = self._source(walk.sharing, seen)
+        if source is None:
+            return None
+        source.token_ids = own
+        return walk.sharing, source, Partial(walk.common, len(own))
+
+    def _locate_state(self, q: MatchQuery, ids: list[str], sources: list[Source],
+                      seen: dict[str, DiskEntry]) -> DiskEntry | None:
+        """Say where the last block's checkpoint is read from; the sidecar it uses, if any.
+        (Without an SSD tier, a restore point always carries its checkpoint inline.)"""
+        if not sources:
+            return None
+        last = sources[-1]
+        if self._inline_state(ids[-1], last):
+            last.state = StateAt.INLINE
+            return None
+        if self.ssd is None:
+            return None
+        sidecar = self._disk_sidecar(ids[-1], q)
+        if sidecar is not None:
+            last.state, last.sidecar = StateAt.SIDECAR, str(sidecar.path)
+            last.sidecar_digest = digest_of(sidecar)
+            return sidecar
+        if self._embedded_state(ids[-1]):  # the state is in the block file: read that file
+            sources[-1] = self._block_file(self.ssd, ids[-1], seen)
+            sources[-1].state = StateAt.EMBEDDED
         return None
 
-    def _trim(self, q: TailQuery, block_ids: list[str], i: int) -> PartialHit | None:
-        """The hot child of full block ``i - 1`` (a block or a tail) sharing the most
-        tokens with the rest of the prompt, to be cut to them; None if none shares
-        at least ``MIN_TRIM_TOKENS`` or it matches whole (a plain hit)."""
-        start = i * q.block_size
-        parent = block_ids[i - 1] if i else q.root
-        match = self.hot.best_child(parent, q.tokens[start : start + q.block_size])
-        if match is None or match.whole or match.common < MIN_TRIM_TOKENS:
+    def _lease(self, ids: list[str], sources: list[Source], ssd_ids: list[str]) -> int | None:
+        """Pin what a restore will read until it is released (or the lease expires)."""
+        if not ids:
             return None
-        entry = self.hot.entry(match.block_id)  # present: found under this same lock
-        if entry is None:
+        hot_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == Tier.HOT]
+        lease = next(self._lease_ids)
+        self._leases[lease] = (self.hot.pin(hot_ids), ssd_ids, time.monotonic())
+        if ssd_ids and self.ssd is not None:
+            self.ssd.pin(ssd_ids)
+        return lease
+
+    def _sync_tree(self) -> None:
+        """Bring the prefix tree up to date with the blocks that entered or left a tier
+        (under the store lock, at the start of a lookup: the only reader)."""
+        with self._changed_lock:
+            changed, self._tree_changed = self._tree_changed, set()
+        for bid in changed:
+            if bid in self.tree:
+                if self._held(bid):
+                    continue
+                self.tree.remove(bid)
+                continue
+            known = self._tokens_of(bid)
+            if known is not None:
+                self.tree.insert(bid, *known)
+
+    def _held(self, bid: str) -> bool:
+        return bid in self.hot or bid in self._pending or (
+            self.ssd is not None and self.ssd.has_block(bid))
+
+    def _tokens_of(self, bid: str) -> tuple[str, tuple[int, ...]] | None:
+        """(parent id, own tokens) of a held block, if known: a hot or staged entry's, or
+        those its SSD file records (checked against its id: a file that lies is no
+        candidate, and its contents are checksummed when read anyway)."""
+        entry = self.hot.entry(bid)
+        if entry is None and bid in self._pending:
+            entry = self._pending[bid].entry
+        if entry is not None and entry.token_ids:
+            return entry.parent_id, entry.token_ids
+        disk = self.ssd.block_entry(bid) if self.ssd is not None else None
+        if disk is None:
             return None
-        return PartialHit(match.block_id, match.common, Source("hot", entry.handle),
-                          match.stored)
+        tokens = decode_token_ids(disk.meta.get("token_ids", ""))
+        parent = disk.meta.get("parent_id", "")
+        if not tokens or block_id(parent, list(tokens)) != bid:
+            return None
+        return parent, tokens
 
     def _expire_leases(self) -> None:
         """Leases of clients that vanished mid-restore must not pin blocks for ever."""
@@ -389,19 +401,19 @@ class TieredStore:
             if now - taken > LEASE_TTL_S:
                 self._release_locked(lease)
 
-    def _source(self, bid: str, layout: str, seen: dict[str, DiskEntry]) -> Source | None:
+    def _source(self, bid: str, seen: dict[str, DiskEntry]) -> Source | None:
         """Where block ``bid`` is now; an SSD entry is recorded in ``seen``."""
         entry = self.hot.entry(bid)
         if entry is not None:
-            return Source("hot", entry.handle)
+            return Source(Tier.HOT, entry.handle)
         pending = self._pending.get(bid)
         if pending is not None:
-            return Source("pending", pending.entry.handle)
+            return Source(Tier.PENDING, pending.entry.handle)
         if self.ssd is not None:
             disk = self.ssd.block_entry(bid)
             if disk is not None:
                 seen[bid] = disk
-                return Source("ssd", str(disk.path), token=token_of(disk))
+                return Source(Tier.SSD, str(disk.path), file_digest=digest_of(disk))
         return None
 
     def _block_file(self, ssd: SSDStore, bid: str, seen: dict[str, DiskEntry]) -> Source:
@@ -409,40 +421,38 @@ class TieredStore:
         now; if it is gone already, its path (reading it is a clean miss)."""
         disk = seen.get(bid) or ssd.block_entry(bid)
         if disk is None:
-            return Source("ssd", str(ssd.block_path(bid)), token=GONE)
+            return Source(Tier.SSD, str(ssd.block_path(bid)), file_digest=GONE)
         seen[bid] = disk
-        return Source("ssd", str(disk.path), token=token_of(disk))
+        return Source(Tier.SSD, str(disk.path), file_digest=digest_of(disk))
 
-    def _has_checkpoint(self, bid: str, source: Source, layout: str,
-                        exact: bool = True) -> bool:
-        return self._inline_checkpoint(bid, source) or (
-            self.ssd is not None and self._disk_checkpoint(bid, layout, exact) is not None)
+    def _has_state(self, bid: str, source: Source, q: MatchQuery) -> bool:
+        return self._inline_state(bid, source) or (
+            self.ssd is not None and (self._disk_sidecar(bid, q) is not None
+                                      or self._embedded_state(bid)))
 
-    def _inline_checkpoint(self, bid: str, source: Source) -> bool:
+    def _inline_state(self, bid: str, source: Source) -> bool:
         """Whether the block's own payload (hot or pending) carries its checkpoint.
 
         Hot and pending payloads are always exact: a block promoted from a lossy
         sidecar is promoted without its state.
         """
-        if source.tier == "hot":  # present: the source was found under this same lock
+        if source.tier == Tier.HOT:  # present: the source was found under this same lock
             entry = self.hot.entry(bid)
             return entry is not None and entry.has_checkpoint
-        if source.tier == "pending":
+        if source.tier == Tier.PENDING:
             return self._pending[bid].entry.has_checkpoint
         return False
 
-    def _disk_checkpoint(self, bid: str, layout: str, exact: bool = True) -> str | None:
-        """The sidecar's path, "embedded", or None; a lossy sidecar is None when ``exact``."""
-        ssd = self.ssd
-        if ssd is None:
-            return None
-        sidecar = ssd.sidecar_entry(layout, bid)
-        if sidecar is not None and (_exact(sidecar) or not exact):
-            return str(sidecar.path)
-        block = ssd.block_entry(bid)
-        if block is not None and block.meta.get("checkpoint") == "embedded":
-            return "embedded"
+    def _disk_sidecar(self, bid: str, q: MatchQuery) -> DiskEntry | None:
+        """The block's sidecar for this layout; a lossy one is none when ``q.exact``."""
+        sidecar = self.ssd.sidecar_entry(q.layout, bid) if self.ssd is not None else None
+        if sidecar is not None and (_exact(sidecar) or not q.exact):
+            return sidecar
         return None
+
+    def _embedded_state(self, bid: str) -> bool:
+        block = self.ssd.block_entry(bid) if self.ssd is not None else None
+        return block is not None and block.meta.get("checkpoint") == "embedded"
 
     def release(self, lease: int | None) -> None:
         with self._lock:
@@ -456,24 +466,25 @@ class TieredStore:
         if ssd_ids and self.ssd is not None:
             self.ssd.unpin(ssd_ids)
 
-    def drop(self, kind: str, layout: str, block_id: str, token: str | None = None) -> None:
-        """A file a reader could not use: remove it (and count a sidecar decode failure).
+    def drop(self, why: Drop, layout: str, block_id: str, digest: str | None = None) -> None:
+        """A block a reader could not use: forget it (and count a sidecar decode failure).
 
-        ``token`` is the file's checksum as the reader's lookup saw it
-        (``Source.token`` / ``checkpoint_token``): only that file goes, never one
+        ``digest`` is the file's checksum as the reader's lookup saw it
+        (``Source.file_digest`` / ``sidecar_digest``): only that file goes, never one
         written since under the same name. None removes whatever is indexed.
         """
-        if kind in ("checkpoint", "lost"):
+        if why in (Drop.CHECKPOINT, Drop.LOST):
             with self._lock:
-                if kind == "checkpoint":
+                if why == Drop.CHECKPOINT:
                     self.hot.drop_checkpoint(block_id)
                 else:
                     self.hot.remove(block_id)
             return
         if self.ssd is None:
             return
-        self.ssd.remove_file("block" if kind == "block" else "sidecar", layout, block_id, token)
-        if kind == "sidecar":
+        self.ssd.remove_file("block" if why == Drop.BLOCK else "sidecar", layout, block_id,
+                             digest)
+        if why == Drop.SIDECAR:
             with self._lock:
                 self.decode_failures += 1
 
