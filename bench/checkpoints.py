@@ -21,10 +21,10 @@ import mlx_lm
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
-from serve_app.events import Delta, Finish
-from serve_app.openai_api import CompletionRequest
 from serve_app.profile import ModelProfile
-from serve_app.service import ModelService
+from serve_app.serving.events import Delta, Finish
+from serve_app.serving.request import CompletionRequest
+from serve_app.serving.service import ModelService
 
 
 async def _ttft(service: ModelService, prompt: list[int]) -> float:

@@ -133,7 +133,7 @@ def engine_round(engine, tokenizer, n: int, tokens: int) -> tuple[float, list[di
     One request's tokens/s counts from its first token to its last, like the
     HTTP measure; several count from submission to the last token of any.
     """
-    from serve_app.sampling import SamplingParams
+    from serve_app.serving.sampling import SamplingParams
 
     done = [threading.Event() for _ in range(n)]
     events: list[list] = [[] for _ in range(n)]
@@ -165,7 +165,7 @@ def engine_round(engine, tokenizer, n: int, tokens: int) -> tuple[float, list[di
 @contextlib.contextmanager
 def running_engine(model, tokenizer, plan: Plan) -> Iterator:
     """Our ``Engine`` with the default profile's batching settings, ready and warmed up."""
-    from serve_app.engine import Engine
+    from serve_app.serving.engine import Engine
 
     defaults = ModelProfile.model_fields
     engine = Engine(model, stop_tokens=set(tokenizer.eos_token_ids),

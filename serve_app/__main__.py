@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "local-cluster":
-        from serve_app.cluster import run_local_cluster
+        from serve_app.cluster.local import run_local_cluster
 
         return run_local_cluster(args.nodes, args.ssd_root)
     if args.command == "metrics-table":

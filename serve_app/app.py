@@ -2,7 +2,7 @@
 
 ``serve run configs/qwen.yaml`` imports ``build_app`` and passes it the
 application ``args`` (the profile). Everything here is thin: the API logic is
-in ``serve_app.http`` and ``serve_app.service``.
+in ``serve_app.api.http`` and ``serve_app.serving.service``.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app import auth
+from serve_app.api import auth
+from serve_app.api.http import OpenAIIngress, api
 from serve_app.compat import TOKENIZER_FILES, download_model, serve_replica_env
-from serve_app.events import Event
-from serve_app.http import OpenAIIngress, api
 from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition, zero_at_start
-from serve_app.openai_api import ApiError, Caller, OpenAIRequest
 from serve_app.profile import (
     CacheStoreProfile,
     ModelProfile,
@@ -38,9 +36,11 @@ from serve_app.profile import (
     parse_profile,
 )
 from serve_app.replicas import Gathered, ReplicaReport, model_view
+from serve_app.serving.events import Event
+from serve_app.serving.request import ApiError, Caller, OpenAIRequest
 
 if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
-    from serve_app.prepare import PreparedRequest, Preparer
+    from serve_app.serving.prepare import PreparedRequest, Preparer
 
 logger = logging.getLogger("ray.serve")
 
@@ -96,7 +96,7 @@ class ModelReplica:
                  cache_store: CacheStoreProfile) -> None:
         from serve_app.cache.actor import DirectoryFollower, RayCacheClient, get_or_create_actor
         from serve_app.cache.client import CircuitBreaker
-        from serve_app.service import ModelService, load_model
+        from serve_app.serving.service import ModelService, load_model
 
         self.profile = profile  # validated by the builder, pickled to this replica as is
         home = Path(model_home).expanduser() if model_home else None
@@ -146,7 +146,7 @@ class ModelReplica:
                        caller: Caller) -> AsyncIterator[list[Event]]:
         """Event batches for one request, which the ingress has already validated (and,
         where replicas are routed on prefixes, prepared: the router needed its tokens)."""
-        from serve_app.prepare import PreparedRequest
+        from serve_app.serving.prepare import PreparedRequest
 
         try:
             self._admit()  # before any templating: a full model costs nothing more
@@ -176,7 +176,7 @@ class ModelReplica:
 
     def record_routing_stats(self) -> dict:
         """What the prefix-affinity router needs of this replica (polled by Serve)."""
-        from serve_app.routing import ReplicaInfo
+        from serve_app.cluster.routing import ReplicaInfo
 
         cache, engine = self.service.cache, self.service.engine.stats
         if not cache.enabled:
@@ -231,8 +231,8 @@ def load_preparer(profile: ModelProfile, model_home: str | None) -> Preparer:
     """A model's request preparer with its tokenizer only (no weights)."""
     from mlx_lm.utils import load_tokenizer
 
-    from serve_app.prepare import Preparer
-    from serve_app.service import resolve_source
+    from serve_app.serving.prepare import Preparer
+    from serve_app.serving.service import resolve_source
 
     home = Path(model_home).expanduser() if model_home else None
     # Only the tokenizer's files: the ingress's node needs no weights for it.
@@ -271,7 +271,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         if m.prefix_routing:
             # (Ray annotates this __init__'s **kwargs as dicts, each of them)
             options["request_router_config"] = RequestRouterConfig(
-                request_router_class="serve_app.routing:PrefixAffinityRouter",  # type: ignore[arg-type]
+                request_router_class="serve_app.cluster.routing:PrefixAffinityRouter",  # type: ignore[arg-type]
                 request_router_kwargs={"model": m.name,
                                        "load_cost_tokens": m.routing.load_cost_tokens},
                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, fi
 from pydantic_core import ErrorDetails
 
 from serve_app.embedded import EMBEDDED_MODELS, EMBEDDED_PREFIX
-from serve_app.normalize import RULE_NAMES
+from serve_app.serving.normalize import RULE_NAMES
 from serve_app.validation import clean_loc
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -130,7 +130,7 @@ class ModelProfile(_Strict):
     # a body of many tiny messages must not cost templating time.
     max_messages: PositiveInt = 4096
     cache: CacheProfile = CacheProfile()
-    # Prompt normalization rules (``serve_app/normalize.py``) applied before templating:
+    # Prompt normalization rules (``serve_app/serving/normalize.py``) applied before templating:
     # client quirks that would defeat the prefix cache. Default: all; [] turns them off.
     normalize: list[str] = Field(default_factory=lambda: list(RULE_NAMES))
 
@@ -173,7 +173,7 @@ class ModelProfile(_Strict):
 class IngressProfile(_Strict):
     num_cpus: Annotated[float, Field(ge=0.0)] = 0.0
     num_replicas: PositiveInt = 1
-    # A file of API keys, one a line (with SERVE_APP_API_KEYS, see serve_app/auth.py):
+    # A file of API keys, one a line (with SERVE_APP_API_KEYS, see serve_app/api/auth.py):
     # refused unless owned by the server's user and mode 0600 (no group or other bits).
     api_keys_file: str | None = None
     # With API keys on, each key gets its own prefix-cache namespace unless this is
@@ -191,7 +191,7 @@ class IngressProfile(_Strict):
     @classmethod
     def _check_key_file(cls, value: str | None) -> str | None:
         if value is not None:
-            from serve_app.auth import keys_from_file
+            from serve_app.api.auth import keys_from_file
 
             # Serve's builder runs in a Ray worker, whose working directory is not yours.
             if not Path(value).expanduser().is_absolute():

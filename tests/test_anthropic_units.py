@@ -18,7 +18,7 @@ from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from anthropic.types.shared import ErrorResponse
 from pydantic import TypeAdapter
 
-from serve_app.anthropic_api import (
+from serve_app.api.anthropic_api import (
     ChatInput,
     MessageStream,
     ToolCall,
@@ -34,8 +34,8 @@ from serve_app.anthropic_api import (
     to_chat_input,
     usage,
 )
-from serve_app.events import Delta, Event, Finish, Start
-from serve_app.openai_api import ApiError
+from serve_app.serving.events import Delta, Event, Finish, Start
+from serve_app.serving.request import ApiError
 
 # The SDK's own HTTP module: httpx for older releases, httpx2 for newer ones.
 HTTP = getattr(sdk_base, "httpx2", None) or sdk_base.httpx
@@ -191,7 +191,7 @@ def test_tool_arguments_reach_templates_as_objects():
     assert chat.template_messages()[1]["tool_calls"][0]["function"]["arguments"] == (
         '{"city": "Zürich"}')
     # As the chat request every replica takes, the template gets an object.
-    from serve_app.http import chat_request
+    from serve_app.api.http import chat_request
 
     message = chat_request(chat, "m", False).messages[1].to_template()
     assert message["tool_calls"][0]["function"]["arguments"] == {"city": "Zürich"}
@@ -357,7 +357,7 @@ def test_non_object_body_is_400():
 
 
 def test_check_supported_raises_the_same_400():
-    from serve_app.anthropic_api import MessagesRequest
+    from serve_app.api.anthropic_api import MessagesRequest
 
     parsed = MessagesRequest.model_validate(base_request(messages=user(IMAGE)))
     with pytest.raises(ApiError, match="image content blocks are not supported"):

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from bench.devserver import ServerProcess, free_port, write_config
-from serve_app import auth
+from serve_app.api import auth
 from serve_app.app import build_app, keyed_profile
 from serve_app.profile import ProfileError, parse_profile
 

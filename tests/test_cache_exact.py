@@ -21,10 +21,10 @@ from serve_app.cache.match import Drop
 from serve_app.cache.payload import Tensor
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
-from serve_app.events import Delta, Finish, Start
-from serve_app.openai_api import ChatCompletionRequest, CompletionRequest
 from serve_app.profile import ModelProfile
-from serve_app.service import ModelService
+from serve_app.serving.events import Delta, Finish, Start
+from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
+from serve_app.serving.service import ModelService
 
 BS = 16
 

@@ -18,11 +18,11 @@ from serve_app.cache.hashing import chain, salted_root
 from serve_app.cache.manager import RequestPlan
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
-from serve_app.engine import _Request
-from serve_app.openai_api import CompletionRequest
 from serve_app.profile import ModelProfile
-from serve_app.sampling import SamplingParams
-from serve_app.service import ModelService
+from serve_app.serving.engine import _Request
+from serve_app.serving.request import CompletionRequest
+from serve_app.serving.sampling import SamplingParams
+from serve_app.serving.service import ModelService
 from tests.test_cache_exact import run
 from tests.test_tails import generated
 

@@ -8,8 +8,8 @@ import mlx_lm
 import pytest
 
 from serve_app.embedded import materialize
-from serve_app.engine import Engine, EngineEvent, QueueFullError
-from serve_app.sampling import SamplingParams
+from serve_app.serving.engine import Engine, EngineEvent, QueueFullError
+from serve_app.serving.sampling import SamplingParams
 
 
 class Collector:

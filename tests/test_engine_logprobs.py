@@ -22,9 +22,9 @@ from mlx_lm.generate import generate_step
 from serve_app.cache.manager import RequestPlan
 from serve_app.cache.payload import CapturedBlock, RestorePlan
 from serve_app.embedded import materialize
-from serve_app.engine import Engine, EngineEvent
-from serve_app.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from serve_app.structured import compile_response_format
+from serve_app.serving.engine import Engine, EngineEvent
+from serve_app.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from serve_app.serving.structured import compile_response_format
 
 BS = 16
 TOL = 1e-4

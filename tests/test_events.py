@@ -1,4 +1,4 @@
-"""Typed replica events (``serve_app.events``) and the OpenAI consumer of them, in-process."""
+"""Typed replica events (``serve_app.serving.events``) and their OpenAI consumer, in-process."""
 
 from __future__ import annotations
 
@@ -6,15 +6,10 @@ import pickle
 
 import pytest
 
-from serve_app.events import Delta, Failure, Finish, Start, TokenLogprob, ToolCall
-from serve_app.http import _merge_deltas
-from serve_app.openai_api import (
-    CHAT,
-    COMPLETION,
-    ApiError,
-    CompletionStream,
-    completion_collector,
-)
+from serve_app.api.http import _merge_deltas
+from serve_app.api.openai_api import CHAT, COMPLETION, CompletionStream, completion_collector
+from serve_app.serving.events import Delta, Failure, Finish, Start, TokenLogprob, ToolCall
+from serve_app.serving.request import ApiError
 
 A = TokenLogprob("a", -0.5, (97,), (TokenLogprob("a", -0.5, (97,)), TokenLogprob("b", -1.0, (98,))))
 B = TokenLogprob("bc", -0.25, (98, 99), (TokenLogprob("bc", -0.25, (98, 99)),))

@@ -23,10 +23,10 @@ from serve_app.cache.payload import BlockPayload, RestorePlan, Tensor, from_tens
 from serve_app.cache.ssd import SSDStore, read_file
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import FORMATS, materialize
-from serve_app.openai_api import ChatCompletionRequest, CompletionRequest
 from serve_app.profile import ModelProfile
-from serve_app.sampling import SamplingParams
-from serve_app.service import ModelService
+from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
+from serve_app.serving.sampling import SamplingParams
+from serve_app.serving.service import ModelService
 from tests.test_cache_exact import run
 
 BS = 16
@@ -311,7 +311,7 @@ def test_restore_failure_is_reported_as_a_miss(home, monkeypatch):
     A payload that passed every check can still fail to build (MLX out of
     memory, say): a fault we cannot cause here, so ``build_cache`` is made to fail.
     """
-    import serve_app.engine as engine_module
+    import serve_app.serving.engine as engine_module
 
     server = Server("tiny-dense-q4", home)
     prompt = prompt_of(37, 3)

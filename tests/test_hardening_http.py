@@ -21,16 +21,16 @@ import mlx_lm
 import pytest
 
 from bench.devserver import ServerProcess, descendants, free_port, write_config
+from serve_app.api.http import MAX_JSON_DEPTH, parse_json
 from serve_app.embedded import materialize
-from serve_app.http import MAX_JSON_DEPTH, parse_json
-from serve_app.openai_api import (
+from serve_app.profile import ModelProfile, parse_profile
+from serve_app.serving.request import (
     MESSAGE_OVERHEAD_CHARS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from serve_app.profile import ModelProfile, parse_profile
-from serve_app.service import ModelService
+from serve_app.serving.service import ModelService
 
 MODEL = "tiny-hybrid"
 CONTEXT = 4096
@@ -428,7 +428,7 @@ def test_an_api_error_crosses_ray_intact():
 def test_the_cache_isolating_key_is_read_from_either_apis_header():
     from starlette.requests import Request
 
-    from serve_app.http import caller_of
+    from serve_app.api.http import caller_of
 
     def caller(*headers):
         return caller_of(Request({"type": "http", "headers": [

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-PURE = ["serve_app.prepare", "serve_app.sampling", "serve_app.cache.prefix",
-        "serve_app.structured", "serve_app.openai_api"]
+PURE = ["serve_app.serving.prepare", "serve_app.serving.sampling", "serve_app.cache.prefix",
+        "serve_app.serving.structured", "serve_app.api.openai_api"]
 
 
 @pytest.mark.parametrize("module", PURE)

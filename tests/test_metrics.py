@@ -14,7 +14,6 @@ from dashboards.generate import DASHBOARDS, build, panel_queries, render
 from serve_app.cache.manager import CacheStats
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.tiers import TieredStore
-from serve_app.engine import EngineStats
 from serve_app.metrics import (
     DEFS,
     METRICS,
@@ -29,8 +28,9 @@ from serve_app.metrics import (
     store_samples,
     zero_at_start,
 )
-from serve_app.normalize import RULE_NAMES
-from serve_app.openai_api import CompletionRequest
+from serve_app.serving.engine import EngineStats
+from serve_app.serving.normalize import RULE_NAMES
+from serve_app.serving.request import CompletionRequest
 from tests.test_cache_exact import make_services
 from tests.test_tiers import DISK, entry, wait
 

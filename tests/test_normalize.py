@@ -1,4 +1,4 @@
-"""Prompt normalization (serve_app/normalize.py) through the Preparer, with the embedded
+"""Prompt normalization (serve_app/serving/normalize.py) through the Preparer, with the embedded
 model's real tokenizer and chat template: a matched request renders exactly the tokens of
 the same request without the quirk; a request the rules do not match renders exactly the
 tokens it renders with the rules off."""
@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from serve_app.anthropic_api import parse_messages_request, to_chat_input
+from serve_app.api.anthropic_api import parse_messages_request, to_chat_input
+from serve_app.api.http import chat_request
 from serve_app.embedded import materialize
-from serve_app.http import chat_request
-from serve_app.normalize import RULE_NAMES, RULES, normalize
-from serve_app.openai_api import ChatCompletionRequest
-from serve_app.prepare import Preparer
 from serve_app.profile import ModelProfile, parse_profile
+from serve_app.serving.normalize import RULE_NAMES, RULES, normalize
+from serve_app.serving.prepare import Preparer
+from serve_app.serving.request import ChatCompletionRequest
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.37.a1f; cc_entrypoint=cli; cch={};"
 IDENTITY = "You are Claude Code, Anthropic's official CLI for Claude."

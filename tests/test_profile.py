@@ -125,7 +125,7 @@ def test_stream_interval_stretches_with_running_streams(running, interval_ms):
     """Chunks of all streams together stay within stream_chunks_per_second (80)."""
     from types import SimpleNamespace
 
-    from serve_app.service import ModelService
+    from serve_app.serving.service import ModelService
 
     profile = ModelProfile(name="m", source="embedded:tiny-dense")
     service = SimpleNamespace(profile=profile, engine=SimpleNamespace(

@@ -16,9 +16,9 @@ import pytest
 from serve_app.cache.client import FetchedChain, FetchRequest, LocalCacheClient, RemotePrefix
 from serve_app.cache.manager import RemoteFetchPolicy
 from serve_app.cache.tiers import TieredStore
-from serve_app.openai_api import CompletionRequest
 from serve_app.profile import ModelProfile
-from serve_app.service import ModelService
+from serve_app.serving.request import CompletionRequest
+from serve_app.serving.service import ModelService
 from tests.test_cache_exact import run
 from tests.test_formats import BS, DENSES, HYBRIDS, close_loaded, load, prompt_of
 from tests.test_formats import home as home  # noqa: F401  (the module's model home fixture)

@@ -26,8 +26,10 @@ import pytest
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.cache.hashing import salted_root
+from serve_app.cluster.routing import REASONS, PrefixAffinityRouter, ReplicaInfo
 from serve_app.metrics import Recorder
-from serve_app.openai_api import (
+from serve_app.serving.prepare import PreparedRequest
+from serve_app.serving.request import (
     MAX_CACHE_SALT_CHARS,
     MESSAGE_OVERHEAD_CHARS,
     ApiError,
@@ -35,9 +37,11 @@ from serve_app.openai_api import (
     CompletionRequest,
     check_prompt_size,
 )
-from serve_app.prepare import PreparedRequest
-from serve_app.routing import REASONS, PrefixAffinityRouter, ReplicaInfo
-from serve_app.structured import GRAMMAR_LIMITS, StructuredOutputError, compile_response_format
+from serve_app.serving.structured import (
+    GRAMMAR_LIMITS,
+    StructuredOutputError,
+    compile_response_format,
+)
 
 ROUTED = "limits-routed"
 SLOW = "limits-slow"

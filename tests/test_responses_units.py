@@ -17,9 +17,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from serve_app.events import Delta, Event, Finish, Start, ToolCall
-from serve_app.openai_api import ApiError, ChatCompletionRequest, checked
-from serve_app.responses_api import (
+from serve_app.api.responses_api import (
     ResponseStream,
     accumulate,
     parse_request,
@@ -29,6 +27,8 @@ from serve_app.responses_api import (
     to_chat_request,
     validation_error,
 )
+from serve_app.serving.events import Delta, Event, Finish, Start, ToolCall
+from serve_app.serving.request import ApiError, ChatCompletionRequest, checked
 
 HTTP = getattr(sdk_base, "httpx2", None) or sdk_base.httpx
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)

@@ -9,8 +9,8 @@ import pytest
 
 from serve_app.cache.directory import BlockDirectory, BlockEvent, EventBatch
 from serve_app.cache.hashing import chain, salted_root
+from serve_app.cluster.routing import Candidate, ReplicaInfo, prefill_cost, rank
 from serve_app.profile import ModelProfile
-from serve_app.routing import Candidate, ReplicaInfo, prefill_cost, rank
 
 BS = 16
 

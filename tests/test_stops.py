@@ -1,4 +1,4 @@
-from serve_app.stops import StopStringMatcher
+from serve_app.serving.stops import StopStringMatcher
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:

@@ -203,9 +203,9 @@ def test_a_hot_payload_lost_with_its_owner_is_a_shorter_restore_not_an_error(tmp
     from serve_app.cache.hashing import chain, salted_root
     from serve_app.cache.tiers import TieredStore
     from serve_app.embedded import materialize
-    from serve_app.openai_api import CompletionRequest
     from serve_app.profile import ModelProfile
-    from serve_app.service import ModelService
+    from serve_app.serving.request import CompletionRequest
+    from serve_app.serving.service import ModelService
     from tests.test_cache_exact import run
 
     class LosingClient(LocalCacheClient):

@@ -19,9 +19,9 @@ from mlx_lm.sample_utils import make_sampler
 
 from bench.structured import SCHEMA
 from serve_app.embedded import SPECIAL_TOKENS, materialize
-from serve_app.engine import make_request_sampler
-from serve_app.sampling import SamplingParams
-from serve_app.structured import (
+from serve_app.serving.engine import make_request_sampler
+from serve_app.serving.sampling import SamplingParams
+from serve_app.serving.structured import (
     Grammar,
     StructuredOutputError,
     compile_response_format,

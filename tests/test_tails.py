@@ -18,10 +18,10 @@ from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.prefix import common_prefix
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
-from serve_app.openai_api import ChatCompletionRequest, CompletionRequest
 from serve_app.profile import ModelProfile
-from serve_app.sampling import SamplingParams
-from serve_app.service import EventChannel, ModelService
+from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
+from serve_app.serving.sampling import SamplingParams
+from serve_app.serving.service import EventChannel, ModelService
 from tests.test_cache_exact import run
 
 BS = 16

@@ -16,11 +16,11 @@ import mlx_lm
 import pytest
 
 from serve_app.embedded import materialize
-from serve_app.events import Delta, Event, Finish, ToolCall
-from serve_app.openai_api import ChatCompletionRequest
 from serve_app.profile import ModelProfile
-from serve_app.service import ModelService
-from serve_app.tools import ToolSupport
+from serve_app.serving.events import Delta, Event, Finish, ToolCall
+from serve_app.serving.request import ChatCompletionRequest
+from serve_app.serving.service import ModelService
+from serve_app.serving.tools import ToolSupport
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -127,8 +127,8 @@ def test_a_call_cut_short_is_text_not_a_broken_call(service):
 
 def test_a_model_without_a_tool_format_refuses_tools(service):
     """400 in either API's shape (the Anthropic routes map it), never a silent prompt."""
-    from serve_app.anthropic_api import error_reply
-    from serve_app.openai_api import ApiError
+    from serve_app.api.anthropic_api import error_reply
+    from serve_app.serving.request import ApiError
 
     saved = service.preparer._tool_support
     service.preparer._tool_support = None
@@ -150,7 +150,7 @@ def test_a_model_without_a_tool_format_refuses_tools(service):
 def test_the_last_text_is_parsed_before_the_stream_finishes(service):
     """Text the decoder releases only at the end (held for a stop string, say) still
     comes out in order, and a call it completes is a call."""
-    from serve_app.service import emit_text
+    from serve_app.serving.service import emit_text
 
     calls = service.preparer.tool_support.stream()
     out: list[Event] = []

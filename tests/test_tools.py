@@ -22,8 +22,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from serve_app.embedded import materialize
-from serve_app.structured import StructuredOutputError, compile_tool_choice
-from serve_app.tools import (
+from serve_app.serving.structured import StructuredOutputError, compile_tool_choice
+from serve_app.serving.tools import (
     ToolCall,
     ToolCallStream,
     ToolStreamUpdate,

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
     from serve_app.compat import JsonCompileOptions
-    from serve_app.tools import ToolSupport
+    from serve_app.serving.tools import ToolSupport
 
 logger = logging.getLogger(__name__)
 
@@ -383,7 +383,7 @@ def compile_tool_choice(tools: list[dict] | None, choice: str | dict | None, tok
     Each call's arguments are valid against its tool's ``parameters`` schema, and EOS
     follows the last call. None for ``"auto"``, ``"none"`` and None: nothing is forced.
 
-    ``support`` (``serve_app.tools.tool_support``) gives the markup: mlx-lm's parser for the
+    ``support`` (``serve_app.serving.tools.tool_support``) gives the markup: mlx-lm's parser for the
     model family. Markers are forced as the exact tokens the tokenizer makes of them (one
     special token each on Qwen-style models). Formats: "json_tools" (Qwen3, Hermes-style:
     ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``) and "qwen3_coder"

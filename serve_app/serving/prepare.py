@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass
 
 from serve_app.cache.prefix import common_prefix, find_branch_points
-from serve_app.normalize import Normalized, normalize, rules_named
-from serve_app.openai_api import (
+from serve_app.profile import ModelProfile
+from serve_app.serving.normalize import Normalized, normalize, rules_named
+from serve_app.serving.request import (
     ApiError,
     Caller,
     ChatCompletionRequest,
@@ -21,15 +22,14 @@ from serve_app.openai_api import (
     NamedToolChoice,
     check_prompt_size,
 )
-from serve_app.profile import ModelProfile
-from serve_app.sampling import SamplingParams
-from serve_app.structured import (
+from serve_app.serving.sampling import SamplingParams
+from serve_app.serving.structured import (
     Grammar,
     StructuredOutputError,
     compile_response_format,
     compile_tool_choice,
 )
-from serve_app.tools import canonical_tools, tool_support
+from serve_app.serving.tools import canonical_tools, tool_support
 
 
 @dataclass(frozen=True)

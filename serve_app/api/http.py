@@ -21,32 +21,34 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app import anthropic_api as anthropic
-from serve_app import auth, responses_api
-from serve_app.events import Delta, Event, Failure, Start
-from serve_app.metrics import Recorder
-from serve_app.openai_api import (
+from serve_app.api import anthropic_api as anthropic
+from serve_app.api import auth, responses_api
+from serve_app.api.openai_api import (
     CHAT,
     COMPLETION,
+    Collector,
+    CompletionStream,
+    Wire,
+    completion_collector,
+)
+from serve_app.metrics import Recorder
+from serve_app.serving.events import Delta, Event, Failure, Start
+from serve_app.serving.request import (
     ApiError,
     Caller,
     ChatCompletionRequest,
-    Collector,
     CompletionRequest,
-    CompletionStream,
     OpenAIRequest,
-    Wire,
     check_message_count,
     check_prompt_size,
     checked,
-    completion_collector,
 )
 from serve_app.validation import clean_loc
 
 logger = logging.getLogger("ray.serve")
 
 api = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
-# API keys (serve_app/auth.py): checked before any route runs or any body is read.
+# API keys (serve_app/api/auth.py): checked before any route runs or any body is read.
 api.add_middleware(auth.ApiKeyMiddleware)
 
 # JSON deeper than this is refused before validation: no request needs it, and
@@ -249,7 +251,7 @@ class OpenAIIngress:
     recorder: Recorder = Recorder()
 
     async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller) -> Any:
-        """The model's event batches (lists of ``serve_app.events``) for ``request``
+        """The model's event batches (lists of ``serve_app.serving.events``) for ``request``
         (an async iterator)."""
         raise NotImplementedError
 

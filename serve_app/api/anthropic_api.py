@@ -2,7 +2,7 @@
 
 Pure translation, no model and no Ray: a ``/v1/messages`` body becomes a
 ``ChatInput`` (OpenAI-style chat messages, as a chat template expects them),
-and the replica's typed events (``serve_app.events``: ``Start``, ``Delta``,
+and the replica's typed events (``serve_app.serving.events``: ``Start``, ``Delta``,
 ``ToolCall``, ``Finish``, ``Failure``) become Anthropic's ``message`` object or its
 SSE event sequence. Shapes are checked against the ``anthropic`` SDK in
 ``tests/test_anthropic_units.py``.
@@ -31,9 +31,10 @@ from pydantic import (
     ValidationError,
 )
 
-from serve_app.events import Delta, Event, Failure, Finish, Start
-from serve_app.openai_api import MAX_TOKENS, ApiError, Collector, checked
-from serve_app.tools import ToolCall
+from serve_app.api.openai_api import Collector
+from serve_app.serving.events import Delta, Event, Failure, Finish, Start
+from serve_app.serving.request import MAX_TOKENS, ApiError, checked
+from serve_app.serving.tools import ToolCall
 from serve_app.validation import clean_loc
 
 # Text blocks of one turn (or of the system prompt) are joined with this: the
@@ -620,7 +621,7 @@ class MessageStream:
         self._tool_calls = 0
 
     def feed(self, event: Event) -> list[dict[str, Any]]:
-        """Dispatch one replica event (``serve_app.events``)."""
+        """Dispatch one replica event (``serve_app.serving.events``)."""
         if isinstance(event, ToolCall):
             return self.tool_call(event)
         if isinstance(event, Start):

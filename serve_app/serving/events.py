@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from serve_app.tools import ToolCall
+from serve_app.serving.tools import ToolCall
 
 __all__ = ["Delta", "Event", "Failure", "Finish", "Start", "TokenLogprob", "ToolCall"]
 

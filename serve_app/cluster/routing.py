@@ -27,7 +27,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from serve_app.cache.hashing import chain, salted_root
 from serve_app.cache.match import Tier
 from serve_app.metrics import ROUTING_REASONS, RayRecorder, zero_at_start
-from serve_app.prepare import PreparedRequest
+from serve_app.serving.prepare import PreparedRequest
 
 logger = logging.getLogger("ray.serve")
 

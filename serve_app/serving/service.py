@@ -20,16 +20,16 @@ from serve_app.cache.client import CacheClient
 from serve_app.cache.manager import CacheManager, CacheStats, RequestPlan
 from serve_app.compat import download_model, token_bytes_table
 from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
-from serve_app.engine import Engine, EngineEvent, QueueFullError
-from serve_app.events import Delta, Event, Finish, Start, TokenLogprob, ToolCall
 from serve_app.metrics import PHASES, Recorder, replica_samples
-from serve_app.normalize import RULE_NAMES
-from serve_app.openai_api import ApiError, Caller, ChatCompletionRequest, CompletionRequest
-from serve_app.prepare import PreparedRequest, Preparer
 from serve_app.profile import ModelProfile, source_kind
-from serve_app.sampling import SamplingParams
-from serve_app.stops import StopStringMatcher
-from serve_app.tools import ToolCallStream
+from serve_app.serving.engine import Engine, EngineEvent, QueueFullError
+from serve_app.serving.events import Delta, Event, Finish, Start, TokenLogprob, ToolCall
+from serve_app.serving.normalize import RULE_NAMES
+from serve_app.serving.prepare import PreparedRequest, Preparer
+from serve_app.serving.request import ApiError, Caller, ChatCompletionRequest, CompletionRequest
+from serve_app.serving.sampling import SamplingParams
+from serve_app.serving.stops import StopStringMatcher
+from serve_app.serving.tools import ToolCallStream
 
 RETRY_AFTER_SECONDS = 1
 
@@ -139,7 +139,7 @@ class ModelService:
         """Events for one request, in batches of whatever is ready.
 
         First ``[Start]`` (or ``[Failure]``), then ``Delta`` and ``ToolCall`` events
-        (``serve_app.events``), then one ``Finish`` with usage (or a ``Failure``). Closing
+        (``serve_app.serving.events``), then one ``Finish`` with usage (or a ``Failure``). Closing
         the iterator early cancels the request in the engine, which frees its batch slot
         at once. ``processors``:
         the request's ``constraints``, built off the event loop by the caller (a new

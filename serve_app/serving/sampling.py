@@ -1,6 +1,6 @@
 """Per-request sampling settings as plain data: no MLX, so the ingress can build them.
 
-The engine (``serve_app.engine``) applies them on its thread; ``serve_app.prepare``
+The engine (``serve_app.serving.engine``) applies them on its thread; ``serve_app.serving.prepare``
 builds them from a request's fields wherever it runs.
 """
 

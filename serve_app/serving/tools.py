@@ -14,7 +14,8 @@ This module reuses those instead of its own per-family code:
   is passed through, never a prefix of a marker that may still become one.
 - ``canonical_tools``: the same tools always render to the same prompt tokens.
 
-Forcing a call (``tool_choice``) is grammar work: ``serve_app.structured.compile_tool_choice``.
+Forcing a call (``tool_choice``) is grammar work:
+``serve_app.serving.structured.compile_tool_choice``.
 """
 
 from __future__ import annotations

@@ -171,8 +171,8 @@ def _anthropic_route(path: str) -> bool:
 
 def unauthorized(path: str, present: bool) -> JSONResponse:
     """401 in the shape of the API the path belongs to, with ``WWW-Authenticate``."""
-    from serve_app import anthropic_api
-    from serve_app.openai_api import ApiError
+    from serve_app.api import anthropic_api
+    from serve_app.serving.request import ApiError
 
     message = ("invalid API key" if present else
                "no API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")

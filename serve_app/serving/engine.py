@@ -28,7 +28,7 @@ from serve_app.cache.blocks import build_cache, capture_block
 from serve_app.cache.layout import Layout, probe_layout
 from serve_app.cache.manager import Published, RequestPlan
 from serve_app.compat import batch_row_caches
-from serve_app.sampling import SamplingParams
+from serve_app.serving.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

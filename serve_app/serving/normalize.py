@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.openai_api import ChatMessage
+from serve_app.serving.request import ChatMessage
 
 SYSTEM_ROLES = ("system", "developer")
 

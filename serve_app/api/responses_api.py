@@ -3,7 +3,7 @@
 Pure translation, no model and no Ray, like ``anthropic_api``: a validated
 Responses body becomes the ``ChatCompletionRequest`` every model replica takes
 (so it is templated, cached and decoded exactly as the equivalent chat request),
-and the replica's typed events (``serve_app.events``: ``Start``, ``Delta``,
+and the replica's typed events (``serve_app.serving.events``: ``Start``, ``Delta``,
 ``ToolCall``, ``Finish``, ``Failure``) become the Responses API's SSE event sequence; the
 non-streamed ``response`` object is accumulated from those same events. Shapes
 are checked against the ``openai`` SDK's types in ``tests/test_responses_units.py``.
@@ -47,8 +47,9 @@ from pydantic import (
     ValidationError,
 )
 
-from serve_app.events import Delta, Event, Failure, Finish, Start, ToolCall
-from serve_app.openai_api import MAX_TOKENS, ApiError, ChatCompletionRequest, Collector, checked
+from serve_app.api.openai_api import Collector
+from serve_app.serving.events import Delta, Event, Failure, Finish, Start, ToolCall
+from serve_app.serving.request import MAX_TOKENS, ApiError, ChatCompletionRequest, checked
 from serve_app.validation import clean_loc
 
 # Tool names as the chat API's FunctionDef takes them.
@@ -575,7 +576,7 @@ class ResponseStream:
         return self.response["id"]
 
     def feed(self, event: Event) -> list[dict[str, Any]]:
-        """Dispatch one replica event (``serve_app.events``)."""
+        """Dispatch one replica event (``serve_app.serving.events``)."""
         if isinstance(event, Start):
             return self.start()
         if isinstance(event, Delta):

@@ -1,0 +1,1 @@
+"""Wire formats and HTTP: the OpenAI, Anthropic and Responses APIs, routes, keys."""

@@ -1,0 +1,1 @@
+"""Several replicas and nodes: prefix-aware routing, the local cluster."""

@@ -1,0 +1,1 @@
+"""Serving a model: a request to prompt tokens, the engine, events back."""
