@@ -8,10 +8,14 @@ tokens), and the replica takes the ``PreparedRequest`` as it is.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from serve_app.cache.prefix import common_prefix, find_branch_points
+from serve_app.cache.prefix import branch_points_in_text, common_prefix, find_branch_points
+from serve_app.compat import wrapped_hf_tokenizer
 from serve_app.profile import ModelProfile
 from serve_app.serving.normalize import Normalized, normalize, rules_named
 from serve_app.serving.request import (
@@ -30,6 +34,18 @@ from serve_app.serving.structured import (
     compile_tool_choice,
 )
 from serve_app.serving.tools import canonical_tools, tool_support
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's tokens and, when one rendering gave both, its text and the end offset
+    of each token in that text (where the branch points are found)."""
+
+    tokens: list[int]
+    text: str | None = None
+    token_ends: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +93,12 @@ class Preparer:
         self.find_branches = branch_points  # only worth it where a prefix cache keeps tails
         self._tool_support = _UNKNOWN  # looked up on first use (tool_support)
         self.rules = rules_named(profile.normalize)
+        # A fast tokenizer's call with offsets: the prompt and its branch points from one
+        # rendering (None: the tokenizer cannot, so branch points cost renderings).
+        hf = wrapped_hf_tokenizer(tokenizer) or tokenizer
+        self._offsets: Callable[..., Any] | None = hf if getattr(hf, "is_fast", False) else None
+        self._offsets_checked = False
+        self.renders_saved = 0  # requests whose branch points cost no rendering
 
     def template_input(self, request: ChatCompletionRequest) -> Rendered:
         """The messages and tools as the chat template takes them: built once per request
@@ -87,6 +109,13 @@ class Preparer:
 
     def prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest,
                       rendered: Rendered | None = None) -> list[int]:
+        return self._prompt(request, rendered).tokens
+
+    def _prompt(self, request: ChatCompletionRequest | CompletionRequest,
+                rendered: Rendered | None = None, with_text: bool = False) -> Prompt:
+        """The prompt's tokens; ``with_text``: also its rendered text and each token's end
+        offset in it, where the tokenizer can say (one rendering serves the prompt and
+        its branch points)."""
         if isinstance(request, ChatCompletionRequest):
             rendered = rendered or self.template_input(request)
             messages, tools = rendered.messages, rendered.tools
@@ -94,15 +123,41 @@ class Preparer:
             if continue_final and messages[-1]["role"] != "assistant":
                 raise ApiError(400, "continue_final_message needs a final assistant message",
                                param="messages")
-            try:
-                tokens = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, tokenize=True,
+
+            def render(tokenize: bool) -> Any:
+                return self.tokenizer.apply_chat_template(
+                    messages, tools=tools, tokenize=tokenize,
                     add_generation_prompt=not continue_final,
-                    continue_final_message=continue_final,
-                )
+                    continue_final_message=continue_final)
+
+            try:
+                if with_text and self._offsets is not None:
+                    return self._with_offsets(render)
+                return Prompt(list(render(True)))
             except Exception as exc:  # templates raise on bad role orders etc.
                 raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
-            return list(tokens)
+        return Prompt(self._completion_tokens(request))
+
+    def _with_offsets(self, render: Callable[[bool], Any]) -> Prompt:
+        """One rendering to text, tokenized once with offsets. The first time, the tokens
+        are checked against the template's own tokenization; if they differ, this
+        tokenizer never takes this path again."""
+        text = render(False)
+        assert self._offsets is not None
+        encoded = self._offsets(text, add_special_tokens=False, return_offsets_mapping=True)
+        tokens = list(encoded["input_ids"])
+        if not self._offsets_checked:
+            expected = list(render(True))
+            self._offsets_checked = True
+            if tokens != expected:
+                logger.warning("model %s: the chat template's text tokenizes differently "
+                               "from its own tokenization: branch points cost renderings",
+                               self.profile.name)
+                self._offsets = None
+                return Prompt(expected)
+        return Prompt(tokens, text, [end for _, end in encoded["offset_mapping"]])
+
+    def _completion_tokens(self, request: CompletionRequest) -> list[int]:
         prompt = request.prompt
         if isinstance(prompt, list):
             prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt
@@ -173,7 +228,8 @@ class Preparer:
                           self.profile.max_messages)
         chat = request if isinstance(request, ChatCompletionRequest) else None
         rendered = self.template_input(chat) if chat is not None else None
-        prompt = self.prompt_tokens(request, rendered)
+        found = self._prompt(request, rendered, with_text=self.find_branches)
+        prompt = found.tokens
         if not prompt:
             raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
         limit = self.profile.context_length
@@ -208,16 +264,17 @@ class Preparer:
             parallel_tool_calls=chat is None or chat.parallel_tool_calls is not False)
         self.grammar(prepared)  # a schema or tool choice that does not compile: 400 now
         prepared.normalized = rendered.normalized if rendered else ()
-        prepared.branch_points = self.branch_points(request, prompt, rendered)
+        prepared.branch_points = self.branch_points(request, prompt, rendered, found)
         prepared.prepare_seconds = time.perf_counter() - tic
         return prepared
 
     def branch_points(self, request: ChatCompletionRequest | CompletionRequest,
-                      prompt: list[int],
-                      rendered: Rendered | None = None
-                      ) -> tuple[int, ...]:
+                      prompt: list[int], rendered: Rendered | None = None,
+                      found: Prompt | None = None) -> tuple[int, ...]:
         """Prompt positions where another conversation is likely to branch off this one
-        (see ``find_branch_points``). Only chat requests have them."""
+        (see ``find_branch_points``). Only chat requests have them. From the prompt's own
+        rendered text when ``found`` carries it (``branch_points_in_text``: no rendering
+        more), else by rendering shorter conversations."""
         if not self.find_branches or not isinstance(request, ChatCompletionRequest):
             return ()
         rendered = rendered or self.template_input(request)
@@ -227,7 +284,12 @@ class Preparer:
             return self.tokenizer.apply_chat_template(
                 conversation, tools=tools, add_generation_prompt=False, tokenize=True)
 
-        points = set(find_branch_points(messages, prompt, render))
+        in_text = None
+        if found is not None and found.text is not None and found.token_ends is not None:
+            in_text = branch_points_in_text(messages, found.text, found.token_ends)
+        self.renders_saved += in_text is not None
+        points = set(in_text if in_text is not None
+                     else find_branch_points(messages, prompt, render))
         for n in request._cache_points:  # a client's own hint (cache_control)
             if 0 < n <= len(messages):
                 try:
