@@ -4,7 +4,9 @@ Each bench runs as its own subprocess (``python -m bench.<name> --model M --out
 DIR/<name>-<M>.json``), one after the other so that no two share the CPU; its
 output goes to ``DIR/logs/<name>-<M>.log``. A bench that fails (or runs past
 ``--timeout``) is recorded in ``DIR/runs.json`` with its log tail and the next
-one runs. The machine (platform, CPU, memory, library versions, git commit) goes
+one runs. A bench with ``VARIANTS`` also runs each of them on its first model, into
+``DIR/<name>-<M>-<variant>.json`` (multiturn: 1K-token turns after a 4.6K-token system
+prompt). The machine (platform, CPU, memory, library versions, git commit) goes
 to ``DIR/machine.json``; ``bench/report.py`` turns it all into ``DIR/REPORT.md``.
 
     python -m bench                          # everything, into bench/results/<UTC date>
@@ -29,7 +31,7 @@ from importlib import metadata
 from pathlib import Path
 
 from bench.devserver import descendants
-from bench.report import BENCHES, MACHINE, RUNS, write_report
+from bench.report import BENCHES, MACHINE, MULTITURN_1K_TURNS, RUNS, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_MODELS = "tiny-hybrid,tiny-hybrid-bf16"
@@ -57,6 +59,16 @@ QUICK: dict[str, list[tuple[str, str | None]]] = {
 # the trace replay runs three servers; the store lookup loads no model.
 FIXED_MODELS = {"cluster": "tiny-hybrid", "structured": "tiny-dense", "traces": "tiny-hybrid",
                 "lookup": "store"}
+# A second configuration of a bench, run on the first of the bench's models after its plain
+# runs, into ``<bench>-<model>-<variant>.json``: (variant, its flags, its flags with --quick,
+# which replace the values of the same QUICK options). Issue 21: a replay whose turns are ~1K
+# tokens after a ~4.6K-token system prompt, where each turn's new tokens dominate its TTFT.
+VARIANTS: dict[str, list[tuple[str, list[str], list[str]]]] = {
+    "multiturn": [(MULTITURN_1K_TURNS,
+                   ["--turns", "6", "--system-tokens", "4600", "--user-tokens", "1000",
+                    "--goal", "0.95"],
+                   ["--system-tokens", "1200", "--user-tokens", "250", "--goal", "0.95"])],
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,7 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated benches to run (default all: {','.join(BENCHES)})")
     parser.add_argument("--models", default=CACHE_MODELS,
                         help="models of multiturn, agents, restart and checkpoints "
-                             f"(default {CACHE_MODELS})")
+                             f"(default {CACHE_MODELS}); multiturn's 1K-token-turn "
+                             "replay runs on the first")
     parser.add_argument("--serving-models", default=SERVING_MODELS,
                         help=f"models of the serving bench (default {SERVING_MODELS}; "
                              "e.g. tiny-hybrid,tiny-dense)")
@@ -90,11 +103,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(bench, model) pairs in run order: the bench order of ``BENCHES``."""
+def plan(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(bench, model, variant) in run order: the bench order of ``BENCHES``, each bench's
+    models, then its ``VARIANTS`` on its first model (variant "" is the plain run)."""
     models = {"serving": args.serving_models, **FIXED_MODELS}
-    return [(bench, model) for bench in BENCHES if bench in args.only
-            for model in models.get(bench, args.models).split(",") if model]
+    out = []
+    for bench in BENCHES:
+        if bench not in args.only:
+            continue
+        names = [m for m in models.get(bench, args.models).split(",") if m]
+        out += [(bench, model, "") for model in names]
+        out += [(bench, names[0], variant) for variant, _, _ in VARIANTS.get(bench, [])
+                if names]
+    return out
 
 
 def bench_help(bench: str) -> str:
@@ -109,6 +130,30 @@ def bench_help(bench: str) -> str:
 
 def has_option(help_text: str, option: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", help_text) is not None
+
+
+def merge_flags(flags: list[str], override: list[str]) -> list[str]:
+    """``flags`` with each ``--option VALUE`` pair of ``override`` replacing the same
+    option's value (or appended): one value per option on the command line."""
+    out = list(flags)
+    for option, value in zip(override[::2], override[1::2], strict=True):
+        if option in out and out.index(option) + 1 < len(out):
+            out[out.index(option) + 1] = value
+        else:
+            out += [option, value]
+    return out
+
+
+def variant_flags(bench: str, variant: str, help_text: str, quick: bool) -> list[str]:
+    """A variant's flags (its --quick ones with ``quick``) that the bench accepts."""
+    flags: list[str] = []
+    for name, full, small in VARIANTS.get(bench, []):
+        if name == variant:
+            given = small if quick else full
+            for option, value in zip(given[::2], given[1::2], strict=True):
+                if not help_text or has_option(help_text, option):
+                    flags += [option, value]
+    return flags
 
 
 def quick_flags(bench: str, help_text: str) -> list[str]:
@@ -157,10 +202,12 @@ def display_path(path: Path) -> str:
 
 
 def run_bench(bench: str, model: str, directory: Path, extra: list[str],
-              timeout: float, quick: bool = False) -> dict:
-    """One bench as a subprocess; its record for ``runs.json``."""
-    out = directory / f"{bench}-{model}.json"
-    log = directory / "logs" / f"{bench}-{model}.log"
+              timeout: float, quick: bool = False, variant: str = "") -> dict:
+    """One bench as a subprocess; its record for ``runs.json`` (its ``model`` is the JSON's
+    label: the model, with ``-<variant>`` for a second configuration)."""
+    label = f"{model}-{variant}" if variant else model
+    out = directory / f"{bench}-{label}.json"
+    log = directory / "logs" / f"{bench}-{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)  # a stale result must not pass for this run's
     argv = ["-m", f"bench.{bench}", "--model", model, "--out", str(out), *extra]
@@ -182,8 +229,9 @@ def run_bench(bench: str, model: str, directory: Path, extra: list[str],
             stop_group(proc)
             raise
     seconds = time.monotonic() - tic
-    print(f"[bench] {bench} {model}: {status} in {seconds:.0f} s", flush=True)
-    return {"bench": bench, "model": model, "status": status, "returncode": rc, "quick": quick,
+    print(f"[bench] {bench} {label}: {status} in {seconds:.0f} s", flush=True)
+    return {"bench": bench, "model": label, "status": status, "returncode": rc, "quick": quick,
+            "variant": variant,
             "seconds": seconds, "command": shown, "log": str(log.relative_to(directory)),
             "out": out.name, "log_tail": "" if status == "ok" else log_tail(log)}
 
@@ -254,13 +302,16 @@ def run_all(args: argparse.Namespace) -> bool:
     runs = read_runs(args.out)  # keep earlier records of benches not rerun (--only)
     helps: dict[str, str] = {}
     ok = True
-    for bench, model in plan(args):
+    for bench, model, variant in plan(args):
         extra: list[str] = []
-        if args.quick:
+        if args.quick or variant:
             helps.setdefault(bench, bench_help(bench))
+        if args.quick:
             extra = quick_flags(bench, helps[bench])
-        record = run_bench(bench, model, args.out, extra, args.timeout, args.quick)
-        runs[f"{bench}-{model}"] = record
+        if variant:
+            extra = merge_flags(extra, variant_flags(bench, variant, helps[bench], args.quick))
+        record = run_bench(bench, model, args.out, extra, args.timeout, args.quick, variant)
+        runs[f"{bench}-{record['model']}"] = record
         ok &= record["status"] == "ok"
         write_json(args.out / RUNS, {"runs": runs})
     return ok

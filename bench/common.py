@@ -126,6 +126,28 @@ def stream_chat(base_url: str, body: dict) -> dict:
     }
 
 
+def post_chat(base_url: str, body: dict) -> dict:
+    """POST a non-streamed chat request; its wall time measured here (connect, request,
+    the whole response), text and usage, in the keys ``stream_chat`` uses."""
+    body = {**body, "stream": False}
+    start = time.perf_counter()
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=600)
+    end = time.perf_counter()
+    r.raise_for_status()
+    obj = r.json()
+    choice = (obj.get("choices") or [{}])[0]
+    usage = obj.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "total_s": end - start,
+        "text": (choice.get("message") or {}).get("content") or "",
+        "finish_reason": choice.get("finish_reason"),
+        "tokens": usage.get("completion_tokens"),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "cached_tokens": details.get("cached_tokens"),
+    }
+
+
 def start_ours(tmp: Path, tag: str, model: str, *, cache: dict | None, max_tokens: int,
                context_length: int = 16384, ssd_dir: Path | None = None,
                **profile) -> ServerProcess:

@@ -10,7 +10,12 @@ hot-restore throughput next to a plain memory copy of the same number of
 bytes, and (hybrid models) the bytes of recurrent checkpoints per 1K cached
 tokens on the SSD tier.
 
+``python -m bench`` also runs it with ~1K-token user turns after a ~4.6K-token system
+prompt (``--system-tokens 4600 --user-tokens 1000 --goal 0.95``, issue 21), where each
+turn's new tokens dominate its TTFT and the cache can save little.
+
 Usage: python -m bench.multiturn [--model tiny-hybrid|tiny-hybrid-bf16|...] [--block-size N]
+       [--turns N] [--system-tokens N] [--user-tokens N] [--gen N] [--goal RATIO]
 """
 
 from __future__ import annotations
@@ -107,6 +112,9 @@ def main() -> int:
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--user-tokens", type=int, default=300)
     parser.add_argument("--gen", type=int, default=24)
+    parser.add_argument("--goal", type=float, default=0.8,
+                        help="goal of the TTFT sum over turns 2+, ours / mlx_lm.server, "
+                             "recorded in the JSON (the report judges by its own goals)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -145,7 +153,7 @@ def main() -> int:
                                 "mlx_lm_server": later_ttft(baseline)},
         "ratio_vs_mlx_lm_server": later_ttft(warm) / later_ttft(baseline),
         "ratio_vs_ours_cold": later_ttft(warm) / later_ttft(cold),
-        "goal_vs_mlx_lm_server": 0.8,
+        "goal_vs_mlx_lm_server": args.goal,
         "all_turns_identical_warm_cold": all(w["text"] == c["text"]
                                              for w, c in zip(warm, cold, strict=True)),
         "vs_mlx_lm_server_outputs": compare_outputs(

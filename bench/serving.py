@@ -8,8 +8,15 @@ to it (goals are reported, never asserted):
 - single-stream decode tokens/s, median of several requests after a warm-up
   (goal >= 0.95x); for reference also our ``Engine`` driven in-process (no Ray, no
   HTTP) and in-process ``mlx_lm.stream_generate``;
-- aggregate tokens/s at 1, 2, 4, ... N concurrent streams (goal at N=8: >= 1.1x;
+- aggregate tokens/s at 1, 2, 4, ... N concurrent streams (goal at N=8: >= 1.2x;
   mlx_lm.server runs with ``--decode-concurrency N``, which makes it batch);
+- short requests, the fixed cost of a request where no cache can help (issue 21): every
+  request has a prompt of its own (~80 tokens, distinct from its first characters), and
+  (a) non-streamed requests with ``max_tokens`` 1, wall time per request measured here over
+  HTTP, median and p90 (goal <= 1.1x); (b) streamed requests of 8 tokens, time to the first
+  content chunk, median (goal <= 1.0x); (c) single streams with 64-token answers, tokens/s over the
+  whole request (all tokens / wall time from sending it to the end of the stream), median
+  (goal >= 0.95x);
 - time to first token of a cold ~4K-token prompt, a unique one per request so no
   prefix cache helps (median of 3; goal <= 1.05x); ours runs its default profile, cache
   enabled (the cold prompt misses anyway); the lean run below has the cache disabled;
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import platform
 import shutil
@@ -52,6 +60,7 @@ from bench.common import (
     compare_outputs,
     emit,
     free_port,
+    post_chat,
     ready,
     start_mlx_lm_server,
     start_ours,
@@ -63,7 +72,10 @@ from serve_app.embedded import materialize
 from serve_app.profile import ModelProfile
 
 PROMPT = "Once upon a time, in a land far away, there lived a"
-GOALS = {"single_stream": 0.95, "aggregate": 1.1, "cold_ttft": 1.05}
+GOALS = {"single_stream": 0.95, "aggregate": 1.2, "cold_ttft": 1.05,
+         # issue 21: the fixed cost of a request (short prompts, nothing cached)
+         "short_request": 1.1, "short_ttft": 1.0, "short_single": 0.95}
+SHORT_STREAM_TOKENS = 8  # streamed short requests: enough for a first content chunk
 FILLER = ("The archive keeps letters, ledgers and maps from the old harbour town; "
           "each page is numbered, dated and copied by hand before it is shelved. ")
 
@@ -78,6 +90,15 @@ class Plan:
     rounds: int  # rounds per concurrency level (median)
     cold_tokens: int
     cold_repeats: int
+    short_requests: int  # short requests of each kind (non-streamed, streamed), after warm-up
+    short_answer_tokens: int  # max_tokens of the short single streams
+    short_answer_repeats: int  # short single streams (median)
+
+    @property
+    def max_tokens(self) -> int:
+        """Each server's ``max_tokens`` setting (ours caps requests at it): the longest
+        request of the plan."""
+        return max(self.tokens, self.short_answer_tokens, 16)
 
     @property
     def levels(self) -> list[int]:
@@ -87,14 +108,23 @@ class Plan:
 def make_plan(args: argparse.Namespace) -> Plan:
     if args.quick:
         return Plan(tokens=args.tokens or 32, streams=args.streams, repeats=2, rounds=1,
-                    cold_tokens=1024, cold_repeats=1)
+                    cold_tokens=1024, cold_repeats=1, short_requests=4,
+                    short_answer_tokens=64, short_answer_repeats=2)
     return Plan(tokens=args.tokens or 256, streams=args.streams, repeats=5, rounds=3,
-                cold_tokens=4096, cold_repeats=3)
+                cold_tokens=4096, cold_repeats=3, short_requests=20,
+                short_answer_tokens=64, short_answer_repeats=7)
 
 
 def prompt_text(i: int) -> str:
     """Stream ``i``'s prompt: distinct per stream, the same for both servers."""
     return PROMPT if i == 0 else f"{PROMPT} (story {i})"
+
+
+def short_prompt(kind: str, i: int) -> str:
+    """Short request ``i`` of ``kind``: distinct from its first characters (after the chat
+    template's few), so neither server's prefix cache has any of it; the same prompts go
+    to both servers, so their outputs compare."""
+    return f"Note {kind}-{i}: {PROMPT}"
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:
@@ -103,6 +133,14 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def p90(values: list[float]) -> float | None:
+    """Nearest-rank 90th percentile (the largest value below 10 samples)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 # ---- in-process references: mlx_lm.stream_generate and our Engine (no Ray, no HTTP) ----
@@ -281,6 +319,42 @@ def cold_ttft(base_url: str, model: str, tokenizer, plan: Plan) -> dict:
             "prompt_tokens": runs[0]["prompt_tokens"]}
 
 
+def short_requests(base_url: str, model: str, plan: Plan) -> dict:
+    """Issue 21's short requests, each with a prompt of its own: non-streamed with
+    ``max_tokens`` 1 (wall time), streamed (time to the first content chunk), and single
+    streams of ``short_answer_tokens`` (tokens/s over the whole request)."""
+    def body(text: str, tokens: int) -> dict:
+        return {"model": model, "max_tokens": tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": text}]}
+
+    for i in range(2):  # the first requests of each kind, not measured
+        post_chat(base_url, body(short_prompt("warm", i), 1))
+        stream_chat(base_url, body(short_prompt("warm-stream", i), SHORT_STREAM_TOKENS))
+    plain = [post_chat(base_url, body(short_prompt("a", i), 1))
+             for i in range(plan.short_requests)]
+    streamed = [stream_chat(base_url, body(short_prompt("b", i), SHORT_STREAM_TOKENS))
+                for i in range(plan.short_requests)]
+    answers = [stream_chat(base_url, body(short_prompt("c", i), plan.short_answer_tokens))
+               for i in range(plan.short_answer_repeats)]
+    walls = [r["total_s"] for r in plain]
+    ttfts = [r["ttft"] for r in streamed]
+    tps = [r["tokens"] / r["total_s"] for r in answers if r["total_s"] > 0]
+    return {
+        "nonstreamed": {"median_s": median(walls), "p90_s": p90(walls), "runs": walls,
+                        "prompt_tokens": plain[0]["prompt_tokens"] if plain else None,
+                        "outputs": [{k: r[k] for k in ("text", "tokens")} for r in plain]},
+        "streamed_ttft": {"median_s": median(ttfts), "p90_s": p90(ttfts), "runs": ttfts,
+                          # no content chunk at all: its "TTFT" is the end of the stream
+                          "without_content": sum(not r["text"] for r in streamed),
+                          "outputs": [{k: r[k] for k in ("text", "tokens")}
+                                      for r in streamed]},
+        "answers": {"tps": median(tps), "runs": tps,
+                    "timings": [{k: r[k] for k in ("tokens", "ttft", "decode_s", "total_s")}
+                                for r in answers],
+                    "outputs": [{k: r[k] for k in ("text", "tokens")} for r in answers]},
+    }
+
+
 def warm_up(base_url: str, model: str, plan: Plan) -> None:
     """One full-length stream and one short round at full concurrency, not measured."""
     chat(base_url, model, "Warm up: " + PROMPT, plan.tokens)
@@ -297,10 +371,12 @@ def measure(server: ServerProcess, model: str, tokenizer, plan: Plan,
         time.sleep(1.5)
         sampler.phase = "single"
         single = single_stream(server.base_url, model, plan)
+        sampler.phase = "short"
+        short = short_requests(server.base_url, model, plan)
         sweep = concurrency_sweep(server.base_url, model, plan, sampler)
         sampler.phase = "cold"
         cold = cold_ttft(server.base_url, model, tokenizer, plan)
-    return {"single": single, "sweep": sweep, "cold": cold,
+    return {"single": single, "short": short, "sweep": sweep, "cold": cold,
             "rss": rss_summary(sampler, f"streams{plan.streams}")}
 
 
@@ -324,7 +400,7 @@ def our_profile(plan: Plan) -> dict:
 
 def run_ours(model: str, ref: dict, plan: Plan, tmp: Path) -> dict:
     server = start_ours(tmp, "ours", model, cache=None,
-                        max_tokens=max(plan.tokens, 16), **our_profile(plan))
+                        max_tokens=plan.max_tokens, **our_profile(plan))
     try:
         beside = engine_beside_idle_server(ref["model"], ref["tokenizer"], plan)
         return {**measure(server, model, ref["tokenizer"], plan, [server.proc.pid]),
@@ -334,7 +410,7 @@ def run_ours(model: str, ref: dict, plan: Plan, tmp: Path) -> dict:
 
 
 def run_mlx_lm_server(model_dir: Path, tokenizer, plan: Plan, tmp: Path) -> dict:
-    server = start_mlx_lm_server(tmp, "mlx_lm_server", model_dir, max(plan.tokens, 16),
+    server = start_mlx_lm_server(tmp, "mlx_lm_server", model_dir, plan.max_tokens,
                                  "--decode-concurrency", str(plan.streams))
     try:
         return measure(server, str(model_dir), tokenizer, plan, [server.proc.pid])
@@ -405,7 +481,7 @@ def start_ray_head(tmp: Path, temp_dir: Path) -> tuple[ServerProcess, str]:
 def start_lean_serve(tmp: Path, model: str, plan: Plan, address: str) -> ServerProcess:
     port = free_port()
     config = write_config(tmp / "lean.yaml", port, [{
-        "name": model, "source": f"embedded:{model}", "max_tokens": max(plan.tokens, 16),
+        "name": model, "source": f"embedded:{model}", "max_tokens": plan.max_tokens,
         "cache": {"enabled": False}, **our_profile(plan)}])
     serve_bin = str(Path(sys.executable).with_name("serve"))
     return ready(ServerProcess([serve_bin, "run", "-a", address, str(config)], port,
@@ -484,13 +560,65 @@ def output_checks(ours: dict, theirs: dict, ref: dict, plan: Plan) -> dict:
             ref["engine"]["outputs"], theirs["single"]["outputs"], ["single stream"]),
         f"streams{n}_vs_mlx_lm_server": compare_outputs(
             ours["sweep"][n]["outputs"], theirs["sweep"][n]["outputs"], labels),
+        **{f"short_{kind}_vs_mlx_lm_server": compare_outputs(
+            ours["short"][kind]["outputs"], theirs["short"][kind]["outputs"],
+            [f"{kind} {i}" for i in range(len(ours["short"][kind]["outputs"]))])
+           for kind in ("nonstreamed", "streamed_ttft", "answers")},
         "completion_tokens": {
             "single_stream": {"ours": ours["single"]["tokens"],
                               "mlx_lm_server": theirs["single"]["tokens"]},
             f"streams{n}": {"ours": [r["tokens"] for r in ours["sweep"][n]["outputs"]],
                             "mlx_lm_server": [r["tokens"] for r in theirs["sweep"][n]["outputs"]]},
+            "short_answers": {
+                "ours": [r["tokens"] for r in ours["short"]["answers"]["outputs"]],
+                "mlx_lm_server": [r["tokens"] for r in theirs["short"]["answers"]["outputs"]]},
         },
     }
+
+
+def short_result(ours: dict, theirs: dict, lean: dict | None, plan: Plan) -> dict:
+    """Issue 21's rows: each measure ours and mlx_lm.server's, the ratio and its goal."""
+    o, t = ours["short"], theirs["short"]
+    walls, ttfts, answers = (
+        {"ours": o[k], "mlx_lm_server": t[k]} for k in ("nonstreamed", "streamed_ttft",
+                                                        "answers"))
+    out = {
+        "requests": plan.short_requests,
+        "prompt_tokens": {"ours": o["nonstreamed"]["prompt_tokens"],
+                          "mlx_lm_server": t["nonstreamed"]["prompt_tokens"]},
+        "nonstreamed": {
+            "max_tokens": 1,
+            "ours_median_s": o["nonstreamed"]["median_s"],
+            "mlx_lm_server_median_s": t["nonstreamed"]["median_s"],
+            "ours_p90_s": o["nonstreamed"]["p90_s"],
+            "mlx_lm_server_p90_s": t["nonstreamed"]["p90_s"],
+            "ratio": ratio(o["nonstreamed"]["median_s"], t["nonstreamed"]["median_s"]),
+            "p90_ratio": ratio(o["nonstreamed"]["p90_s"], t["nonstreamed"]["p90_s"]),
+            "goal": GOALS["short_request"],
+            "runs": {k: v["runs"] for k, v in walls.items()}},
+        "streamed_ttft": {
+            "max_tokens": SHORT_STREAM_TOKENS,
+            "ours_median_s": o["streamed_ttft"]["median_s"],
+            "mlx_lm_server_median_s": t["streamed_ttft"]["median_s"],
+            "ours_p90_s": o["streamed_ttft"]["p90_s"],
+            "mlx_lm_server_p90_s": t["streamed_ttft"]["p90_s"],
+            "ratio": ratio(o["streamed_ttft"]["median_s"], t["streamed_ttft"]["median_s"]),
+            "goal": GOALS["short_ttft"],
+            "without_content": {k: v["without_content"] for k, v in ttfts.items()},
+            "runs": {k: v["runs"] for k, v in ttfts.items()}},
+        "single_stream": {
+            "max_tokens": plan.short_answer_tokens,
+            "ours_tps": o["answers"]["tps"], "mlx_lm_server_tps": t["answers"]["tps"],
+            "ratio": ratio(o["answers"]["tps"], t["answers"]["tps"]),
+            "goal": GOALS["short_single"],
+            "runs": {k: v["runs"] for k, v in answers.items()},
+            "timings": {k: v["timings"] for k, v in answers.items()}},
+    }
+    if lean:
+        out["lean"] = {"nonstreamed_median_s": lean["short"]["nonstreamed"]["median_s"],
+                       "streamed_ttft_median_s": lean["short"]["streamed_ttft"]["median_s"],
+                       "single_stream_tps": lean["short"]["answers"]["tps"]}
+    return out
 
 
 def build_result(model: str, host: dict, plan: Plan, ref: dict, ours: dict, theirs: dict,
@@ -544,6 +672,7 @@ def build_result(model: str, host: dict, plan: Plan, ref: dict, ours: dict, thei
             "ours_cache": "enabled (default profile); the unique prompt misses",
             "ours_cache_disabled_s": lean["cold"]["s"] if lean else None,
             "runs": {"ours": ours["cold"]["runs"], "mlx_lm_server": theirs["cold"]["runs"]}},
+        "short_requests": short_result(ours, theirs, lean, plan),
         "rss": rss,
         "outputs": output_checks(ours, theirs, ref, plan),
     }
@@ -569,6 +698,7 @@ def summary(result: dict) -> str:
           f"{fmt(row['mlx_lm_server_tps'], '.0f')} tok/s = {fmt(row['ratio'])}x"
           for row in result["concurrency"]),
         f"aggregate goal at {n} streams: >= {a['goal']}x (got {fmt(a['ratio'])}x)",
+        *short_lines(result["short_requests"]),
         f"cold TTFT ({c['prompt_tokens']} tokens): ours {fmt(c['ours_s'], '.3f')} s / "
         f"mlx_lm.server {fmt(c['mlx_lm_server_s'], '.3f')} s = {fmt(c['ratio'])}x "
         f"(goal <= {c['goal']})",
@@ -578,9 +708,32 @@ def summary(result: dict) -> str:
         + (f", lean {fmt(r['lean']['idle_mib'], '.0f')}/{fmt(r['lean']['peak_mib'], '.0f')}"
            if "lean" in r else ""),
         f"identical outputs: single {o['single_stream_vs_mlx_lm_server']['all_identical']}, "
-        f"{n} streams {agg['identical']}/{agg['requests']}",
+        f"{n} streams {agg['identical']}/{agg['requests']}, short requests "
+        + ", ".join(f"{kind} {o[f'short_{kind}_vs_mlx_lm_server']['identical']}/"
+                    f"{o[f'short_{kind}_vs_mlx_lm_server']['requests']}"
+                    for kind in ("nonstreamed", "streamed_ttft", "answers")),
     ]
     return "\n".join(lines)
+
+
+def ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def short_lines(sr: dict) -> list[str]:
+    p, t, a = sr["nonstreamed"], sr["streamed_ttft"], sr["single_stream"]
+    return [
+        f"short requests ({sr['prompt_tokens']['ours']} prompt tokens, {sr['requests']} each): "
+        f"non-streamed max_tokens 1, median ours {ms(p['ours_median_s'])} / mlx_lm.server "
+        f"{ms(p['mlx_lm_server_median_s'])} = {fmt(p['ratio'])}x (goal <= {p['goal']}); "
+        f"p90 {ms(p['ours_p90_s'])} / {ms(p['mlx_lm_server_p90_s'])}",
+        f"short requests, streamed: first content chunk, median ours {ms(t['ours_median_s'])} "
+        f"/ mlx_lm.server {ms(t['mlx_lm_server_median_s'])} = {fmt(t['ratio'])}x "
+        f"(goal <= {t['goal']})",
+        f"short single stream, {a['max_tokens']}-token answers (tok/s over the whole request): "
+        f"ours {fmt(a['ours_tps'], '.0f')} / mlx_lm.server {fmt(a['mlx_lm_server_tps'], '.0f')}"
+        f" = {fmt(a['ratio'])}x (goal >= {a['goal']})",
+    ]
 
 
 def main() -> int:
