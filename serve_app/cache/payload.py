@@ -147,7 +147,7 @@ class CapturedBlock:
     parent_id: str
     payload: BlockPayload
     lossy: bool = False  # its checkpoint was decoded from a lossy sidecar codec
-    token_ids: tuple[int, ...] = ()  # its own tokens, for the store's children index
+    token_ids: tuple[int, ...] = ()  # its own tokens, for the store's prefix tree
 
     @property
     def has_checkpoint(self) -> bool:

@@ -63,7 +63,7 @@ class Finish:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """An error, as ``openai_api.ApiError`` carries it (``ApiError.to_failure`` /
+    """An error, as ``serving.request.ApiError`` carries it (``ApiError.to_failure`` /
     ``from_failure``)."""
 
     status: int
