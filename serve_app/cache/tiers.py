@@ -251,7 +251,7 @@ class TieredStore:
             sidecar = self._locate_state(q, ids, sources, seen) if q.need_state else None
             ssd_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == Tier.SSD]
             lease = self._lease(ids, sources, ssd_ids)
-            for bid in ids[:restore] + list(q.block_ids[restore:present]):
+            for bid in q.block_ids[:present]:
                 self.hot.touch(bid)
             if partial is not None:  # a restored tail or cut child is as recently used
                 self.hot.touch(partial[0])
