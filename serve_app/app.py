@@ -142,6 +142,12 @@ class ModelReplica:
         self.loop_thread = threading.current_thread().name
         return True
 
+    async def generate_all(self, request: OpenAIRequest | PreparedRequest,
+                           caller: Caller) -> list[list[Event]]:
+        """``generate``'s event batches in one reply, for a request answered in one piece
+        (each streamed batch is a Ray round trip to the ingress)."""
+        return [batch async for batch in self.generate(request, caller)]
+
     async def generate(self, request: OpenAIRequest | PreparedRequest,
                        caller: Caller) -> AsyncIterator[list[Event]]:
         """Event batches for one request, which the ingress has already validated (and,
@@ -347,17 +353,26 @@ class Ingress(OpenAIIngress):
 
     async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller):
         preparer = self.preparers.get(name)
+        streamed = request.stream
         if preparer is None:  # the replica admits, then prepares
-            return self.handles[name].options(stream=True).generate.remote(request, caller)
+            return self._call(name, request, caller, streamed)
         self._admit(name)  # before templating here
         sent = _Sent(self.sent, name)
         try:
-            request = await self.stage.run(preparer.prepare, request, caller)
+            prepared = await self.stage.run(preparer.prepare, request, caller)
         except BaseException:
             sent.done()
             raise
-        return sent.watch(self.handles[name].options(stream=True).generate.remote(request,
-                                                                                  caller))
+        return sent.watch(self._call(name, prepared, caller, streamed))
+
+    def _call(self, name: str, request: OpenAIRequest | PreparedRequest, caller: Caller,
+              streamed: bool) -> Any:
+        """The replica's event batches: streamed as they come, or, for a request answered
+        in one piece, all of them in one reply (one Ray round trip, not one per batch)."""
+        handle = self.handles[name]
+        if streamed:
+            return handle.options(stream=True).generate.remote(request, caller)
+        return _Batches(handle.generate_all.remote(request, caller))
 
     async def count_prompt_tokens(self, name: str, request: OpenAIRequest,
                                   caller: Caller) -> int:
@@ -440,6 +455,28 @@ class Ingress(OpenAIIngress):
 
     async def metrics_text(self) -> str:
         return await gather_node_metrics()
+
+
+class _Batches:
+    """A replica's whole answer (``generate_all``) read like a stream of event batches,
+    so a non-streamed request goes through the same consumers as a streamed one."""
+
+    def __init__(self, response: Any) -> None:
+        self._response = response
+        self._batches: list | None = None
+
+    def __aiter__(self) -> _Batches:
+        return self
+
+    async def __anext__(self) -> list[Event]:
+        if self._batches is None:
+            self._batches = list(await self._response)
+        if not self._batches:
+            raise StopAsyncIteration
+        return self._batches.pop(0)
+
+    def cancel(self) -> None:
+        self._response.cancel()
 
 
 class _Sent:
