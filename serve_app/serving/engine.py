@@ -171,11 +171,6 @@ class Engine:
         self.prefill_batch_size = prefill_batch_size or min(max_batch_size, 8)
         self.stats = EngineStats()
         self._lock = threading.Lock()
-        # Requests whose end was delivered before their last blocks were captured and
-        # published: a lookup waits for them (``wait_captured``), so the next turn of a
-        # conversation finds its previous answer's blocks.
-        self._ending = 0
-        self._captured = threading.Condition(self._lock)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
@@ -241,17 +236,6 @@ class Engine:
         if self._start_error is not None:
             raise RuntimeError(f"engine {self.name!r} failed to start") from self._start_error
         return self._probed_layout
-
-    def wait_captured(self, timeout: float) -> bool:
-        """Wait until every request that ended has published its last blocks (at most
-        ``timeout`` seconds: a slow capture costs a cache hit, never a stuck request)."""
-        with self._captured:
-            return self._captured.wait_for(lambda: self._ending == 0, timeout)
-
-    @property
-    def capturing(self) -> bool:
-        """Some ended request's last blocks are still being captured."""
-        return self._ending > 0
 
     def cancel(self, rid: int) -> None:
         """Stop a request and free its batch slot before the next decode step."""
@@ -447,25 +431,15 @@ class Engine:
                 continue
             req.generated += 1
             req.output.append(r.token)
-            logprob, top = scored.get(r.uid, (None, ()))
-            # The token (and the end) first: cache bookkeeping never holds up an answer.
-            _deliver(req, EngineEvent(token=r.token, logprob=logprob, top_logprobs=top))
-            ended = r.finish_reason is not None
-            if ended:
-                self._finish(req, r.finish_reason, capturing=req.cache is not None)
             if req.cache is not None:
-                # The cache now holds the prompt and every token returned so far (before
-                # the next step changes the batch; a finished row's cache is its own).
-                try:
-                    self._capture(req, len(req.prompt) + req.generated, r.prompt_cache,
-                                  state_valid=True, decoding=True, ended=ended)
-                    if ended:
-                        self._publish_held(req)
-                finally:
-                    if ended:
-                        with self._captured:
-                            self._ending -= 1
-                            self._captured.notify_all()
+                # The cache now holds the prompt and every token returned so far.
+                self._capture(req, len(req.prompt) + req.generated, r.prompt_cache,
+                              state_valid=True, decoding=True,
+                              ended=r.finish_reason is not None)
+            logprob, top = scored.get(r.uid, (None, ()))
+            _deliver(req, EngineEvent(token=r.token, logprob=logprob, top_logprobs=top))
+            if r.finish_reason is not None:
+                self._finish(req, r.finish_reason)
         with self._lock:
             if batch:
                 self.stats.decode_steps += 1
@@ -567,14 +541,12 @@ class Engine:
         if req.cache is not None:
             self._count(req.cache.publish_held())
 
-    def _finish(self, req: _Request, reason: str, capturing: bool = False) -> None:
-        """The request is done: its end delivered. ``capturing``: its last blocks are
-        captured after (in ``_step``), and lookups wait for them meanwhile."""
+    def _finish(self, req: _Request, reason: str) -> None:
         self._requests.pop(req.rid, None)
         if req.uid is not None:
             self._by_uid.pop(req.uid, None)
+        self._publish_held(req)
         with self._lock:
-            self._ending += capturing
             self.stats.finished += 1
             self.stats.in_flight -= 1
         _deliver(req, EngineEvent(finish_reason=reason))

@@ -32,9 +32,6 @@ from serve_app.serving.stops import StopStringMatcher
 from serve_app.serving.tools import ToolCallStream
 
 RETRY_AFTER_SECONDS = 1
-# A lookup waits at most this long for the blocks of answers that ended just before it
-# (the engine delivers an answer first and captures its last blocks right after).
-CAPTURE_WAIT_S = 0.5
 
 
 @dataclass
@@ -160,9 +157,6 @@ class ModelService:
         if refused is not None:
             yield [refused.to_failure()]
             return
-        if self.cache.enabled and self.engine.capturing:  # a previous answer's last blocks
-            await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.wait_captured, CAPTURE_WAIT_S)
         plan = await self.cache.plan(prepared.prompt, salt=prepared.salt,
                                      api_key_digest=prepared.api_key_digest,
                                      branch_points=prepared.branch_points)
