@@ -40,8 +40,7 @@ def find_branch_points(messages: list[dict[str, str]], prompt: list[int],
     rest rendered as it is: Qwen3's template, for one, renders the last assistant turn
     differently from earlier ones.
     """
-    n_system = next((i for i, m in enumerate(messages)
-                     if m["role"] not in ("system", "developer")), len(messages))
+    n_system = system_messages(messages)
     shorter = [messages[:-1] + [{**messages[-1], "content": ""}]] if len(messages) > 1 else []
     if 0 < n_system < len(messages):
         shorter.append(messages[:n_system] + [{"role": "user", "content": ""}])
@@ -81,8 +80,7 @@ def branch_points_in_text(messages: list[dict[str, Any]], text: str,
             return None
         starts.append(at)
         cursor = at + len(content)
-    n_system = next((i for i, m in enumerate(messages)
-                     if m["role"] not in ("system", "developer")), len(messages))
+    n_system = system_messages(messages)
     chars = []
     if len(messages) > 1:
         if starts[-1] is None:
@@ -109,3 +107,9 @@ def _first_text(content: Any) -> str:
             if isinstance(part, str):
                 return part
     return ""
+
+
+def system_messages(messages: list[dict[str, Any]]) -> int:
+    """How many messages lead the conversation as its system prompt (system, developer)."""
+    return next((i for i, m in enumerate(messages)
+                 if m["role"] not in ("system", "developer")), len(messages))

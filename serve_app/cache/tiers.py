@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from serve_app.cache import codecs
 from serve_app.cache.directory import BlockEvent
@@ -58,6 +58,14 @@ class DiskInfo:
 class PendingWrite:
     entry: HotEntry
     disk: DiskInfo
+
+
+class PartialHit(NamedTuple):
+    """A partial last block a lookup found: which block, where it is, how much of it."""
+
+    block_id: str
+    source: Source
+    partial: Partial
 
 
 class TieredStore:
@@ -246,18 +254,18 @@ class TieredStore:
             restore, partial = self._restore_point(q, sources, seen)
             ids, sources = list(q.block_ids[:restore]), sources[:restore]
             if partial is not None:
-                ids.append(partial[0])
-                sources.append(partial[1])
+                ids.append(partial.block_id)
+                sources.append(partial.source)
             sidecar = self._locate_state(q, ids, sources, seen) if q.need_state else None
             ssd_ids = [b for b, s in zip(ids, sources, strict=True) if s.tier == Tier.SSD]
             lease = self._lease(ids, sources, ssd_ids)
             for bid in q.block_ids[:present]:
                 self.hot.touch(bid)
             if partial is not None:  # a restored tail or cut child is as recently used
-                self.hot.touch(partial[0])
+                self.hot.touch(partial.block_id)
             touched = [seen.get(bid) for bid in ssd_ids] + [sidecar]
             evicted = present < len(q.block_ids) and self.hot.was_evicted(q.block_ids[present])
-            cut = partial[2] if partial is not None else None
+            cut = partial.partial if partial is not None else None
             self.hot.stats.lookups += 1
             self.hot.stats.hit_blocks += restore
             self.hot.stats.walkbacks += present - restore
@@ -268,7 +276,7 @@ class TieredStore:
         return Match(ids, sources, cut, present, present - restore, evicted, lease)
 
     def _restore_point(self, q: MatchQuery, sources: list[Source], seen: dict[str, DiskEntry]
-                       ) -> tuple[int, tuple[str, Source, Partial] | None]:
+                       ) -> tuple[int, PartialHit | None]:
         """(full blocks, partial block or None) of the deepest position to start from.
 
         Positions in order, deepest first: the deepest partial position under
@@ -287,7 +295,7 @@ class TieredStore:
         return 0, None
 
     def _partial(self, q: MatchQuery, i: int, seen: dict[str, DiskEntry]
-                 ) -> tuple[str, Source, Partial] | None:
+                 ) -> PartialHit | None:
         """The deepest partial position under full block ``i``, from one walk of the
         tree: the longest stored tail that begins the rest of the prompt (with its
         checkpoint, for a hybrid model) or, for an attention-only model, a stored
@@ -301,16 +309,16 @@ class TieredStore:
                 continue
             source = self._source(tid, seen)
             if source is not None and (not q.need_state or self._has_state(tid, source, q)):
-                tail = (tid, source, Partial(tokens, tokens))
+                tail = PartialHit(tid, source, Partial(tokens, tokens))
                 break
         if q.need_state:  # a recurrent state exists only at a child's end: no cut
             return tail
         cut = self._cut(walk, seen)
-        if cut is not None and cut[2].tokens > (tail[2].tokens if tail is not None else 0):
+        if cut is not None and cut.partial.tokens > (tail.partial.tokens if tail else 0):
             return cut
         return tail
 
-    def _cut(self, walk: Walk, seen: dict[str, DiskEntry]) -> tuple[str, Source, Partial] | None:
+    def _cut(self, walk: Walk, seen: dict[str, DiskEntry]) -> PartialHit | None:
         """The child sharing the walk's most tokens, to be cut to them (None: it matches
         whole, which is a tail, or it shares too few)."""
         if walk.sharing is None or walk.common < MIN_CUT_TOKENS:
@@ -322,7 +330,7 @@ class TieredStore:
         if source is None:
             return None
         source.token_ids = own
-        return walk.sharing, source, Partial(walk.common, len(own))
+        return PartialHit(walk.sharing, source, Partial(walk.common, len(own)))
 
     def _locate_state(self, q: MatchQuery, ids: list[str], sources: list[Source],
                       seen: dict[str, DiskEntry]) -> DiskEntry | None:
