@@ -186,7 +186,13 @@ STAGING_SSD = (
               '[$__rate_interval]))', "{{reason}}"),),
         "Blocks or sidecars dropped instead of stored: a replica could not publish, the hot "
         "tier was full of pinned blocks with no SSD tier, or an SSD write was skipped (free-space "
-        "floor, budget full of pinned files)."),
+        "floor, budget full of pinned files, hourly write budget spent)."),
+    PanelSpec("SSD bytes written per hour (wear)", "bytes", (
+        Query("sum(increase(ray_serve_app_cache_ssd_written_bytes_total[1h]))",
+              "written in the last hour"),
+        Query("sum(ray_serve_app_cache_ssd_write_budget_bytes)", "budget per hour")),
+        "What the SSD tier wrote in the last hour against cache_store.ssd_write_budget_per_hour; "
+        "writes over the budget are dropped (reason ssd_write_budget)."),
     PanelSpec("Staging backpressure", "short", (
         Query("sum(rate(ray_serve_app_cache_staging_backpressure_seconds_total"
               "[$__rate_interval]))", "seconds waited per second"),

@@ -1,5 +1,5 @@
-"""Command line: ``check FILE``, ``materialize NAME``, ``gc [--apply]``, ``metrics-table``,
-``local-cluster``."""
+"""Command line: ``check FILE [--hub]``, ``materialize NAME``, ``gc [--apply]``,
+``metrics-table``, ``sizing-table``, ``local-cluster``."""
 
 from __future__ import annotations
 
@@ -17,12 +17,17 @@ def main(argv: list[str] | None = None) -> int:
         return gc_main(argv[1:])
     parser = argparse.ArgumentParser(prog="serve_app")
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="validate a Serve config file's profiles")
+    check = sub.add_parser("check", help="validate a Serve config file's profiles and print "
+                                         "their memory plans (refused if one cannot fit)")
     check.add_argument("config")
+    check.add_argument("--hub", action="store_true",
+                       help="read the size of hub models missing from the local Hugging Face "
+                            "cache from the hub (config.json and the file listing only)")
     mat = sub.add_parser("materialize", help="build an embedded model and print its path")
     mat.add_argument("name")
     sub.add_parser("gc", help="report (and with --apply clean) an SSD cache directory")
     sub.add_parser("metrics-table", help="print the README's table of metrics")
+    sub.add_parser("sizing-table", help="print the README's table of what fits on a Mac")
     local = sub.add_parser("local-cluster",
                            help="run a Ray cluster of several nodes on this machine (to try "
                                 "configs/qwen-cluster.yaml without several Macs)")
@@ -38,10 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         except ProfileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        for name, profile in apps:
-            models = ", ".join(m.name for m in profile.models)
-            print(f"{args.config}: application {name!r} ok: {models}")
-        return 0
+        return check_memory(args.config, apps, args.hub)
     if args.command == "materialize":
         from serve_app.embedded import materialize
 
@@ -55,12 +57,39 @@ def main(argv: list[str] | None = None) -> int:
         from serve_app.cluster.local import run_local_cluster
 
         return run_local_cluster(args.nodes, args.ssd_root)
+    if args.command == "sizing-table":
+        from serve_app.sizing import sizing_table
+
+        print(sizing_table(), end="")
+        return 0
     if args.command == "metrics-table":
         from serve_app.metrics import markdown_table
 
         print(markdown_table(), end="")
         return 0
     return 2
+
+
+def check_memory(config: str, apps: list, hub: bool) -> int:
+    """Print each application's memory plan; 2 if one cannot fit (each reason on stderr)."""
+    from serve_app.memory import describe, probe_machine
+    from serve_app.planning import plan_profile
+
+    machine = probe_machine()
+    refused = False
+    for name, profile in apps:
+        plan = plan_profile(profile, machine, hub)
+        models = ", ".join(m.name for m in profile.models)
+        verdict = "ok" if plan.fits else "REFUSED (memory)"
+        print(f"{config}: application {name!r} {verdict}: {models}")
+        for line in describe(plan):
+            print(line)
+        for note in plan.notes:
+            print(f"  note: {note}")
+        for problem in plan.problems:
+            print(f"error: {config}: application {name!r}: memory: {problem}", file=sys.stderr)
+        refused = refused or not plan.fits
+    return 2 if refused else 0
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from serve_app.api import auth
 from serve_app.api.http import OpenAIIngress, api
 from serve_app.compat import TOKENIZER_FILES, download_model, serve_replica_env
 from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition, zero_at_start
+from serve_app.planning import with_planned_hot_budget
 from serve_app.profile import (
     CacheStoreProfile,
     ModelProfile,
@@ -268,6 +269,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     except auth.ApiKeyError as exc:
         raise ProfileError(str(exc)) from None
     profile = keyed_profile(profile, bool(digests))
+    profile = with_planned_hot_budget(profile)  # hot_budget: auto -> bytes (memory plan)
     handles: dict[str, Any] = {}
     for m in profile.models:
         threads = m.cpu_threads or os.cpu_count() or 1

@@ -41,7 +41,7 @@ MISS_REASONS = ("new_prefix", "diverged", "evicted", "no_checkpoint", "incompati
                 "restore_failed", "disabled", "store_unavailable")
 WRITE_RESULTS = ("done", "failed", "dropped")
 PHASES = ("prepare", "plan", "queue", "prefill")
-DROP_REASONS = ("publish", "hot_full", "ssd_low_space", "ssd_budget")
+DROP_REASONS = ("publish", "hot_full", "ssd_low_space", "ssd_budget", "ssd_write_budget")
 ROUTING_REASONS = ("prefix", "load_fallback", "no_prefix", "router_error")
 
 Kind = Literal["counter", "gauge", "histogram"]
@@ -194,13 +194,20 @@ METRICS: tuple[MetricDef, ...] = (
     _c("serve_app_cache_staging_inline_writes", "store",
        "Writes done by the producer itself because staging stayed full.", ()),
     _c("serve_app_cache_staging_writes", "store",
-       "SSD writes by result (`dropped`: skipped for the free-space floor or a budget full of "
-       "pinned files; a full staging buffer waits, never drops).", ("result",)),
+       "SSD writes by result (`dropped`: skipped for the free-space floor, a budget full of "
+       "pinned files or the hourly write budget; a full staging buffer waits, never drops).",
+       ("result",)),
     _c("serve_app_cache_dropped_blocks", "store",
        "Blocks or sidecars dropped instead of stored, by reason: `publish` (a replica could not "
        "hand it to the store), `hot_full` (pinned blocks fill the hot tier and no SSD tier), "
-       "`ssd_low_space` (free-space floor), `ssd_budget` (SSD budget full of pinned files).",
+       "`ssd_low_space` (free-space floor), `ssd_budget` (SSD budget full of pinned files), "
+       "`ssd_write_budget` (`cache_store.ssd_write_budget_per_hour` spent: SSD wear).",
        ("reason",)),
+    _c("serve_app_cache_ssd_written_bytes", "store",
+       "Bytes of block and sidecar files written to SSD (what wears the drive).", ()),
+    _g("serve_app_cache_ssd_write_budget_bytes", "store",
+       "Bytes the SSD tier may write in any rolling hour "
+       "(`cache_store.ssd_write_budget_per_hour`).", ()),
 )
 
 DEFS: dict[str, MetricDef] = {d.name: d for d in METRICS}
@@ -430,12 +437,17 @@ def store_samples(stats: StoreStats, names: dict[str, str]) -> list[Sample]:
         out.append(Sample("serve_app_cache_staging_writes", {"result": result}, writes[result]))
     dropped = {"publish": stats.dropped_publish, "hot_full": stats.dropped_hot_full,
                "ssd_low_space": stats.dropped_ssd_low_space,
-               "ssd_budget": stats.dropped_ssd_budget}
+               "ssd_budget": stats.dropped_ssd_budget,
+               "ssd_write_budget": stats.dropped_ssd_write_budget}
     for reason in DROP_REASONS:
         out.append(Sample("serve_app_cache_dropped_blocks", {"reason": reason}, dropped[reason]))
     if stats.ssd_budget_bytes is None:  # no SSD tier
         return out
     out.append(Sample("serve_app_cache_budget_bytes", {"tier": "ssd"}, stats.ssd_budget_bytes))
+    out.append(Sample("serve_app_cache_ssd_written_bytes", {}, stats.ssd_written_bytes))
+    if stats.ssd_write_budget_per_hour is not None:
+        out.append(Sample("serve_app_cache_ssd_write_budget_bytes", {},
+                          stats.ssd_write_budget_per_hour))
     per_name = {name: Usage() for name in set(names.values())}
     for key, u in stats.ssd_by_model.items():
         name = names.get(key, "other")

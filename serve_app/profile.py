@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 from pydantic_core import ErrorDetails
 
 from serve_app.embedded import EMBEDDED_MODELS, EMBEDDED_PREFIX
@@ -32,6 +41,35 @@ class _Strict(BaseModel):
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
+
+_BYTES = TypeAdapter(ByteSize)
+_SIZE = re.compile(r"\s*\d+(\.\d+)?\s*[A-Za-z]*\s*")
+
+
+def _size_or_auto(value: Any) -> Any:
+    """``auto``, an integer of bytes, or a size string (``24GB``, ``512MiB``, ``1MB``)."""
+    if value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str):
+        try:
+            if not _SIZE.fullmatch(value):  # pydantic alone reads "1 TB/h" as 1 TB
+                raise ValueError(value)
+            size = int(_BYTES.validate_python(value))
+        except (ValidationError, ValueError):
+            raise ValueError(f"{value!r} is not a size: write bytes as an integer, a size "
+                             "such as 24GB, 512MiB or 1MB, or auto") from None
+    else:
+        raise ValueError(f"{value!r} is not a size: write bytes as an integer, a size such "
+                         "as 24GB, 512MiB or 1MB, or auto")
+    if size < 1:
+        raise ValueError(f"{value!r}: a size must be at least 1 byte")
+    return size
+
+
+# A byte count or ``auto`` (one error message for a bad value, not one per union member).
+SizeOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_size_or_auto)]
 
 
 class SamplingDefaults(_Strict):
@@ -65,7 +103,9 @@ class CacheProfile(_Strict):
 class CacheStoreProfile(_Strict):
     """The per-node cache-store actor, shared by every model replica on the node."""
 
-    hot_budget: ByteSize = ByteSize(1 << 30)
+    # Bytes, or ``auto``: what the memory plan leaves once the models are loaded, within
+    # 256 MiB-16 GiB (``serve_app/memory.py``).
+    hot_budget: SizeOrAuto = 1 << 30
     ssd: bool = True
     # Default: ~/.cache/serve_app/kv. "{node_id}" in it becomes the Ray node's id:
     # for several Ray nodes on one machine (each needs a directory of its own).
@@ -73,6 +113,10 @@ class CacheStoreProfile(_Strict):
     ssd_cache_max_size: ByteSize | Literal["auto"] = "auto"
     ssd_min_free: ByteSize = ByteSize(1 << 30)
     gdn_ssd_pending_max_size: ByteSize = ByteSize(512 * 1000 * 1000)
+    # Bytes the SSD tier may write in any rolling hour; writes over it are dropped and
+    # counted. ``auto``: 2% of the cache volume's size an hour (``serve_app/cache/wear.py``
+    # says why: about half a typical SSD's rated endurance over five years of 8-hour days).
+    ssd_write_budget_per_hour: SizeOrAuto = "auto"
     # Report this node's blocks to the cluster's block directory: "auto" once the
     # cluster has a second node (a one-node server pays nothing for it).
     directory: Literal["auto", "on", "off"] = "auto"
@@ -103,6 +147,10 @@ class ModelProfile(_Strict):
     name: str
     source: str
     revision: str | None = None
+    # The model pool (issue 22): a pinned model is never unloaded; an unpinned one may be
+    # unloaded after ``idle_unload_s`` seconds without requests (None: only to make room).
+    pinned: bool = False
+    idle_unload_s: Annotated[float, Field(gt=0.0)] | None = None
     context_length: Annotated[int, Field(ge=16)] = 4096
     max_batch_size: Annotated[int, Field(ge=1, le=512)] = 8
     max_queued_requests: Annotated[int, Field(ge=0)] = 64
@@ -200,12 +248,24 @@ class IngressProfile(_Strict):
         return value
 
 
+class MemoryProfile(_Strict):
+    """The node's memory plan (``serve_app/memory.py``): what models, KV and the hot tier
+    may take of unified memory together."""
+
+    # Bytes, or ``auto``: 75% of physical memory, leaving at least 4 GiB to the OS (on
+    # Metal also at most the GPU's recommended working set).
+    budget: SizeOrAuto = "auto"
+    # At most this many models loaded at once (pinned ones included); None: no cap.
+    max_loaded_models: PositiveInt | None = None
+
+
 class Profile(_Strict):
     """The whole of an application's ``args``."""
 
     models: Annotated[list[ModelProfile], Field(min_length=1)]
     ingress: IngressProfile = IngressProfile()
     cache_store: CacheStoreProfile = CacheStoreProfile()
+    memory: MemoryProfile = MemoryProfile()
     model_home: str | None = None
 
     @field_validator("models")
@@ -220,6 +280,22 @@ class Profile(_Strict):
 
     def model(self, name: str) -> ModelProfile | None:
         return next((m for m in self.models if m.name == name), None)
+
+
+def _cross_checks(profile: Profile) -> list[tuple[tuple[Any, ...], str]]:
+    """Contradictions between keys, each with the key it is reported at."""
+    out: list[tuple[tuple[Any, ...], str]] = []
+    for i, m in enumerate(profile.models):
+        if m.pinned and m.idle_unload_s is not None:
+            out.append((("models", i, "idle_unload_s"),
+                        "a pinned model is never unloaded: drop idle_unload_s or pinned"))
+    cap = profile.memory.max_loaded_models
+    pinned = [m.name for m in profile.models if m.pinned]
+    if cap is not None and len(pinned) > cap:
+        out.append((("memory", "max_loaded_models"),
+                    f"{cap} is fewer than the {len(pinned)} pinned models "
+                    f"({', '.join(pinned)}), which always stay loaded"))
+    return out
 
 
 def source_kind(source: str) -> str:
@@ -274,7 +350,7 @@ def parse_profile(args: Any, where: str = "profile", key_prefix: str = "") -> Pr
     if not isinstance(args, dict):
         raise ProfileError(f"{where}: {key_prefix or 'args'}: must be a mapping")
     try:
-        return Profile.model_validate(args)
+        profile = Profile.model_validate(args)
     except ValidationError as exc:
         lines = [
             f"{where}: {_format_loc(key_prefix, tuple(clean_loc(e['loc']))) or 'args'}: "
@@ -282,6 +358,11 @@ def parse_profile(args: Any, where: str = "profile", key_prefix: str = "") -> Pr
             for e in exc.errors()
         ]
         raise ProfileError("\n".join(lines)) from None
+    problems = _cross_checks(profile)
+    if problems:
+        raise ProfileError("\n".join(f"{where}: {_format_loc(key_prefix, loc)}: {msg}"
+                                      for loc, msg in problems))
+    return profile
 
 
 def load_serve_config(path: str | Path) -> list[tuple[str, Profile]]:

@@ -46,6 +46,8 @@ from serve_app.cache.match import Drop, Match, MatchQuery, Tier
 from serve_app.cache.payload import BlockPayload, CapturedBlock
 from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir, untrusted_reason
 from serve_app.cache.tiers import DiskInfo, TieredStore
+from serve_app.cache.wear import auto_write_budget
+from serve_app.memory import hot_budget_bytes
 from serve_app.metrics import MetricsPump, RayRecorder, Sample, store_samples
 from serve_app.profile import CacheStoreProfile
 from serve_app.replicas import ReplicaBoard, ReplicaReport
@@ -97,7 +99,9 @@ def make_ssd(config: CacheStoreProfile) -> tuple[SSDStore | None, str | None]:
     try:
         configured = config.ssd_cache_max_size
         budget = auto_budget(root) if configured == "auto" else int(configured)
-        store = SSDStore(root, budget, int(config.ssd_min_free))
+        wear = config.ssd_write_budget_per_hour
+        per_hour = auto_write_budget(root) if wear == "auto" else int(wear)
+        store = SSDStore(root, budget, int(config.ssd_min_free), per_hour)
         locked = store.lock_directory()
     except OSError as exc:
         reason = f"cannot use cache directory {root}: {exc}; serving without the SSD tier"
@@ -136,7 +140,7 @@ class CacheStore:
     def __init__(self, config: CacheStoreProfile,
                  feed_interval_s: float = FEED_INTERVAL_S) -> None:
         ssd, self.ssd_disabled = make_ssd(config)
-        self.tiers = TieredStore(int(config.hot_budget), ssd,
+        self.tiers = TieredStore(hot_budget_bytes(config.hot_budget), ssd,
                                  int(config.gdn_ssd_pending_max_size), resolve=ray.get)
         self.names: dict[str, str] = {}  # model identity[:16] -> a name it is served under
         self.replicas = ReplicaBoard()  # this node's model replicas' last stats (/v1/stats)

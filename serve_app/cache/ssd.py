@@ -55,6 +55,7 @@ import numpy as np
 from safetensors.numpy import load, save
 
 from serve_app.cache.stats import Usage
+from serve_app.cache.wear import RollingByteBudget
 
 FORMAT_VERSION = "1"
 _HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -66,7 +67,8 @@ class WriteResult(enum.Enum):
     """How a write ended; only ``DONE`` is truthy."""
 
     DONE = "done"
-    SKIPPED = "skipped"  # free-space floor, or the budget full of pinned files (counted)
+    SKIPPED = "skipped"  # free-space floor, the budget full of pinned files, or the hourly
+    # write budget spent (counted)
     FAILED = "failed"  # an I/O error (counted)
 
     def __bool__(self) -> bool:
@@ -97,6 +99,8 @@ class SSDStats:
     writes_failed: int = 0
     writes_skipped_low_space: int = 0
     writes_skipped_budget: int = 0
+    writes_skipped_write_budget: int = 0  # the hourly write budget (SSD wear) was spent
+    bytes_written: int = 0  # bytes of files written (what wears the SSD)
     reads: int = 0
     read_failures: int = 0
     evictions: int = 0
@@ -324,11 +328,16 @@ class _Bytes:
 class SSDStore:
     """Index, budget and file I/O of the SSD tier. Thread-safe."""
 
-    def __init__(self, root: Path, budget_bytes: int, min_free_bytes: int = 0) -> None:
+    def __init__(self, root: Path, budget_bytes: int, min_free_bytes: int = 0,
+                 write_budget_per_hour: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.root = Path(root)
         self.base = self.root / f"v{FORMAT_VERSION}"
         self.budget_bytes = budget_bytes
         self.min_free_bytes = min_free_bytes
+        # Bytes written in any rolling hour (``cache/wear.py``); None: no limit.
+        self.write_budget = (None if write_budget_per_hour is None
+                             else RollingByteBudget(write_budget_per_hour, clock=clock))
         self.stats = SSDStats()
         self.active: set[tuple[str, str]] = set()  # (model identity, layout) being served
         self._blocks: dict[str, DiskEntry] = {}
@@ -506,6 +515,18 @@ class SSDStore:
                 "write_id": secrets.token_hex(8)}  # makes the checksum name this write
         meta["sha256"] = tensor_digest(tensors, meta)
         data = save(tensors, metadata=meta)
+        # The wear budget first: a write it drops must not evict files to make room.
+        if self.write_budget is not None and not self.write_budget.try_take(len(data)):
+            self._count("writes_skipped_write_budget")
+            return WriteResult.SKIPPED
+        result = self._write_checked(kind, block_id, path, data, meta)
+        if result is not WriteResult.DONE and self.write_budget is not None:
+            self.write_budget.give_back(len(data))  # nothing reached the disk for good
+        return result
+
+    def _write_checked(self, kind: str, block_id: str, path: Path, data: bytes,
+                       meta: dict[str, str]) -> WriteResult:
+        """``write`` past the wear budget: the byte budget, the free-space floor, the file."""
         if not self._room_for(len(data)):
             return WriteResult.SKIPPED
         if shutil.disk_usage(self.root).free - len(data) < self.min_free_bytes:
@@ -518,8 +539,8 @@ class SSDStore:
             return WriteResult.FAILED
         try:
             return self._write_in(dfd, path, data, DiskEntry(
-                kind, block_id, path, len(data), meta.get("model", ""), layout, time.time(),
-                meta))
+                kind, block_id, path, len(data), meta.get("model", ""), meta["layout"],
+                time.time(), meta))
         finally:
             os.close(dfd)
 
@@ -547,6 +568,7 @@ class SSDStore:
                 os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 self._index(entry)
                 self.stats.writes_done += 1
+                self.stats.bytes_written += len(data)
         except OSError:
             self._count("writes_failed")
             _unlink_at(dfd, tmp)
@@ -863,6 +885,10 @@ class SSDStore:
                 "sidecars": len(self._sidecars),
                 "orphans": self._orphans,
                 "index_ready": self.ready.is_set(),
+                "write_budget_per_hour": (None if self.write_budget is None
+                                          else self.write_budget.limit_bytes),
+                "written_last_hour": (None if self.write_budget is None
+                                      else self.write_budget.used()),
                 **self.stats.__dict__,
                 "by_model": by_model,
             }

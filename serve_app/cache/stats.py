@@ -30,7 +30,8 @@ class Usage:
 @dataclass
 class StagingStats:
     """The write path's counters. ``writes_dropped`` (SSD writes skipped for the
-    free-space floor or a budget full of pinned files) is read off the SSD store."""
+    free-space floor, a budget full of pinned files or the hourly write budget) is read
+    off the SSD store."""
 
     pending_bytes: int = 0
     peak_pending_bytes: int = 0
@@ -53,11 +54,16 @@ class StoreStats:
     dropped_hot_full: int = 0
     dropped_ssd_low_space: int = 0
     dropped_ssd_budget: int = 0
+    dropped_ssd_write_budget: int = 0  # the hourly SSD write budget (wear) was spent
     dropped_publish: int = 0  # counted by the store actor: replicas report them
     ssd_budget_bytes: int | None = None  # None: no SSD tier (off, or refused)
     ssd_by_model: dict[str, Usage] = field(default_factory=dict)  # by identity[:16]
+    ssd_written_bytes: int = 0  # bytes of files the SSD tier wrote
+    ssd_write_budget_per_hour: int | None = None  # None: no SSD tier, or no limit
 
     @property
     def writes_dropped(self) -> int:
-        """SSD writes skipped (free-space floor, budget full of pinned files)."""
-        return self.dropped_ssd_low_space + self.dropped_ssd_budget
+        """SSD writes skipped (free-space floor, budget full of pinned files, hourly write
+        budget spent)."""
+        return (self.dropped_ssd_low_space + self.dropped_ssd_budget
+                + self.dropped_ssd_write_budget)

@@ -508,9 +508,13 @@ class TieredStore:
         if self.ssd is None:
             return out
         counters = self.ssd.counters()
+        wear = self.ssd.write_budget
         return replace(out, dropped_ssd_low_space=counters.writes_skipped_low_space,
                        dropped_ssd_budget=counters.writes_skipped_budget,
-                       ssd_budget_bytes=self.ssd.budget_bytes, ssd_by_model=self.ssd.usage())
+                       dropped_ssd_write_budget=counters.writes_skipped_write_budget,
+                       ssd_budget_bytes=self.ssd.budget_bytes, ssd_by_model=self.ssd.usage(),
+                       ssd_written_bytes=counters.bytes_written,
+                       ssd_write_budget_per_hour=None if wear is None else wear.limit_bytes)
 
     def snapshot(self) -> dict:
         """Tier stats for ``/v1/stats``: ``stats()`` and more (the hot tier's counters, the
@@ -524,7 +528,8 @@ class TieredStore:
             out["sidecar_decode_failures"] = self.decode_failures
         out["dropped"] = {"hot_full": stats.dropped_hot_full,
                           "ssd_low_space": stats.dropped_ssd_low_space,
-                          "ssd_budget": stats.dropped_ssd_budget}
+                          "ssd_budget": stats.dropped_ssd_budget,
+                          "ssd_write_budget": stats.dropped_ssd_write_budget}
         if self.ssd is not None:
             out["ssd"] = self.ssd.snapshot()
         return out

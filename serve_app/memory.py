@@ -1,0 +1,473 @@
+"""The memory plan of a node: models, their KV, the hot tier and macOS in one pool.
+
+On a Mac the weights, every running sequence's KV cache, the cache store's hot tier
+and the OS share one pool of unified memory, and a plan that does not fit is found out
+by swapping. This module is the arithmetic only: plain dataclasses and pure functions,
+no Ray and no loaded model (``serve_app/model_facts.py`` finds a model's config and
+weight bytes; ``python -m serve_app check`` prints the plan and refuses one that cannot
+fit).
+
+A model's planned footprint = its weights (bytes on disk: dtype and quantization are
+in them) + KV for ``max_batch_size`` sequences of ``context_length`` tokens at its
+cache dtype (mlx-lm's buffers grow in steps of 256 tokens) + the fixed recurrent state
+of each sequence on hybrid models + its share of the hot tier.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the profile imports MLX-free modules only; keep this one so too
+    from serve_app.cache.layout import Layout
+    from serve_app.profile import ModelProfile, Profile
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+# memory.budget: auto. MLX on Metal wires what it uses; macOS, the window server, the
+# browser and Ray's own processes need the rest. 75% is also what Metal recommends as
+# the GPU's working set on most Apple Silicon Macs, and 4 GiB is what a 16 GB Mac needs
+# to stay responsive.
+AUTO_SHARE = 0.75
+OS_RESERVE_BYTES = 4 * GiB
+BUDGET_FLOOR_BYTES = 1 * GiB  # a tiny machine or container still gets something
+
+# cache_store.hot_budget: auto takes what the loaded models leave, within these bounds:
+# below 256 MiB the hot tier holds too few blocks of a real model to be worth a lookup;
+# above 16 GiB, restores from the SSD tier are fast enough that more RAM buys little.
+HOT_AUTO_MIN_BYTES = 256 * MiB
+HOT_AUTO_MAX_BYTES = 16 * GiB
+
+KV_STEP_TOKENS = 256  # mlx-lm's KVCache (and BatchKVCache) allocate in steps of 256 tokens
+
+# Model types whose caches mix attention (KV) and Gated DeltaNet (fixed state) layers,
+# marked as mlx-lm marks them: layer i is linear unless (i + 1) % full_attention_interval
+# == 0 (mlx_lm/models/qwen3_next.py, qwen3_5.py).
+GDN_HYBRID_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one element of an activation dtype named as in config.json."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown activation dtype {dtype!r}; known: "
+                         f"{', '.join(DTYPE_BYTES)}") from None
+
+
+def hot_budget_bytes(hot_budget: int | str) -> int:
+    """The hot tier's bytes for a cache store. ``auto`` is resolved where the application
+    is built (``planning.with_planned_hot_budget``); a store given an unresolved one (built
+    from a bare ``CacheStoreProfile``) gets the auto minimum rather than guessing."""
+    return HOT_AUTO_MIN_BYTES if hot_budget == "auto" else int(hot_budget)
+
+
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def fmt_bytes(n: int | float) -> str:
+    """Binary units, three significant digits: ``4.30 GiB``, ``144 KiB``, ``1000000 B``
+    stays exact below 1 KiB only."""
+    n = float(n)
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            v = n / size
+            return f"{v:.2f} {unit}" if v < 10 else f"{v:.1f} {unit}" if v < 100 \
+                else f"{v:.0f} {unit}"
+    return f"{int(n)} B"
+
+
+# ---- a model's cache -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What one sequence's cache costs: bytes that grow with each token (keys and values
+    of the attention layers) and bytes fixed per sequence (recurrent state of the linear-
+    attention layers: conv state in the activation dtype, SSM state in float32)."""
+
+    kv_bytes_per_token: int
+    state_bytes_per_sequence: int = 0
+    attention_layers: int = 0
+    recurrent_layers: int = 0
+    dtype: str = ""
+
+    def bytes_for(self, sequences: int, tokens: int, step: int = KV_STEP_TOKENS) -> int:
+        """KV and state of ``sequences`` sequences of ``tokens`` tokens each, with the KV
+        buffers rounded up to mlx-lm's allocation step (``step=1``: the tokens only)."""
+        return sequences * (self.kv_bytes_per_token * round_up(tokens, step)
+                            + self.state_bytes_per_sequence)
+
+
+def _text_config(config: dict) -> dict:
+    """Qwen3.5 (and other multimodal checkpoints) nest the language model's keys."""
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
+def _need(config: dict, key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"config.json: {key}: a positive integer is needed to plan the KV "
+                         f"cache (got {value!r})")
+    return value
+
+
+def config_dtype(config: dict) -> str | None:
+    """The activation dtype config.json names (``torch_dtype``, or ``dtype`` in newer
+    transformers), if any."""
+    text = _text_config(config)
+    for key in ("torch_dtype", "dtype"):
+        value = text.get(key) or config.get(key)
+        if isinstance(value, str) and value in DTYPE_BYTES:
+            return value
+    return None
+
+
+def cache_shape_from_config(config: dict, dtype: str | None = None) -> CacheShape:
+    """A model's cache bytes from its config.json alone (no weights loaded).
+
+    ``dtype`` is the activation dtype (what the weights compute in: the embedding's, or
+    its quantization scales'); default the config's, else bfloat16 as on mlx-community
+    checkpoints. Attention layers keep ``num_key_value_heads x head_dim`` keys and as
+    many values per token. On GDN hybrids (``GDN_HYBRID_TYPES``) each linear layer
+    instead keeps per sequence a conv state ``(kernel - 1) x (2 key_dim + value_dim)`` in
+    the activation dtype and an SSM state ``Hv x Dv x Dk`` in float32
+    (``mlx_lm/models/gated_delta.py``). Other architectures are planned as if every layer
+    were full attention: an upper bound for sliding-window models.
+    """
+    text = _text_config(config)
+    dtype = dtype or config_dtype(config) or "bfloat16"
+    act = dtype_bytes(dtype)
+    layers = _need(text, "num_hidden_layers")
+    heads = _need(text, "num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or _need(text, "hidden_size") // heads
+    model_type = str(config.get("model_type", ""))
+    if model_type in GDN_HYBRID_TYPES:
+        interval = text.get("full_attention_interval") or 4
+        recurrent = sum(1 for i in range(layers) if (i + 1) % interval != 0)
+        k_heads, v_heads = (_need(text, "linear_num_key_heads"),
+                            _need(text, "linear_num_value_heads"))
+        k_dim, v_dim = _need(text, "linear_key_head_dim"), _need(text, "linear_value_head_dim")
+        kernel = text.get("linear_conv_kernel_dim") or 4
+        conv = (kernel - 1) * (2 * k_heads * k_dim + v_heads * v_dim) * act
+        ssm = v_heads * v_dim * k_dim * 4  # float32 whatever the activations
+        state = recurrent * (conv + ssm)
+    else:
+        recurrent, state = 0, 0
+    attention = layers - recurrent
+    return CacheShape(kv_bytes_per_token=attention * 2 * kv_heads * head_dim * act,
+                      state_bytes_per_sequence=state, attention_layers=attention,
+                      recurrent_layers=recurrent, dtype=dtype)
+
+
+def cache_shape_from_layout(layout: Layout) -> CacheShape:
+    """The same from a loaded model's probed layout (``serve_app/cache/layout.py``):
+    exact for any architecture the prefix cache supports. A replica can plan with this
+    once its model is loaded."""
+    from serve_app.cache.layout import KV, RECURRENT
+
+    dtypes = {a.dtype for layer, kind in zip(layout.arrays, layout.kinds, strict=True)
+              if kind == KV for a in layer}
+    return CacheShape(kv_bytes_per_token=layout.block_nbytes(1),
+                      state_bytes_per_sequence=layout.state_nbytes(),
+                      attention_layers=layout.kinds.count(KV),
+                      recurrent_layers=layout.kinds.count(RECURRENT),
+                      dtype=",".join(sorted(dtypes)))
+
+
+# ---- the machine -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MachineMemory:
+    """Physical memory, and on Metal the GPU's recommended working set (what MLX can keep
+    wired; None elsewhere)."""
+
+    total_bytes: int
+    gpu_working_set_bytes: int | None = None
+
+    @property
+    def metal(self) -> bool:
+        return self.gpu_working_set_bytes is not None
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory (sysconf; ``sysctl hw.memsize`` on macOS if that fails)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        if sys.platform != "darwin":
+            raise
+    out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True,
+                         check=True, timeout=5)
+    return int(out.stdout.strip())
+
+
+def probe_machine() -> MachineMemory:
+    """This machine's memory; on Apple Silicon asks Metal for its working set."""
+    total = physical_memory()
+    if sys.platform != "darwin":
+        return MachineMemory(total)
+    try:
+        import mlx.core as mx
+
+        if not mx.metal.is_available():
+            return MachineMemory(total)
+        working = mx.device_info().get("max_recommended_working_set_size")
+    except Exception:  # no MLX, or no Metal: the plan is advisory either way
+        return MachineMemory(total)
+    return MachineMemory(total, int(working) if working else None)
+
+
+def auto_budget(machine: MachineMemory) -> int:
+    """``memory.budget: auto``: 75% of physical memory, leaving at least 4 GiB to the OS,
+    never more than Metal's recommended working set, and at least 1 GiB (or half the
+    memory of a machine smaller than 2 GiB)."""
+    total = machine.total_bytes
+    budget = min(int(total * AUTO_SHARE), total - OS_RESERVE_BYTES)
+    if machine.gpu_working_set_bytes:
+        budget = min(budget, machine.gpu_working_set_bytes)
+    return max(budget, min(BUDGET_FLOOR_BYTES, total // 2))
+
+
+# ---- the plan ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """What one model takes while loaded: weights, KV of a full batch at full context,
+    and its share of the node's hot tier (filled in by ``plan_memory``)."""
+
+    name: str
+    weights_bytes: int
+    kv_bytes: int
+    sequences: int
+    tokens: int
+    shape: CacheShape
+    pinned: bool = False
+    hot_share_bytes: int = 0
+
+    @property
+    def resident_bytes(self) -> int:
+        """What loading the model costs (the hot tier is there either way)."""
+        return self.weights_bytes + self.kv_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.resident_bytes + self.hot_share_bytes
+
+    def describe(self) -> str:
+        kv = (f"KV {fmt_bytes(self.kv_bytes)} for {self.sequences} x {self.tokens} tokens at "
+              f"{fmt_bytes(self.shape.kv_bytes_per_token)} a token")
+        if self.shape.state_bytes_per_sequence:
+            kv += (f" and {fmt_bytes(self.shape.state_bytes_per_sequence)} of recurrent state "
+                   "a sequence")
+        return f"weights {fmt_bytes(self.weights_bytes)} + {kv} = {fmt_bytes(self.resident_bytes)}"
+
+
+def footprint(model: ModelProfile, weights_bytes: int, shape: CacheShape) -> ModelFootprint:
+    """A model profile's footprint: ``max_batch_size`` sequences of ``context_length``."""
+    return ModelFootprint(
+        name=model.name, weights_bytes=weights_bytes,
+        kv_bytes=shape.bytes_for(model.max_batch_size, model.context_length),
+        sequences=model.max_batch_size, tokens=model.context_length, shape=shape,
+        pinned=model.pinned)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A node's plan. ``problems`` say why it cannot work (``check`` refuses it);
+    ``notes`` what a user should know although it can."""
+
+    total_memory_bytes: int
+    budget_bytes: int
+    budget_origin: str
+    models: tuple[ModelFootprint, ...]
+    hot_bytes: int
+    hot_origin: str
+    staging_bytes: int
+    loaded: tuple[str, ...]  # the models planned to be loaded together (pinned first)
+    max_loaded_models: int | None = None
+    unknown: tuple[tuple[str, str], ...] = ()  # (model, why its footprint is unknown)
+    problems: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    metal: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def reserve_bytes(self) -> int:
+        """What the budget leaves to the OS and everything else on the machine."""
+        return max(self.total_memory_bytes - self.budget_bytes, 0)
+
+    @property
+    def planned_bytes(self) -> int:
+        """The loaded models, the hot tier and the SSD write buffer together."""
+        by_name = {m.name: m for m in self.models}
+        return (sum(by_name[n].resident_bytes for n in self.loaded) + self.hot_bytes
+                + self.staging_bytes)
+
+    def as_dict(self) -> dict[str, Any]:
+        """For ``/v1/stats`` and logs: bytes as integers."""
+        return {
+            "total_memory_bytes": self.total_memory_bytes,
+            "budget_bytes": self.budget_bytes, "budget_origin": self.budget_origin,
+            "reserve_bytes": self.reserve_bytes, "planned_bytes": self.planned_bytes,
+            "hot_bytes": self.hot_bytes, "hot_origin": self.hot_origin,
+            "staging_bytes": self.staging_bytes, "loaded": list(self.loaded),
+            "max_loaded_models": self.max_loaded_models, "fits": self.fits,
+            "advisory": not self.metal,
+            "models": {m.name: {"weights_bytes": m.weights_bytes, "kv_bytes": m.kv_bytes,
+                                "hot_share_bytes": m.hot_share_bytes,
+                                "total_bytes": m.total_bytes, "pinned": m.pinned,
+                                "kv_bytes_per_token": m.shape.kv_bytes_per_token,
+                                "state_bytes_per_sequence": m.shape.state_bytes_per_sequence}
+                       for m in self.models},
+            "unknown": dict(self.unknown), "problems": list(self.problems),
+            "notes": list(self.notes),
+        }
+
+
+def _resident_set(models: Sequence[ModelFootprint], cap: int | None) -> list[ModelFootprint]:
+    """The models that may be loaded at once, at worst: every pinned one, then the largest
+    unpinned ones up to ``cap`` (all of them without a cap)."""
+    pinned = [m for m in models if m.pinned]
+    others = sorted((m for m in models if not m.pinned), key=lambda m: -m.resident_bytes)
+    room = len(others) if cap is None else max(cap - len(pinned), 0)
+    return pinned + others[:room]
+
+
+@dataclass
+class _Budget:
+    bytes: int
+    origin: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def words(self) -> str:
+        if self.origin == "memory.budget":  # the user's own figure, exactly
+            return f"{fmt_bytes(self.bytes)} ({self.bytes} bytes, memory.budget)"
+        return f"{fmt_bytes(self.bytes)} ({self.origin})"
+
+
+def _budget(profile: Profile, machine: MachineMemory) -> _Budget:
+    configured = profile.memory.budget
+    if configured == "auto":
+        how = (f"auto: {AUTO_SHARE:.0%} of {fmt_bytes(machine.total_bytes)}, at least "
+               f"{fmt_bytes(OS_RESERVE_BYTES)} left to the OS")
+        if machine.gpu_working_set_bytes:
+            how += f", at most Metal's working set {fmt_bytes(machine.gpu_working_set_bytes)}"
+        return _Budget(auto_budget(machine), how)
+    out = _Budget(int(configured), "memory.budget")
+    if configured > machine.total_bytes:
+        out.notes.append(f"memory.budget {fmt_bytes(configured)} is more than this "
+                         f"machine's {fmt_bytes(machine.total_bytes)} of memory")
+    return out
+
+
+def plan_memory(profile: Profile, models: Sequence[ModelFootprint], machine: MachineMemory,
+                unknown: Sequence[tuple[str, str]] = ()) -> MemoryPlan:
+    """Plan a node serving ``profile`` with these footprints (``unknown``: models whose
+    config or weights could not be read; they are left out of the sums and noted).
+
+    Refused (``problems``): pinned models that do not fit together, or a model that does
+    not fit beside the pinned ones: either can never be served. Only noted: models that
+    do not all fit at once (a model pool can load them in turn).
+    """
+    budget = _budget(profile, machine)
+    store = profile.cache_store
+    pinned_names = {m.name for m in profile.models if m.pinned}  # the profile says, always
+    models = [replace(m, pinned=m.name in pinned_names) for m in models]
+    staging = int(store.gdn_ssd_pending_max_size) if store.ssd else 0
+    cap = profile.memory.max_loaded_models
+    resident = _resident_set(models, cap)
+    resident_bytes = sum(m.resident_bytes for m in resident)
+    notes = list(budget.notes)
+    if store.hot_budget == "auto":
+        hot_floor = HOT_AUTO_MIN_BYTES
+        if unknown:
+            hot, hot_origin = hot_floor, "auto (lower bound: a model's footprint is unknown)"
+        else:
+            left = budget.bytes - resident_bytes - staging
+            hot = min(max(left, HOT_AUTO_MIN_BYTES), HOT_AUTO_MAX_BYTES)
+            hot_origin = (f"auto: what the loaded models leave, within "
+                          f"{fmt_bytes(HOT_AUTO_MIN_BYTES)}-{fmt_bytes(HOT_AUTO_MAX_BYTES)}")
+    else:
+        hot = hot_floor = int(store.hot_budget)
+        hot_origin = "cache_store.hot_budget"
+    share = hot // max(len(resident), 1)
+    planned = tuple(replace(m, hot_share_bytes=share) for m in models)
+
+    problems: list[str] = []
+    fixed = hot_floor + staging
+    fixed_words = (f"the hot tier {fmt_bytes(hot_floor)}"
+                   + (" (its auto minimum)" if store.hot_budget == "auto" else "")
+                   + (f" and the SSD write buffer {fmt_bytes(staging)}" if staging else ""))
+    over = f"more than the memory budget {budget.words}"
+    pinned = [m for m in models if m.pinned]
+    pinned_bytes = sum(m.resident_bytes for m in pinned)
+    if pinned and pinned_bytes + fixed > budget.bytes:
+        each = "; ".join(f"{m.name!r}: {m.describe()}" for m in pinned)
+        problems.append(
+            f"the pinned models need {fmt_bytes(pinned_bytes)} of memory ({each}); with "
+            f"{fixed_words} that is {fmt_bytes(pinned_bytes + fixed)}, {over}")
+    for m in models:  # pinned ones are never unloaded: each other model must fit beside them
+        if m.pinned:
+            continue
+        need = m.resident_bytes + pinned_bytes + fixed
+        if need > budget.bytes:
+            beside = f"the pinned models' {fmt_bytes(pinned_bytes)}, " if pinned else ""
+            problems.append(
+                f"model {m.name!r} needs {fmt_bytes(m.resident_bytes)} of memory "
+                f"({m.describe()}); with {beside}{fixed_words} that is {fmt_bytes(need)}, "
+                f"{over}")
+    if not problems and len(resident) > 1 and resident_bytes + fixed > budget.bytes:
+        names = ", ".join(m.name for m in resident)
+        notes.append(
+            f"the models loaded together ({names}) need {fmt_bytes(resident_bytes)} of "
+            f"memory; with {fixed_words} that is {fmt_bytes(resident_bytes + fixed)}, {over}: "
+            "they do not fit in memory all at once (lower max_batch_size or context_length, "
+            "or list fewer models)")
+    return MemoryPlan(
+        total_memory_bytes=machine.total_bytes, budget_bytes=budget.bytes,
+        budget_origin=budget.origin, models=planned, hot_bytes=hot, hot_origin=hot_origin,
+        staging_bytes=staging, loaded=tuple(m.name for m in resident), max_loaded_models=cap,
+        unknown=tuple(unknown), problems=tuple(problems), notes=tuple(notes),
+        metal=machine.metal)
+
+
+def describe(plan: MemoryPlan) -> list[str]:
+    """The plan as ``check`` prints it, one line each."""
+    exact = f" = {plan.budget_bytes} bytes" if plan.budget_origin == "memory.budget" else ""
+    lines = [f"memory budget {fmt_bytes(plan.budget_bytes)}{exact} of "
+             f"{fmt_bytes(plan.total_memory_bytes)} ({plan.budget_origin}; "
+             f"{fmt_bytes(plan.reserve_bytes)} left outside it)"]
+    for m in plan.models:
+        tags = " [pinned]" if m.pinned else ""
+        lines.append(f"  model {m.name!r}{tags}: {m.describe()}, "
+                     f"+ hot-tier share {fmt_bytes(m.hot_share_bytes)}")
+    for name, why in plan.unknown:
+        lines.append(f"  model {name!r}: footprint unknown ({why})")
+    lines.append(f"  hot tier: {fmt_bytes(plan.hot_bytes)} ({plan.hot_origin})")
+    if plan.staging_bytes:
+        lines.append(f"  SSD write buffer: {fmt_bytes(plan.staging_bytes)} "
+                     "(cache_store.gdn_ssd_pending_max_size)")
+    loaded = ", ".join(plan.loaded) or "none"
+    verdict = ("" if plan.planned_bytes <= plan.budget_bytes
+               else ": over the budget" if plan.fits else ": does NOT fit")
+    lines.append(f"  planned: {fmt_bytes(plan.planned_bytes)} of {fmt_bytes(plan.budget_bytes)}"
+                 f" with {loaded} loaded{verdict}")
+    if not plan.metal:
+        lines.append("  (no Metal GPU here: the plan is advisory, nothing is wired)")
+    return lines
