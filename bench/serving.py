@@ -19,12 +19,12 @@ to it (goals are reported, never asserted):
   (goal >= 0.95x);
 - time to first token of a cold ~4K-token prompt, a unique one per request so no
   prefix cache helps (median of 3; goal <= 1.05x); ours runs its default profile, cache
-  enabled (the cold prompt misses anyway); the lean run below has the cache disabled;
+  enabled (the cold prompt misses anyway);
 - resident memory of each whole server: ``serve run`` and every process Ray started
   (RSS, with PSS beside it), idle after warm-up and at peak during the N-stream run,
-  per process for ours; plus a "lean" start of ours (``ray start`` without dashboard
-  modules, log monitor and autoscaler monitor, then ``serve run -a``;
-  prefix cache disabled), each knob checked by the processes that really ran.
+  per process for ours; plus the "lean" start of ours (``python -m serve_app serve``: the
+  same profile, Ray without its dashboard), each knob checked by the processes that
+  really ran.
 
 Neither server has ``ignore_eos`` (mlx_lm.server's ``logit_bias`` could imitate it,
 ours rejects ``logit_bias``), so both get the same prompts and ``max_tokens`` and the
@@ -41,10 +41,8 @@ import contextlib
 import math
 import os
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -420,90 +418,38 @@ def run_mlx_lm_server(model_dir: Path, tokenizer, plan: Plan, tmp: Path) -> dict
 
 LEAN_KNOBS = [
     {"knob": "no Ray dashboard",
-     "how": "`ray start --head --block --include-dashboard=false`, then `serve run -a ADDR`",
-     "gives_up": "the dashboard UI and its modules (jobs, state API `ray list ...`, "
+     "how": "`python -m serve_app serve CONFIG` (Ray started with include_dashboard=False, "
+            "then Serve's own `serve run CONFIG` in the same process)",
+     "gives_up": "the dashboard UI and its REST API (jobs, state API `ray list ...`, "
                  "`serve status`/`serve deploy` over REST); a minimal dashboard head "
                  "(dashboard.py) still starts, and the dashboard agent (metrics export, "
                  "which our /metrics reads) stays",
      "processes": ("ray-dashboard-", "multiprocessing")},
-    {"knob": "no log monitor",
-     "how": "`ray start ... --include-log-monitor=false`",
-     "gives_up": "replica and worker logs streamed to the `serve run` console "
-                 "(they stay in the session's log files)",
-     "processes": ("log_monitor.py",)},
-    {"knob": "no autoscaler monitor",
-     "how": "`ray start ... --no-monitor` (a hidden flag)",
-     "gives_up": "the autoscaler and the demand/usage part of `ray status` "
-                 "(a one-node server never scales)",
-     "processes": ("autoscaler/_private/monitor.py",)},
-    {"knob": "prefix cache disabled",
-     "how": "profile `cache: {enabled: false}`",
-     "gives_up": "every prefix-cache hit (multi-turn, agents, restarts) and the "
-                 "cache-store actor",
-     "processes": ("CacheStore",)},
 ]
-# ``ray start --head`` also starts a Ray Client server (port 10001) that a plain
-# ``serve run`` has not; it cannot be turned off (``--ray-client-server-port`` must be
-# 1024-65535), so the lean start pays for it and for the ``ray start`` process.
-LEAN_RAY_FLAGS = ["--include-dashboard=false", "--include-log-monitor=false", "--no-monitor",
-                  "--disable-usage-stats"]
+# What ``ray.init`` cannot turn off (only ``ray start`` can: ``--include-log-monitor=false``
+# for replica logs on the console, ``--no-monitor`` for the autoscaler monitor, ~160 MiB
+# together): the README says how, and what each gives up.
 
 
-def lean_env() -> dict:
-    """Token authentication stays on, as in a plain ``serve run``: ``ray start`` turns it
-    on when ``~/.ray/auth_token`` exists, but a driver that connects to the cluster
-    (``serve run -a``) only sends the token when told to."""
-    return {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
-
-
-def start_ray_head(tmp: Path, temp_dir: Path) -> tuple[ServerProcess, str]:
-    """``ray start --head --block`` with ``LEAN_RAY_FLAGS``; it and its GCS address.
-
-    Its own ``--temp-dir``, so the ``ray_current_cluster`` file it leaves never makes a
-    later plain ``serve run`` connect to this (stopped) cluster.
-    """
-    port = free_port()
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    argv = [ray_bin, "start", "--head", "--block", f"--port={port}",
-            "--node-ip-address=127.0.0.1", *LEAN_RAY_FLAGS, f"--temp-dir={temp_dir}",
-            # the minimal dashboard head still starts; a busy 8265 must not stop it
-            f"--dashboard-port={free_port()}"]
-    head = ServerProcess(argv, port, tmp / "lean-ray.log", env=lean_env())
-    deadline = time.monotonic() + 180
-    while "Ray runtime started" not in head.log_path.read_text(errors="replace"):
-        if head.proc.poll() is not None or time.monotonic() > deadline:
-            head.stop()
-            raise RuntimeError(f"ray start failed; log:\n{head.log_tail()}")
-        time.sleep(0.5)
-    return head, f"127.0.0.1:{port}"
-
-
-def start_lean_serve(tmp: Path, model: str, plan: Plan, address: str) -> ServerProcess:
+def start_lean_serve(tmp: Path, model: str, plan: Plan) -> ServerProcess:
+    """``python -m serve_app serve`` with the same profile as ours: the default one-machine
+    start, Ray without its dashboard."""
     port = free_port()
     config = write_config(tmp / "lean.yaml", port, [{
         "name": model, "source": f"embedded:{model}", "max_tokens": plan.max_tokens,
-        "cache": {"enabled": False}, **our_profile(plan)}])
-    serve_bin = str(Path(sys.executable).with_name("serve"))
-    return ready(ServerProcess([serve_bin, "run", "-a", address, str(config)], port,
-                               tmp / "lean-serve.log", env=lean_env()), [model])
+        **our_profile(plan)}], cache_store={"ssd_dir": str(tmp / "kv-lean")})
+    argv = [sys.executable, "-m", "serve_app", "serve", str(config)]
+    return ready(ServerProcess(argv, port, tmp / "lean-serve.log"), [model])
 
 
 def run_lean(model: str, tokenizer, plan: Plan, tmp: Path) -> dict:
-    """Ours started lean: ``LEAN_RAY_FLAGS``, then ``serve run -a`` with the cache off.
-    Its memory covers both process trees; ``knob_checks`` says which knobs took effect."""
-    temp_dir = Path(tempfile.mkdtemp(prefix="rl-", dir=os.environ.get("RAY_TMPDIR")))
-    head, address = start_ray_head(tmp, temp_dir)
+    """Ours started lean (``LEAN_KNOBS``), measured as ``run_ours`` measures ``serve run``;
+    ``knob_checks`` says which knobs took effect."""
+    server = start_lean_serve(tmp, model, plan)
     try:
-        server = start_lean_serve(tmp, model, plan, address)
-        try:
-            out = measure(server, model, tokenizer, plan, [head.proc.pid, server.proc.pid])
-        finally:
-            server.stop()
+        return measure(server, model, tokenizer, plan, [server.proc.pid])
     finally:
-        head.stop()
-        time.sleep(1.0)  # Ray's last processes may still be writing their session
-        shutil.rmtree(temp_dir, ignore_errors=True)
-    return out
+        server.stop()
 
 
 def process_names(rss: dict) -> set[str]:
@@ -630,7 +576,7 @@ def build_result(model: str, host: dict, plan: Plan, ref: dict, ours: dict, thei
                    "in every process that maps them; pss_* splits them among processes"}
     if lean:
         rss["lean"] = {**lean["rss"], "knobs": knob_checks(ours["rss"], lean["rss"]),
-                       "ray_start_flags": LEAN_RAY_FLAGS,
+                       "command": "python -m serve_app serve CONFIG",
                        "only_in_lean": sorted(process_names(lean["rss"])
                                               - process_names(ours["rss"])),
                        "ours_tps_streams": lean["sweep"][plan.streams]["tps"],
@@ -670,7 +616,7 @@ def build_result(model: str, host: dict, plan: Plan, ref: dict, ours: dict, thei
             "ratio": ratio(ours["cold"]["s"], theirs["cold"]["s"]),
             "goal": GOALS["cold_ttft"],
             "ours_cache": "enabled (default profile); the unique prompt misses",
-            "ours_cache_disabled_s": lean["cold"]["s"] if lean else None,
+            "ours_lean_s": lean["cold"]["s"] if lean else None,
             "runs": {"ours": ours["cold"]["runs"], "mlx_lm_server": theirs["cold"]["runs"]}},
         "short_requests": short_result(ours, theirs, lean, plan),
         "rss": rss,

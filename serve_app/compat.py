@@ -88,6 +88,27 @@ SERVE_REPLICA_ENV = {
 }
 
 
+def run_serve_cli(args: list[str]) -> int:
+    """Serve's ``serve run`` command (``ray.serve.scripts.run``, a click command) in this
+    process, on the Ray this process has already started; its exit status.
+
+    Relies on ``serve run`` skipping its own ``ray.init`` when Ray is initialized, and
+    on its ``KeyboardInterrupt`` ending in ``sys.exit()`` (Ray 2.60): the command, not a
+    copy of its deployment code, is what ``serve_app.launch`` runs.
+    """
+    import click
+    from ray.serve.scripts import run
+
+    try:
+        run.main(args=args, prog_name="serve run", standalone_mode=False)
+    except click.ClickException as exc:  # a usage error: shown as ``serve run`` shows it
+        exc.show()
+        return exc.exit_code
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
+
+
 def serve_replica_env() -> dict[str, str]:
     """Environment variables for our Serve replicas (see ``SERVE_REPLICA_ENV``)."""
     return dict(SERVE_REPLICA_ENV)

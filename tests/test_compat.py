@@ -123,3 +123,11 @@ def test_wrapped_hf_tokenizer_is_the_hugging_face_tokenizer_inside_mlx_lms(hybri
     assert hf.encode("hello", add_special_tokens=False) \
         == tokenizer.encode("hello", add_special_tokens=False)
     assert compat.wrapped_hf_tokenizer(hf) is None
+
+
+def test_serve_cli_runs_in_process_and_returns_its_exit_status(capsys):
+    """``serve run`` as a click command called in this process (``serve_app.launch``);
+    its behaviour on a started Ray is tested end to end in ``tests/test_launch.py``."""
+    assert compat.run_serve_cli(["--help"]) == 0
+    assert "Usage: serve run" in capsys.readouterr().out
+    assert compat.run_serve_cli(["--no-such-flag"]) != 0
