@@ -175,7 +175,7 @@ class ModelService:
         try:
             yield [request.start()]
             while not request.done:
-                await pacer.wait()
+                await pacer.wait(events)
                 batch = await events.take()
                 lease.release_beside()  # the engine has copied the restored blocks by now
                 out = request.convert(batch)
@@ -353,13 +353,21 @@ class EventChannel:
         self._lock = threading.Lock()
         self._items: list[EngineEvent] = []
         self._waiter: asyncio.Future | None = None
+        self._ended = False  # the request's last event (its end or failure) is queued
+        self._end_waiter: asyncio.Future | None = None
 
     def put(self, event: EngineEvent) -> None:
+        last = event.finish_reason is not None or event.error is not None
         with self._lock:
             self._items.append(event)
             waiter, self._waiter = self._waiter, None
-        if waiter is not None:
-            self._loop.call_soon_threadsafe(_wake, waiter)
+            end_waiter = None
+            if last:
+                self._ended = True
+                end_waiter, self._end_waiter = self._end_waiter, None
+        for w in (waiter, end_waiter):
+            if w is not None:
+                self._loop.call_soon_threadsafe(_wake, w)
 
     async def take(self) -> list[EngineEvent]:
         """Everything queued so far; waits for at least one event."""
@@ -371,6 +379,20 @@ class EventChannel:
                 self._waiter = self._loop.create_future()
                 waiter = self._waiter
             await waiter
+
+    async def wait_end(self, timeout: float) -> None:
+        """Wait ``timeout`` seconds, or less: until the request's last event is queued
+        (coalescing must never hold back the end of an answer)."""
+        with self._lock:
+            if self._ended:
+                return
+            waiter = self._end_waiter = self._loop.create_future()
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            with self._lock:
+                if self._end_waiter is waiter:
+                    self._end_waiter = None
 
 
 def _wake(waiter: asyncio.Future) -> None:
@@ -445,17 +467,18 @@ class _Lease:
 
 
 class _Pacer:
-    """Coalescing: at most one yield per stream interval after the first. Each yield
-    costs a Ray streaming hop on the same cores that decode."""
+    """Coalescing: at most one yield per stream interval after the first, except the
+    last (the end of an answer goes out when it comes). Each yield costs a Ray streaming
+    hop on the same cores that decode."""
 
     def __init__(self, interval: Callable[[], float]) -> None:
         self._interval = interval
         self._last = 0.0
 
-    async def wait(self) -> None:
+    async def wait(self, events: EventChannel) -> None:
         wait = self._last + self._interval() - time.monotonic()
         if wait > 0:
-            await asyncio.sleep(wait)
+            await events.wait_end(wait)
 
     def sent(self) -> None:
         self._last = time.monotonic()
