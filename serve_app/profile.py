@@ -94,7 +94,8 @@ class CacheProfile(_Strict):
     gdn_snapshot_storage: Literal["auto", "ssd_sidecar", "embedded"] = "auto"
     sidecar_codec: Literal["fp32", "bf16", "int8", "rht_int8", "rht_int16"] = "fp32"
     # Hybrid models: a recurrent checkpoint every this many tokens (a multiple of
-    # block_size; default: every block), plus one at each prompt's last block
+    # block_size; default: as many blocks as weigh one checkpoint in KV, or every block
+    # when block_size is set), plus one at each prompt's last block
     # boundary and the newest one reached while decoding. Larger values pause
     # prefill less often and store fewer checkpoints, but restore at coarser points.
     checkpoint_interval: Annotated[int, Field(ge=1)] | None = None

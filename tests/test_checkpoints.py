@@ -15,7 +15,8 @@ import pytest
 
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.hashing import chain, salted_root
-from serve_app.cache.manager import RequestPlan
+from serve_app.cache.layout import probe_layout
+from serve_app.cache.manager import CacheSettings, RequestPlan, default_checkpoint_interval
 from serve_app.cache.tiers import TieredStore
 from serve_app.embedded import materialize
 from serve_app.profile import ModelProfile
@@ -45,10 +46,13 @@ def models(tmp_path_factory):
 
 
 def warm(models, name: str, **cache) -> tuple[ModelService, TieredStore]:
+    """A caching service of ``name`` with blocks of ``BS`` tokens and, unless ``cache``
+    says otherwise, a checkpoint every block (at this block size the default interval
+    would be longer: ``test_the_default_interval_weighs_checkpoints_against_kv``)."""
     path, model, tokenizer, _ = models[name]
     store = TieredStore(1 << 30)
     profile = ModelProfile(name="warm", source=f"embedded:{name}",
-                           cache={"block_size": BS, **cache})
+                           cache={"block_size": BS, "checkpoint_interval": BS, **cache})
     return ModelService(profile, model, tokenizer, path, LocalCacheClient(store)), store
 
 
@@ -118,7 +122,7 @@ def test_only_the_newest_decode_time_checkpoint_is_kept(models):
     first = ask(service, prompt, n=3 * BS)  # decoding crosses three block boundaries
     output = generated(models["tiny-hybrid-bf16"][3], prompt, 3 * BS)
     flags = checkpointed(service, store, prompt + output)
-    assert flags[:2] == [True, True]  # the prompt's blocks (every block by default)
+    assert flags[:2] == [True, True]  # the prompt's blocks (every block, as asked)
     # Blocks completed while decoding: KV only, except the newest one.
     decode_blocks = flags[2:]
     assert decode_blocks[-1] and not any(decode_blocks[:-1]), flags
@@ -142,3 +146,29 @@ def test_checkpoint_bytes_per_1k_tokens_drop_with_a_larger_interval(models):
         costs[interval] = stats["checkpoint_bytes_per_1k_tokens"]
         service.shutdown()
     assert costs[4 * BS] < costs[BS] / 2
+
+
+def test_the_default_interval_weighs_checkpoints_against_kv(models):
+    """Unset, a hybrid model's checkpoint interval is the number of blocks whose KV weighs
+    what one checkpoint weighs (at least one block, at most 4,096 tokens): the embedded
+    models' default 256-token blocks keep one every block; 16-token blocks of the bf16
+    hybrid (a 36 KB state beside 8 KB of KV) would keep one every 4 blocks. A block size
+    set by hand without an interval keeps one every block."""
+    layout = probe_layout(models["tiny-hybrid-bf16"][1])
+    assert layout.state_nbytes() == 35840 and layout.block_nbytes(BS) == 8192
+    assert default_checkpoint_interval(layout, BS) == 4 * BS
+    assert default_checkpoint_interval(layout, 256) == 256
+    assert default_checkpoint_interval(layout, 4096) == 4096
+    assert default_checkpoint_interval(layout, 8) == 9 * 8  # round(35840 / 4096) blocks
+    assert default_checkpoint_interval(probe_layout(models["tiny-dense"][1]), BS) == BS
+
+    def settings(**cache):
+        profile = ModelProfile(name="m", source="embedded:tiny-hybrid-bf16", cache=cache)
+        return CacheSettings.from_profile(profile, True, layout)
+
+    assert settings().checkpoint_every == 256  # both unset: the layout's interval
+    assert settings(block_size=BS).checkpoint_every == BS  # set by hand: every block
+    assert settings(block_size=BS, checkpoint_interval=2 * BS).checkpoint_every == 2 * BS
+    service, _ = warm(models, "tiny-hybrid-bf16", checkpoint_interval=None)
+    assert service.cache.settings.checkpoint_every == BS
+    service.shutdown()

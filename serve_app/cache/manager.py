@@ -444,17 +444,45 @@ class CacheSettings:
     codec: str = codecs.EXACT  # the sidecar codec
 
     @classmethod
-    def from_profile(cls, profile: ModelProfile, hybrid: bool) -> CacheSettings:
-        """Defaults: blocks of 64 tokens (256 for hybrid models), a checkpoint every block."""
+    def from_profile(cls, profile: ModelProfile, hybrid: bool,
+                     layout: Layout | None = None) -> CacheSettings:
+        """Defaults: blocks of 64 tokens (256 for hybrid models); with both unset, a
+        hybrid model's checkpoint interval from its ``layout``
+        (``default_checkpoint_interval``)."""
         cache = profile.cache
         block_size = cache.block_size or (256 if hybrid else 64)
-        interval = cache.checkpoint_interval or block_size
+        # A block size set by hand without an interval keeps a checkpoint every block:
+        # the finest restore points, as asked.
+        interval = cache.checkpoint_interval or (
+            default_checkpoint_interval(layout, block_size)
+            if hybrid and layout is not None and cache.block_size is None else block_size)
         if interval % block_size:
             raise ValueError(f"model {profile.name}: cache.checkpoint_interval ({interval}) "
                              f"must be a multiple of the block size ({block_size})")
         storage = cache.gdn_snapshot_storage
         return cls(profile.name, block_size, interval if hybrid else 0,
                    "ssd_sidecar" if storage == "auto" else storage, cache.sidecar_codec)
+
+
+# The longest default checkpoint interval: a prompt that diverges inside a long message
+# restores at most this far back (message boundaries are branch points, always kept).
+MAX_DEFAULT_CHECKPOINT_INTERVAL = 4096
+
+
+def default_checkpoint_interval(layout: Layout, block_size: int) -> int:
+    """A hybrid model's recurrent checkpoints, by default, weigh about what the KV they sit
+    beside weighs: one every k blocks, k = one checkpoint's bytes / one block's KV bytes
+    (at least 1; at most ``MAX_DEFAULT_CHECKPOINT_INTERVAL`` tokens).
+
+    Each checkpoint pauses prefill (measured on a 2-core CPU: no difference between every
+    256 and every 2,048 tokens, ``bench/checkpoints.py``) and is stored in the hot tier and
+    on SSD. The embedded tiny hybrid (38 KB of state, 262 KB of KV per 256-token block)
+    keeps one every block; a Qwen3.5-27B-style model on a Mac (~150 MiB of state, 16 MiB
+    of KV per block at 4-bit) one every ~2,300 tokens instead of 9x its KV in checkpoints.
+    """
+    kv = layout.block_nbytes(block_size)
+    blocks = max(1, round(layout.state_nbytes() / kv)) if kv else 1
+    return min(blocks, max(1, MAX_DEFAULT_CHECKPOINT_INTERVAL // block_size)) * block_size
 
 
 def disabled_reason(profile: ModelProfile, layout: Layout, client: CacheClient | None,
@@ -496,7 +524,7 @@ class CacheManager:
     def for_model(cls, profile: ModelProfile, layout: Layout, client: CacheClient | None,
                   model_dir: Path | None, chat_template: str | None) -> CacheManager:
         """The manager of a loaded model; caching is off (and logged) where it cannot work."""
-        settings = CacheSettings.from_profile(profile, layout.hybrid)
+        settings = CacheSettings.from_profile(profile, layout.hybrid, layout)
         reason = disabled_reason(profile, layout, client, model_dir)
         if reason is not None:
             logger.warning("model %s: prefix caching off: %s", profile.name, reason)
