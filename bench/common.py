@@ -358,6 +358,34 @@ def memory_sample(roots: list[int]) -> dict:
             "process_counts": counts}
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used so far (None once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(roots: list[int], seconds: float) -> dict:
+    """Percent of one core each process of the trees under ``roots`` uses over
+    ``seconds`` of doing nothing (same-name processes summed), and the total."""
+    pids = {p for root in roots for p in (root, *descendants(root))}
+    before = {pid: cpu_seconds(pid) for pid in pids}
+    started = time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - started
+    by_name: dict[str, float] = {}
+    for pid, was in before.items():
+        now = cpu_seconds(pid)
+        if was is None or now is None:
+            continue
+        name = process_name(pid)
+        by_name[name] = by_name.get(name, 0.0) + 100 * (now - was) / elapsed
+    return {"seconds": elapsed, "total_pct": sum(by_name.values()),
+            "processes": dict(sorted(by_name.items(), key=lambda kv: -kv[1]))}
+
+
 class MemorySampler:
     """Samples the memory of whole process trees every ``interval`` s on a thread,
     tagging each sample with the current phase ("idle", "streams8", ...), so one

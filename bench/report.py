@@ -43,6 +43,8 @@ GOALS = {
     "serving_short_request": ("<=", 1.1),  # non-streamed, max_tokens 1, median wall time
     "serving_short_ttft": ("<=", 1.0),  # streamed, first content chunk, median
     "serving_short_single": (">=", 0.95),  # 64-token answers, tok/s over the whole request
+    # idle RSS of the lean one-machine start against the 2,480 MiB `serve run` held before
+    "serving_idle_memory": ("<=", 0.7),
     "multiturn_1k_turns_ttft": ("<=", 0.95),
     "cluster_ttft": ("<=", 0.6),  # issue 12: prefix routing against Ray's default router
     "traces_ttft_p50": ("<=", 0.2),  # issue 18: trace replay, 8 concurrent sessions
@@ -130,6 +132,8 @@ def fmt(value: float | None, unit: str) -> str:
         return f"{value:.3f} s"
     if unit == "tok/s":
         return f"{value:,.0f} tok/s"
+    if unit == " MiB":
+        return f"{value:,.0f} MiB"
     return f"{value:g}{unit}"
 
 
@@ -242,8 +246,28 @@ def serving_rows(model: str, d: dict) -> list[Row]:
                       first(cold, "mlx_lm_server", "mlx_lm_server_s", "ttft_mlx_lm_server"),
                       "s", "serving_cold_ttft", cold.get("ratio")),
             *short_rows(model, d),
+            *memory_goal_rows(model, d),
             *control_rows(model, d),
             identical_row("serving", model, d)]
+
+
+# What an idle `serve run configs/qwen.yaml` held when issue 21 was filed (every process).
+IDLE_RSS_BEFORE_ISSUE_21_MIB = 2480.0
+
+
+def memory_goal_rows(model: str, d: dict) -> list[Row]:
+    """Issue 21: the lean start's idle RSS against what ``serve run`` held before (and
+    today's ``serve run`` beside it, for information)."""
+    rss = d.get("rss") or {}
+    lean, ours = rss.get("lean") or {}, rss.get("ours") or {}
+    if lean.get("idle_mib") is None:
+        return []
+    return [ratio_row("serving", model, "idle RSS, lean start (`python -m serve_app serve`), "
+                      "all processes", lean["idle_mib"], IDLE_RSS_BEFORE_ISSUE_21_MIB, " MiB",
+                      "serving_idle_memory", base_label="serve run, before issue 21"),
+            Row("serving", model, "idle RSS, `serve run` (Ray with its dashboard) / "
+                "mlx_lm.server", fmt(ours.get("idle_mib"), " MiB"),
+                fmt((rss.get("mlx_lm_server") or {}).get("idle_mib"), " MiB"), status="info")]
 
 
 def short_rows(model: str, d: dict) -> list[Row]:
@@ -625,13 +649,15 @@ def serving_memory(label: str, rss: dict) -> list[str]:
         if isinstance(m, dict) and any(k in m for k, _ in MEMORY_COLUMNS):
             cells = " | ".join(mib(m.get(k), m.get(ph) if ph else None)
                                for k, ph in MEMORY_COLUMNS)
-            rows.append(f"| serving | {label} | {server} | {cells} |")
+            cpu = (m.get("idle_cpu") or {}).get("total_pct")
+            cpu_cell = f"{cpu:.1f}%" if isinstance(cpu, int | float) else ""
+            rows.append(f"| serving | {label} | {server} | {cells} | {cpu_cell} |")
     return rows
 
 
 def restart_memory(label: str, peaks: dict) -> list[str]:
     return [f"| restart | {label} | replica + cache store, long session, snapshots "
-            f"{storage} |  | {mib(value / MIB)} |  |  |"
+            f"{storage} |  | {mib(value / MIB)} |  |  |  |"
             for storage, value in peaks.items() if isinstance(value, int | float)]
 
 
@@ -644,10 +670,12 @@ def memory_rows(results: dict[str, dict[str, dict]]) -> list[str]:
              for row in restart_memory(label, d.get("peak_rss_bytes_long_session") or {})]
     if not rows:
         return []
-    return ["| bench | model | server / setting | idle RSS | peak RSS | idle PSS | peak PSS |",
-            "|---|---|---|---|---|---|---|", *rows, "",
+    return ["| bench | model | server / setting | idle RSS | peak RSS | idle PSS | peak PSS "
+            "| idle CPU |",
+            "|---|---|---|---|---|---|---|---|", *rows, "",
             "RSS counts shared pages in every process that maps them; PSS splits them among "
-            "the processes. Per-process figures are in the JSON."]
+            "the processes. Idle CPU: percent of one core, all processes, over 10 s after "
+            "warm-up. Per-process figures are in the JSON."]
 
 
 def checkpoint_rows(results: dict[str, dict[str, dict]]) -> list[str]:

@@ -58,6 +58,7 @@ from bench.common import (
     compare_outputs,
     emit,
     free_port,
+    idle_cpu,
     post_chat,
     ready,
     start_mlx_lm_server,
@@ -73,6 +74,7 @@ PROMPT = "Once upon a time, in a land far away, there lived a"
 GOALS = {"single_stream": 0.95, "aggregate": 1.2, "cold_ttft": 1.05,
          # issue 21: the fixed cost of a request (short prompts, nothing cached)
          "short_request": 1.1, "short_ttft": 1.0, "short_single": 0.95}
+IDLE_CPU_SECONDS = 10.0  # each server's idle CPU, per process, after warm-up
 SHORT_STREAM_TOKENS = 8  # streamed short requests: enough for a first content chunk
 FILLER = ("The archive keeps letters, ledgers and maps from the old harbour town; "
           "each page is numbered, dated and copied by hand before it is shelved. ")
@@ -367,6 +369,7 @@ def measure(server: ServerProcess, model: str, tokenizer, plan: Plan,
         warm_up(server.base_url, model, plan)
         sampler.phase = "idle"
         time.sleep(1.5)
+        cpu = idle_cpu(roots, IDLE_CPU_SECONDS)
         sampler.phase = "single"
         single = single_stream(server.base_url, model, plan)
         sampler.phase = "short"
@@ -375,7 +378,7 @@ def measure(server: ServerProcess, model: str, tokenizer, plan: Plan,
         sampler.phase = "cold"
         cold = cold_ttft(server.base_url, model, tokenizer, plan)
     return {"single": single, "short": short, "sweep": sweep, "cold": cold,
-            "rss": rss_summary(sampler, f"streams{plan.streams}")}
+            "rss": {**rss_summary(sampler, f"streams{plan.streams}"), "idle_cpu": cpu}}
 
 
 def rss_summary(sampler: MemorySampler, peak_phase: str) -> dict:

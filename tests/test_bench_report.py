@@ -67,6 +67,7 @@ def serving_new() -> dict:
               "ratio": 100 / 90} for n in (1, 2, 4)]
     sweep.append({"streams": 8, "ours_tps": 1200.0, "mlx_lm_server_tps": 1000.0, "ratio": 1.2})
     rss = {"idle_mib": 500.0, "peak_mib": 600.0, "peak_phase": "streams8",
+           "idle_cpu": {"total_pct": 12.34, "processes": {"raylet": 3.0}},
            "pss_idle_mib": 400.0, "pss_peak_mib": None, "processes": {"raylet": 50.0}}
     return {"model": "tiny-hybrid", "concurrency": sweep,
             "single_stream": {"ours_http_tps": 100.0, "mlx_lm_server_http_tps": 100.0,
@@ -82,7 +83,8 @@ def serving_new() -> dict:
                 "streamed_ttft": {"ours_median_s": 0.05, "mlx_lm_server_median_s": 0.06},
                 "single_stream": {"max_tokens": 64, "ours_tps": 150.0,
                                   "mlx_lm_server_tps": 200.0, "ratio": 0.75}},
-            "rss": {"ours": rss, "mlx_lm_server": {"idle_mib": 300.0}, "note": "RSS ..."},
+            "rss": {"ours": rss, "mlx_lm_server": {"idle_mib": 300.0}, "note": "RSS ...",
+                    "lean": {"idle_mib": 1550.0}},
             "outputs": {"single_stream_vs_mlx_lm_server": outputs(1, 1),
                         "mlx_lm_server_vs_stream_generate": outputs(0, 1),
                         "streams8_vs_mlx_lm_server": outputs(8, 8),
@@ -166,6 +168,10 @@ def test_short_request_and_1k_turn_rows(tmp_path):
     assert serving["single stream, 64-token answers, tok/s over the whole request"] == [
         "150 tok/s", "200 tok/s", "0.750×", "≥ 0.95×", "**missed**"]
     assert not any(m.startswith("short") for (b, mo, m) in rows if mo == "tiny-dense")
+    assert serving["idle RSS, lean start (`python -m serve_app serve`), all processes"] == [
+        "1,550 MiB", "2,480 MiB (serve run, before issue 21)", "0.625×", "≤ 0.7×", "met"]
+    assert serving["idle RSS, `serve run` (Ray with its dashboard) / mlx_lm.server"][:2] == [
+        "500 MiB", "300 MiB"]
     long_turns = rows[("multiturn", "tiny-hybrid-1k-turns", "TTFT sum, turns 2–6, 1000-token "
                        "turns after a 4600-token system prompt")]
     assert long_turns == ["1.000 s", "1.000 s", "1.000×", "≤ 0.95×", "**missed**"]
@@ -197,9 +203,9 @@ def test_plots_are_pngs_linked_relatively(tmp_path):
     for name in links:
         assert (directory / name).read_bytes().startswith(PNG_MAGIC)
     memory = text.split("## Resident memory", 1)[1]
-    assert "| ours | 500 MiB | 600 MiB (streams8) | 400 MiB |  |" in memory
-    assert "| mlx_lm_server | 300 MiB |  |  |  |" in memory
-    assert "snapshots ssd_sidecar |  | 400 MiB |" in memory and "raylet" not in memory
+    assert "| ours | 500 MiB | 600 MiB (streams8) | 400 MiB |  | 12.3% |" in memory
+    assert "| mlx_lm_server | 300 MiB |  |  |  |  |" in memory
+    assert "snapshots ssd_sidecar |  | 400 MiB |  |  |  |" in memory and "raylet" not in memory
 
 
 def test_runner_plans_quick_flags_and_records_a_failing_bench(tmp_path):
