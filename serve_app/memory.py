@@ -471,3 +471,125 @@ def describe(plan: MemoryPlan) -> list[str]:
     if not plan.metal:
         lines.append("  (no Metal GPU here: the plan is advisory, nothing is wired)")
     return lines
+
+
+# ---- what a replica serves by: its KV share, MLX's limits, its report ---------------------
+
+
+def kv_shares(plan: MemoryPlan) -> dict[str, int]:
+    """Each model's KV share: the bytes of KV its running requests may hold together
+    (``Engine.set_kv_budget``).
+
+    A plan that fits gives every model its planned KV (``max_batch_size`` x
+    ``context_length``). One over its budget (every listed model loads at start, so
+    the plan is all of them) shares what the budget leaves after the weights, the hot
+    tier and the SSD write buffer among the models in proportion to their planned KV:
+    admission then keeps the KV in use inside the budget instead of swapping.
+    """
+    planned = sum(m.kv_bytes for m in plan.models)
+    room = plan.budget_bytes - plan.hot_bytes - plan.staging_bytes - sum(
+        m.weights_bytes for m in plan.models)
+    if planned <= 0 or room >= planned:
+        return {m.name: m.kv_bytes for m in plan.models}
+    scale = max(room, 0) / planned
+    return {m.name: int(m.kv_bytes * scale) for m in plan.models}
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """What a model's replica asks of MLX on Metal (``mx.set_wired_limit``,
+    ``mx.set_cache_limit``); None leaves MLX's own setting.
+
+    The wired limit is per process, and every model runs in a process of its own: each
+    wires its weights and its KV share, never the whole working set that mlx-lm's
+    ``BatchGenerator`` asks for on creation (two models doing that would promise the
+    GPU the same memory twice). MLX's buffer cache (freed buffers kept for reuse) is
+    bounded by the KV share: a full batch reuses its buffers, and whatever a burst freed
+    beyond that goes back to the OS for the other models and the hot tier.
+    """
+
+    wired_bytes: int | None = None
+    cache_bytes: int | None = None
+
+
+def mlx_limits(model: ModelFootprint, kv_share: int,
+               working_set_bytes: int | None) -> MemoryLimits:
+    """A model's limits on a machine with this Metal working set (None: not Metal, so
+    nothing to set)."""
+    if working_set_bytes is None:
+        return MemoryLimits()
+    wired = min(model.weights_bytes + kv_share, working_set_bytes)
+    return MemoryLimits(wired_bytes=wired, cache_bytes=kv_share)
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """One model's part of the plan, as its replica gets it (pickled, plain numbers):
+    its planned footprint and its KV share."""
+
+    name: str
+    weights_bytes: int
+    kv_bytes: int
+    hot_share_bytes: int
+    kv_share_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Its planned footprint (``/v1/models``' ``memory_bytes``)."""
+        return self.weights_bytes + self.kv_bytes + self.hot_share_bytes
+
+    def limits(self, machine: MachineMemory) -> MemoryLimits:
+        """MLX's limits for this model on ``machine`` (none off Metal)."""
+        fp = ModelFootprint(self.name, self.weights_bytes, self.kv_bytes, 0, 0, CacheShape(0))
+        return mlx_limits(fp, self.kv_share_bytes, machine.gpu_working_set_bytes)
+
+
+def models_memory(plan: MemoryPlan) -> dict[str, ModelMemory]:
+    """Every planned model's ``ModelMemory`` (models whose footprint is unknown are not in
+    it: they are served without a KV budget)."""
+    shares = kv_shares(plan)
+    return {m.name: ModelMemory(m.name, m.weights_bytes, m.kv_bytes, m.hot_share_bytes,
+                                shares[m.name]) for m in plan.models}
+
+
+def node_budget(budget: int | str, machine: MachineMemory) -> int:
+    """``memory.budget`` on one node: its bytes, or ``auto`` for that node's memory."""
+    return auto_budget(machine) if budget == "auto" else int(budget)
+
+
+def memory_report(plan: MemoryPlan, budget: int | str,
+                  models: dict[str, Any]) -> dict[str, Any]:
+    """``/v1/stats``' ``memory``: the plan as made where the application was built
+    (``plan``), and per node what its replicas report (``models``: ``/v1/stats``'
+    model views, each replica's ``replica.memory`` section).
+
+    A node's ``budget_bytes`` is ``memory.budget`` on that node's memory;
+    ``planned_bytes`` (what the plan uses of it) is the weights and KV budgets of the
+    models it serves, the hot tier and the SSD write buffer; ``kv_in_use_bytes`` what
+    running requests reserve now; ``wired_limit_bytes`` the sum of the limits set on it
+    (None: none set); ``advisory``: nothing is set on some model there (no Metal).
+    """
+    nodes: dict[str, dict[str, Any]] = {}
+    for name, view in models.items():
+        for entry in view.get("replicas") or ():
+            section = ((entry.get("stats") or {}).get("replica") or {}).get("memory")
+            if not section:
+                continue
+            node = nodes.setdefault(entry.get("node_id") or "", {
+                "total_memory_bytes": section["total_memory_bytes"],
+                "budget_bytes": node_budget(budget, MachineMemory(
+                    section["total_memory_bytes"], section.get("gpu_working_set_bytes"))),
+                "planned_bytes": plan.hot_bytes + plan.staging_bytes,
+                "kv_in_use_bytes": 0, "hot_bytes": plan.hot_bytes,
+                "staging_bytes": plan.staging_bytes, "wired_limit_bytes": None,
+                "advisory": False, "models": {}})
+            planned = section.get("planned") or {}
+            node["planned_bytes"] += planned.get("weights_bytes", 0) + (
+                section.get("kv_budget_bytes") or planned.get("kv_bytes", 0))
+            node["kv_in_use_bytes"] += section.get("kv_in_use_bytes") or 0
+            wired = section.get("wired_limit_bytes")
+            if wired is not None:
+                node["wired_limit_bytes"] = (node["wired_limit_bytes"] or 0) + wired
+            node["advisory"] = node["advisory"] or bool(section.get("advisory"))
+            node["models"].setdefault(name, []).append({"pid": entry.get("pid"), **section})
+    return {"plan": plan.as_dict(), "nodes": nodes}

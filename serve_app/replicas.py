@@ -35,9 +35,11 @@ ENGINE_SUMS = (
     "generated_tokens", "prompt_tokens", "step_seconds", "restored_tokens",
     "restored_bytes", "restore_seconds", "restore_failures", "captured_blocks",
     "captured_bytes", "captured_tokens", "captured_checkpoints",
-    "captured_checkpoint_bytes", "captured_tails", "capture_seconds",
-    # gauges whose sum is the model's: requests in flight, in running batches, now
-    "in_flight", "running_batch_size",
+    "captured_checkpoint_bytes", "captured_tails", "capture_seconds", "kv_waited",
+    "kv_rejected",
+    # gauges whose sum is the model's: requests in flight, in running batches, now; KV
+    # reserved by running requests and requests waiting for KV (each replica's own budget)
+    "in_flight", "running_batch_size", "kv_in_use_bytes", "kv_waiting",
 )
 ENGINE_MAX = ("peak_batch_size",)  # the largest batch one replica ran (batches never merge)
 CACHE_SUMS = (

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import cast
@@ -28,6 +29,7 @@ from serve_app.cache.blocks import build_cache, capture_block
 from serve_app.cache.layout import Layout, probe_layout
 from serve_app.cache.manager import Published, RequestPlan
 from serve_app.compat import batch_row_caches
+from serve_app.memory import CacheShape, MemoryLimits, cache_shape_from_layout
 from serve_app.serving.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 class QueueFullError(Exception):
     """The engine already holds as many requests as it was allowed to queue."""
+
+
+class KVBudgetError(QueueFullError):
+    """A request whose KV alone is more than the model's KV budget: it could never be
+    admitted, however long it waited."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,13 @@ class EngineStats:
     captured_checkpoint_bytes: int = 0  # recurrent state, the cost of a hybrid cache
     captured_tails: int = 0  # partial blocks captured where conversations branch
     capture_seconds: float = 0.0
+    # KV admission (``Engine.set_kv_budget``): bytes reserved by the requests in the
+    # batch, requests waiting for KV to be freed now, requests that ever waited, and
+    # requests refused because their KV alone is over the budget.
+    kv_in_use_bytes: int = 0
+    kv_waiting: int = 0
+    kv_waited: int = 0
+    kv_rejected: int = 0
 
 
 @dataclass
@@ -96,6 +110,7 @@ class _Request:
     generated: int = 0
     output: list[int] = field(default_factory=list)
     restored: int = 0  # tokens the request really started from
+    kv_bytes: int = 0  # KV reserved while in the batch (admission), released at its end
 
 
 def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
@@ -180,6 +195,14 @@ class Engine:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._generator: BatchGenerator | None = None
+        # KV admission (set_kv_budget): the budget, and requests waiting for KV (engine
+        # thread only: admitted in order, so a large request is never passed over).
+        self.kv_budget_bytes: int | None = None
+        self._kv_shape: CacheShape | None = None
+        self._kv_waiting: deque[_Request] = deque()
+        # MLX's memory limits (set_memory_limits), and what the engine thread applied.
+        self._limits: MemoryLimits | None = None
+        self.applied_limits: MemoryLimits | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
         self._thread.start()
         _live_engines.add(self)
@@ -200,6 +223,7 @@ class Engine:
             raise ValueError("this engine has no supported cache layout")
         if self._stopping.is_set():
             raise QueueFullError(f"model {self.name!r} is shutting down")
+        self.check_kv(len(prompt), params.max_tokens)
         with self._lock:
             if self.stats.in_flight >= self.max_batch_size + self.max_queued_requests:
                 self.stats.rejected += 1
@@ -209,6 +233,56 @@ class Engine:
             rid = next(self._ids)
         self._commands.put(("submit", _Request(rid, list(prompt), params, sink, cache)))
         return rid
+
+    def set_kv_budget(self, budget_bytes: int | None) -> None:
+        """Admit requests by KV bytes: a request reserves the KV of its prompt plus its
+        ``max_tokens`` (the model's bytes per token from its probed layout, rounded up to
+        mlx-lm's 256-token steps as the plan rounds them, plus its recurrent state) from
+        when it joins the batch to its end. One that would take the reserved KV past
+        ``budget_bytes`` waits in the engine's queue until running ones free enough; one
+        that is over the budget by itself is refused at ``submit`` (``KVBudgetError``).
+
+        Reserving the most a request can reach, not what it holds now, keeps it simple and
+        safe: an admitted request can always finish, nothing is ever preempted. None: no
+        admission by bytes (the batch size alone bounds the KV).
+        """
+        layout = self._probed_layout
+        self._kv_shape = cache_shape_from_layout(layout) if layout.supported else None
+        self.kv_budget_bytes = budget_bytes if self._kv_shape is not None else None
+        self._commands.put(("wake", None))  # a larger budget may admit waiting requests
+
+    def kv_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        """The KV a request reserves (0 without a KV budget)."""
+        shape = self._kv_shape
+        if shape is None or self.kv_budget_bytes is None:
+            return 0
+        return shape.bytes_for(1, prompt_tokens + max_tokens)
+
+    def kv_refusal(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request could never be admitted (its KV alone over the budget), or None."""
+        budget = self.kv_budget_bytes
+        need = self.kv_bytes(prompt_tokens, max_tokens)
+        if budget is None or need <= budget:
+            return None
+        return (f"model {self.name!r}: this request needs {need} bytes of KV cache "
+                f"({prompt_tokens} prompt tokens + max_tokens {max_tokens}), more than the "
+                f"model's KV budget of {budget} bytes in the memory plan; lower max_tokens "
+                "or shorten the prompt")
+
+    def check_kv(self, prompt_tokens: int, max_tokens: int) -> None:
+        """``KVBudgetError`` (counted in ``kv_rejected``) for a request that could never be
+        admitted; callers that know the request's size early refuse it before any work."""
+        refusal = self.kv_refusal(prompt_tokens, max_tokens)
+        if refusal is not None:
+            with self._lock:
+                self.stats.kv_rejected += 1
+            raise KVBudgetError(refusal)
+
+    def set_memory_limits(self, limits: MemoryLimits | None) -> None:
+        """MLX's wired and cache limits, applied on the engine thread now and again after
+        every ``BatchGenerator`` it makes (which sets the recommended wired limit itself).
+        Off Metal nothing is set (``applied_limits`` stays None: the plan is advisory)."""
+        self._commands.put(("limits", limits))
 
     def at_capacity(self) -> bool:
         """True when ``submit`` would raise ``QueueFullError`` (counted as a rejection)."""
@@ -268,7 +342,10 @@ class Engine:
         return self._generator
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+        old, self._generator = self._generator, None
+        if old is not None:  # it puts back the wired limit it found: before ours is set
+            old.close()
+        generator = BatchGenerator(
             self.model,
             stop_tokens=[[t] for t in sorted(self.stop_tokens)],
             completion_batch_size=self.max_batch_size,
@@ -278,6 +355,20 @@ class Engine:
             # thread is not usable here, and a new one aborts the process at exit.
             stream=mx.default_stream(mx.default_device()),
         )
+        self._apply_limits()  # after mlx-lm set the recommended wired limit
+        return generator
+
+    def _apply_limits(self) -> None:
+        """The plan's limits into MLX, on Metal only (engine thread)."""
+        limits = self._limits
+        if limits is None or not mx.metal.is_available():
+            self.applied_limits = None
+            return
+        if limits.wired_bytes is not None:
+            mx.set_wired_limit(limits.wired_bytes)
+        if limits.cache_bytes is not None:
+            mx.set_cache_limit(limits.cache_bytes)
+        self.applied_limits = limits
 
     def _run(self) -> None:
         try:
@@ -292,12 +383,16 @@ class Engine:
                 self._drain_commands(block=not self._requests)
                 if self._requests:
                     self._step()
+                self._admit_waiting()
             except Exception as exc:  # the engine must outlive any one bad batch
                 logger.exception("engine %s step failed", self.name)
                 self._fail_all(f"engine error: {exc}")
                 self._generator = self._new_generator()
         self._fail_all("engine shut down")
         self._fail_queued("engine shut down")
+        while self._kv_waiting:
+            self._fail(self._kv_waiting.popleft(), "engine shut down")
+        self._count_waiting()
         # Free MLX state on the thread that made it: arrays of this thread's
         # stream destroyed at interpreter exit abort the process.
         self._generator = None
@@ -316,17 +411,62 @@ class Engine:
         while True:
             kind, arg = command
             if kind == "submit":
-                try:
-                    self._insert(arg)
-                except Exception as exc:  # e.g. a restore that does not fit the model
-                    logger.exception("engine %s: inserting request %d failed", self.name, arg.rid)
-                    self._fail(arg, f"could not start the request: {exc}")
+                self._admit(arg)
             elif kind == "cancel":
                 self._cancel(arg)
+            elif kind == "limits":
+                self._limits = arg
+                self._apply_limits()
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _admit(self, req: _Request) -> None:
+        """Into the batch if its KV fits beside the running requests' (or nothing runs),
+        else to the back of the KV queue (behind any request already waiting)."""
+        req.kv_bytes = self.kv_bytes(len(req.prompt), req.params.max_tokens)
+        if self._kv_waiting or not self._kv_fits(req):
+            self._kv_waiting.append(req)
+            with self._lock:
+                self.stats.kv_waited += 1
+            self._count_waiting()
+            return
+        self._start(req)
+
+    def _kv_fits(self, req: _Request) -> bool:
+        budget = self.kv_budget_bytes
+        if budget is None or not self._requests:  # alone it always runs (submit checked)
+            return True
+        return self.stats.kv_in_use_bytes + req.kv_bytes <= budget
+
+    def _admit_waiting(self) -> None:
+        """Requests waiting for KV, in order, while the first of them fits."""
+        while self._kv_waiting and self._kv_fits(self._kv_waiting[0]):
+            self._start(self._kv_waiting.popleft())
+            self._count_waiting()
+
+    def _count_waiting(self) -> None:
+        with self._lock:
+            self.stats.kv_waiting = len(self._kv_waiting)
+
+    def _start(self, req: _Request) -> None:
+        try:
+            self._insert(req)
+        except Exception as exc:  # e.g. a restore that does not fit the model
+            logger.exception("engine %s: inserting request %d failed", self.name, req.rid)
+            self._fail(req, f"could not start the request: {exc}")
+            return
+        with self._lock:
+            self.stats.kv_in_use_bytes += req.kv_bytes
+
+    def _release_kv(self, req: _Request) -> None:
+        """A request in the batch ended: its KV reservation is free."""
+        if not req.kv_bytes:  # no KV budget: nothing reserved
+            return
+        with self._lock:
+            self.stats.kv_in_use_bytes = max(0, self.stats.kv_in_use_bytes - req.kv_bytes)
+        req.kv_bytes = 0
 
     def _segments(self, req: _Request) -> list[list[int]]:
         """What is left of the prompt, cut only where a checkpoint needs the batch to pause.
@@ -395,6 +535,7 @@ class Engine:
     def _cancel(self, rid: int) -> None:
         req = self._requests.pop(rid, None)
         if req is None:
+            self._cancel_waiting(rid)
             return
         assert req.uid is not None  # set by _insert before the request is in _requests
         self._by_uid.pop(req.uid, None)
@@ -404,16 +545,37 @@ class Engine:
                           decoding=True, ended=True)
         self._batch.remove([req.uid])
         self._publish_held(req)
+        self._release_kv(req)
         with self._lock:
             self.stats.cancelled += 1
             self.stats.in_flight -= 1
         _deliver(req, EngineEvent(finish_reason="cancelled"))
+
+    def _cancel_waiting(self, rid: int) -> None:
+        """Cancel a request still waiting for KV (it never joined the batch)."""
+        for req in self._kv_waiting:
+            if req.rid == rid:
+                self._kv_waiting.remove(req)
+                self._count_waiting()
+                with self._lock:
+                    self.stats.cancelled += 1
+                    self.stats.in_flight -= 1
+                _deliver(req, EngineEvent(finish_reason="cancelled"))
+                return
 
     def _step(self) -> None:
         tic = time.perf_counter()
         prompt_responses, responses = self._batch.next()
         toc = time.perf_counter()
         batch = len(responses)
+        # Counted before any event goes out: whoever sees a request's end sees its tokens.
+        with self._lock:
+            if batch:
+                self.stats.decode_steps += 1
+                self.stats.generated_tokens += batch
+            self.stats.step_seconds += toc - tic
+            self.stats.running_batch_size = batch
+            self.stats.peak_batch_size = max(self.stats.peak_batch_size, batch)
         for p in prompt_responses:
             req = self._by_uid.get(p.uid)
             if req is None or req.cache is None:
@@ -440,13 +602,6 @@ class Engine:
             _deliver(req, EngineEvent(token=r.token, logprob=logprob, top_logprobs=top))
             if r.finish_reason is not None:
                 self._finish(req, r.finish_reason)
-        with self._lock:
-            if batch:
-                self.stats.decode_steps += 1
-                self.stats.generated_tokens += batch
-            self.stats.step_seconds += toc - tic
-            self.stats.running_batch_size = batch
-            self.stats.peak_batch_size = max(self.stats.peak_batch_size, batch)
 
     def _score(self, responses: list) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
         """Each response's token log-probability and top alternatives, by uid.
@@ -546,13 +701,15 @@ class Engine:
         if req.uid is not None:
             self._by_uid.pop(req.uid, None)
         self._publish_held(req)
+        self._release_kv(req)
         with self._lock:
             self.stats.finished += 1
             self.stats.in_flight -= 1
         _deliver(req, EngineEvent(finish_reason=reason))
 
     def _fail(self, req: _Request, message: str) -> None:
-        self._requests.pop(req.rid, None)
+        if self._requests.pop(req.rid, None) is not None:
+            self._release_kv(req)
         with self._lock:
             self.stats.failed += 1
             self.stats.in_flight -= 1
