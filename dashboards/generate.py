@@ -88,9 +88,19 @@ SERVING = (
         Query(f"sum by (model) (ray_serve_app_running_requests{{{MODEL}}})",
               "running {{model}}"),
         Query(f"sum by (model) (ray_serve_app_queued_requests{{{MODEL}}})", "queued {{model}}"))),
-    PanelSpec("Rejected (queue full)", "reqps", (
+    PanelSpec("Rejected (queue full, KV budget)", "reqps", (
         Query(rate("ray_serve_app_rejected_requests_total", "model, reason"),
               "{{model}} {{reason}}"),)),
+    PanelSpec("Memory by model", "bytes", (
+        Query(f"sum by (model, kind) (ray_serve_app_memory_bytes{{{MODEL}}})",
+              "{{model}} {{kind}}"),),
+        "The memory plan per model: weights, kv (a full batch at full context), hot_share "
+        "(its part of the hot tier), kv_budget (what its running requests may reserve), "
+        "kv_in_use (what they reserve now); wired_limit and cache_limit as set on Metal."),
+    PanelSpec("Waiting for KV", "short", (
+        Query(f"sum by (model) (ray_serve_app_kv_waiting_requests{{{MODEL}}})",
+              "{{model}}"),),
+        "Admitted requests waiting for running ones to free KV (the model's KV budget)."),
 )
 
 PREFIX_CACHE = (

@@ -27,8 +27,15 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.api import auth
 from serve_app.api.http import OpenAIIngress, api
 from serve_app.compat import TOKENIZER_FILES, download_model, serve_replica_env
-from serve_app.metrics import MetricsPump, RayRecorder, merge_exposition, zero_at_start
-from serve_app.planning import with_planned_hot_budget
+from serve_app.memory import MemoryPlan, ModelMemory, memory_report, models_memory, probe_machine
+from serve_app.metrics import (
+    MetricsPump,
+    RayRecorder,
+    memory_samples,
+    merge_exposition,
+    zero_at_start,
+)
+from serve_app.planning import planned
 from serve_app.profile import (
     CacheStoreProfile,
     ModelProfile,
@@ -53,6 +60,13 @@ ROUTING_STATS_PERIOD_S = 2.0  # how often Serve polls a replica's record_routing
 # compiling run, beyond which a replica or the ingress answers 429 before doing any of it.
 MAX_PREPARING = 16
 RETRY_AFTER_S = 1
+
+
+def kv_budget_error(message: str) -> ApiError:
+    """429 ``kv_budget_exceeded``: the request's KV alone is over its model's KV budget in
+    the memory plan (it would never be admitted; a smaller ``max_tokens`` may be)."""
+    return ApiError(429, message, type="rate_limit_error", code="kv_budget_exceeded",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def queue_full_error(message: str) -> ApiError:
@@ -94,7 +108,7 @@ class ModelReplica:
     """Loads one model and serves it through a ``ModelService``."""
 
     def __init__(self, profile: ModelProfile, model_home: str | None,
-                 cache_store: CacheStoreProfile) -> None:
+                 cache_store: CacheStoreProfile, memory: ModelMemory | None = None) -> None:
         from serve_app.cache.actor import DirectoryFollower, RayCacheClient, get_or_create_actor
         from serve_app.cache.client import CircuitBreaker
         from serve_app.serving.service import ModelService, load_model
@@ -121,19 +135,27 @@ class ModelReplica:
                                        cache_store.breaker_cool_down_s))
         recorder = RayRecorder("replica", serve=True)
         self.service = ModelService(self.profile, model, tokenizer, model_dir, client, recorder)
+        # This model's part of the memory plan: MLX's limits (on Metal; advisory elsewhere)
+        # before the warm-up, the KV budget after it (so the warm-up never waits on it).
+        self.memory = memory
+        self.machine = probe_machine()
+        if memory is not None:
+            self.service.engine.set_memory_limits(memory.limits(self.machine))
         if client is not None and self.service.cache.enabled:
             client.activate(self.profile.name, self.service.cache.identity,
                             self.service.layout.digest, timeout=120)
         # Serve routes nothing here before __init__ returns: warming up now keeps
         # MLX's first-use cost out of the first user request.
         seconds = self.service.warm_up()
+        if memory is not None:
+            self.service.engine.set_kv_budget(memory.kv_share_bytes)
         # Templating and tokenizing a long prompt must not stall other streams.
         self.stage = PrepareStage()
         self.prepare_pool = self.stage.pool
         # Every second: the metrics, then this replica's stats to its node's store, so
         # /v1/stats answered by another replica shows this one too (serve_app.replicas).
         self.client = client
-        self.pump = MetricsPump(recorder, self.service.metric_samples,
+        self.pump = MetricsPump(recorder, self.metric_samples,
                                 also=self.report if client is not None else None).start()
         logger.info("model %s ready (source %s; warm-up %.2f s)", self.profile.name,
                     self.profile.source, seconds)
@@ -161,6 +183,8 @@ class ModelReplica:
                 prepared = request
             else:
                 prepared = await self.stage.run(self.service.prepare, request, caller)
+            # A request whose KV alone is over the model's KV budget: 429 before its grammar.
+            self._admit_kv(prepared)
             # Grammars compile here, off the event loop (cached per schema).
             processors = await self.stage.run(self.service.constraints, prepared)
         except ApiError as exc:
@@ -180,6 +204,44 @@ class ModelReplica:
         if engine.at_capacity():
             raise queue_full_error(engine.capacity_message())
         self.stage.admit(self.profile.name)
+
+    def _admit_kv(self, prepared: PreparedRequest) -> None:
+        """429 ``kv_budget_exceeded`` for a request that could never be admitted (the
+        engine would refuse it too, as ``queue_full``); one that fits waits in the engine
+        while the running requests' KV leaves no room for it."""
+        from serve_app.serving.engine import KVBudgetError
+
+        try:
+            self.service.engine.check_kv(len(prepared.prompt), prepared.params.max_tokens)
+        except KVBudgetError as exc:
+            raise kv_budget_error(str(exc)) from None
+
+    def metric_samples(self) -> list:
+        """The service's samples and this model's memory (the metrics pump's thread)."""
+        return self.service.metric_samples() + memory_samples(self.profile.name,
+                                                              self._memory_stats())
+
+    def _memory_stats(self) -> dict:
+        """This model's memory on its node: the plan's numbers, the KV budget and what the
+        running requests reserve of it, MLX's limits where set (``advisory``: none is,
+        off Metal)."""
+        engine = self.service.engine
+        snap = engine.snapshot()
+        limits = engine.applied_limits
+        m = self.memory
+        return {
+            "total_memory_bytes": self.machine.total_bytes,
+            "gpu_working_set_bytes": self.machine.gpu_working_set_bytes,
+            "advisory": limits is None,
+            "planned": None if m is None else {
+                "weights_bytes": m.weights_bytes, "kv_bytes": m.kv_bytes,
+                "hot_share_bytes": m.hot_share_bytes, "total_bytes": m.total_bytes},
+            "kv_budget_bytes": engine.kv_budget_bytes,
+            "kv_in_use_bytes": snap.kv_in_use_bytes,
+            "kv_waiting": snap.kv_waiting,
+            "wired_limit_bytes": limits.wired_bytes if limits is not None else None,
+            "cache_limit_bytes": limits.cache_bytes if limits is not None else None,
+        }
 
     def record_routing_stats(self) -> dict:
         """What the prefix-affinity router needs of this replica (polled by Serve)."""
@@ -204,7 +266,8 @@ class ModelReplica:
     def _replica_stats(self) -> dict:
         return {"pid": os.getpid(), "node_id": self.node_id,
                 "user_code_thread": self.loop_thread,
-                "preparing": self.stage.busy, "prepare_runs": self.stage.runs}
+                "preparing": self.stage.busy, "prepare_runs": self.stage.runs,
+                "memory": self._memory_stats()}
 
     def report_stats(self) -> dict:
         """What this replica reports to its node's store: its own sections of ``stats()``
@@ -269,7 +332,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     except auth.ApiKeyError as exc:
         raise ProfileError(str(exc)) from None
     profile = keyed_profile(profile, bool(digests))
-    profile = with_planned_hot_budget(profile)  # hot_budget: auto -> bytes (memory plan)
+    # The memory plan: hot_budget: auto -> bytes, each model's KV share and MLX limits.
+    profile, plan = planned(profile)
+    memory = models_memory(plan)
     handles: dict[str, Any] = {}
     for m in profile.models:
         threads = m.cpu_threads or os.cpu_count() or 1
@@ -301,7 +366,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             health_check_period_s=10,
             **options,
         )(ModelReplica)
-        handles[m.name] = replica.bind(m, profile.model_home, profile.cache_store)
+        handles[m.name] = replica.bind(m, profile.model_home, profile.cache_store,
+                                       memory.get(m.name))
     ingress = serve.deployment(
         name="ingress",
         num_replicas=profile.ingress.num_replicas,
@@ -309,7 +375,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                            "runtime_env": {"env_vars": serve_replica_env()}},
         max_ongoing_requests=1000,
     )(Ingress)
-    return ingress.bind(profile, handles, digests)
+    return ingress.bind(profile, handles, digests, plan)
 
 
 def keyed_profile(profile: Profile, keys_on: bool) -> Profile:
@@ -331,11 +397,13 @@ class Ingress(OpenAIIngress):
     """The OpenAI-compatible HTTP front; routes each request to its model's handle."""
 
     def __init__(self, profile: Profile, handles: dict[str, DeploymentHandle],
-                 api_key_digests: list[str] | None = None) -> None:
+                 api_key_digests: list[str] | None = None,
+                 plan: MemoryPlan | None = None) -> None:
         # Before anything else: the keys every route but /health checks (or the
         # WARNING that there are none).
         auth.configure(auth.ApiKeys(api_key_digests or ()))
         self.profile = profile  # validated by the builder, pickled to this replica as is
+        self.plan = plan  # the memory plan, made where the application was built
         self.handles = handles
         # Models routed on cached prefixes: the router needs each prompt's tokens, so
         # requests are prepared here (the replica takes them as they are).
@@ -457,6 +525,16 @@ class Ingress(OpenAIIngress):
 
     async def metrics_text(self) -> str:
         return await gather_node_metrics()
+
+    def memory_bytes(self, name: str) -> int | None:
+        if self.plan is None:
+            return None
+        return next((m.total_bytes for m in self.plan.models if m.name == name), None)
+
+    def memory_report(self, models: dict) -> dict | None:
+        if self.plan is None:
+            return None
+        return memory_report(self.plan, self.profile.memory.budget, models)
 
 
 class _Batches:

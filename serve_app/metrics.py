@@ -105,7 +105,18 @@ METRICS: tuple[MetricDef, ...] = (
     _g("serve_app_running_requests", "replica", "Requests in the running batch."),
     _g("serve_app_queued_requests", "replica", "Admitted requests waiting for a batch slot."),
     _c("serve_app_rejected_requests", "replica",
-       "Requests refused with 429 because the queue was full.", ("model", "reason")),
+       "Requests refused with 429, by reason: `queue_full` (the model's queue was full), "
+       "`kv_budget` (the request's KV alone is over the model's KV budget in the memory "
+       "plan).", ("model", "reason")),
+    _g("serve_app_kv_waiting_requests", "replica",
+       "Admitted requests waiting for the running requests to free KV (the model's KV "
+       "budget in the memory plan)."),
+    _g("serve_app_memory_bytes", "replica",
+       "A model's memory by kind: the plan's `weights`, `kv` (a full batch at full context) "
+       "and `hot_share` (its share of the hot tier), its `kv_budget` (what its running "
+       "requests may reserve), `kv_in_use` (what they reserve now), and MLX's `wired_limit` "
+       "and `cache_limit` as set on Metal (absent where the plan is advisory).",
+       ("model", "kind")),
     _c("serve_app_normalized_requests", "replica",
        "Requests whose prompt a normalization rule changed before templating (a client quirk "
        "that would defeat the prefix cache, such as Claude Code's rotating billing header), "
@@ -368,6 +379,8 @@ def replica_samples(model: str, engine: EngineStats, cache: CacheStats,
         Sample("serve_app_queued_requests", m,
                max(0, engine.in_flight - engine.running_batch_size)),
         Sample("serve_app_rejected_requests", {**m, "reason": "queue_full"}, engine.rejected),
+        Sample("serve_app_rejected_requests", {**m, "reason": "kv_budget"}, engine.kv_rejected),
+        Sample("serve_app_kv_waiting_requests", m, engine.kv_waiting),
         Sample("serve_app_prefix_cache_lookups", m, cache.lookups),
         Sample("serve_app_prefix_cache_missed_tokens", m, cache.missed_tokens),
         Sample("serve_app_prefix_cache_trim_hits", m, cache.trim_hits),
@@ -405,6 +418,20 @@ def replica_samples(model: str, engine: EngineStats, cache: CacheStats,
     for rule, count in dict(normalized).items():
         out.append(Sample("serve_app_normalized_requests", {**m, "rule": rule}, count))
     return out
+
+
+def memory_samples(model: str, memory: dict[str, Any]) -> list[Sample]:
+    """``serve_app_memory_bytes`` of one replica from its memory section (``ModelReplica.
+    _memory_stats``); kinds without a value (no plan, nothing set off Metal) are left out."""
+    planned = memory.get("planned") or {}
+    values = {"weights": planned.get("weights_bytes"), "kv": planned.get("kv_bytes"),
+              "hot_share": planned.get("hot_share_bytes"),
+              "kv_budget": memory.get("kv_budget_bytes"),
+              "kv_in_use": memory.get("kv_in_use_bytes"),
+              "wired_limit": memory.get("wired_limit_bytes"),
+              "cache_limit": memory.get("cache_limit_bytes")}
+    return [Sample("serve_app_memory_bytes", {"model": model, "kind": kind}, value)
+            for kind, value in values.items() if value is not None]
 
 
 def store_samples(stats: StoreStats, names: dict[str, str]) -> list[Sample]:

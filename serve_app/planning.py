@@ -27,11 +27,18 @@ def with_planned_hot_budget(profile: Profile) -> Profile:
     """``profile`` with ``cache_store.hot_budget: auto`` replaced by the plan's bytes (the
     profile itself when it gives bytes). Planned where it is called: the builder runs on
     the head node, so on a cluster every node gets the head's figure."""
-    if profile.cache_store.hot_budget != "auto":
-        return profile
+    return planned(profile)[0]
+
+
+def planned(profile: Profile) -> tuple[Profile, MemoryPlan]:
+    """The profile as served (``with_planned_hot_budget``) and its plan, logged: what the
+    builder hands the replicas (their KV shares, MLX's limits) and the ingress (reports).
+    Planned once, on the node that builds the application."""
     plan = plan_profile(profile)
     for line in (*plan.problems, *plan.notes):
         logger.warning("memory plan: %s", line)
+    if profile.cache_store.hot_budget != "auto":
+        return profile, plan
     logger.info("memory plan: hot tier %d bytes (%s)", plan.hot_bytes, plan.hot_origin)
     store = profile.cache_store.model_copy(update={"hot_budget": plan.hot_bytes})
-    return profile.model_copy(update={"cache_store": store})
+    return profile.model_copy(update={"cache_store": store}), plan

@@ -278,21 +278,29 @@ class OpenAIIngress:
             raise not_ready_error(waiting)
         return {"status": "ok"}
 
+    def memory_bytes(self, name: str) -> int | None:
+        """A model's planned footprint (weights, KV of a full batch at full context, its
+        share of the hot tier); None where there is no plan or it is unknown."""
+        return None
+
+    def memory_report(self, models: dict) -> dict | None:
+        """``/v1/stats``' ``memory`` section from the models' stats (None: no plan)."""
+        return None
+
+    async def _model_entry(self, m: Any) -> dict:
+        """A model in ``/v1/models``: ``status`` is ``loaded`` once its replica answered
+        the readiness probe, ``loading`` until then (every listed model loads at start);
+        ``memory_bytes`` its planned footprint."""
+        ready = await self.model_ready(m.name)
+        return {"id": m.name, "object": "model", "created": 0, "owned_by": "serve_app",
+                "context_length": m.context_length,
+                "status": "loaded" if ready else "loading",
+                "memory_bytes": self.memory_bytes(m.name)}
+
     @api.get("/v1/models")
     async def models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": m.name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "serve_app",
-                    "context_length": m.context_length,
-                }
-                for m in self.profile.models
-            ],
-        }
+        entries = await asyncio.gather(*(self._model_entry(m) for m in self.profile.models))
+        return {"object": "list", "data": list(entries)}
 
     @api.get("/v1/models/{name:path}")
     async def model(self, name: str) -> dict:
@@ -300,12 +308,12 @@ class OpenAIIngress:
         if m is None:
             raise ApiError(404, f"model {name!r} does not exist", type="not_found_error",
                            param="model", code="model_not_found")
-        return {"id": m.name, "object": "model", "created": 0, "owned_by": "serve_app",
-                "context_length": m.context_length}
+        return await self._model_entry(m)
 
     @api.get("/v1/stats")
     async def stats(self) -> dict:
-        return {"models": await self.model_stats()}
+        models = await self.model_stats()
+        return {"models": models, "memory": self.memory_report(models)}
 
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
