@@ -88,6 +88,14 @@ SERVE_REPLICA_ENV = {
 }
 
 
+# Ray's internal settings (``ray.init(_system_config=...)``, names from Ray 2.60's
+# ``ray_config_def.h``) for ``serve_app.launch``: Ray keeps up to one idle worker process
+# per CPU for tasks and prestarts one for the driver (``ray::IDLE``, ~80 MiB each); Serve
+# runs every replica, the controller, the proxy and our cache store as actors, each in a
+# process of its own, so a pooled idle worker serves nothing here.
+LEAN_RAY_SYSTEM_CONFIG = {"num_workers_soft_limit": 0, "prestart_worker_first_driver": False}
+
+
 def run_serve_cli(args: list[str]) -> int:
     """Serve's ``serve run`` command (``ray.serve.scripts.run``, a click command) in this
     process, on the Ray this process has already started; its exit status.

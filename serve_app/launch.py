@@ -4,7 +4,8 @@
 processes and their fork server (~1 GB resident, measured by ``bench/serving.py``).
 Ray lets only the process that starts a cluster choose that (``ray.init``'s
 ``include_dashboard``; no environment variable or Serve config field reaches it), so
-this command starts Ray itself, without the dashboard, then runs Serve's own
+this command starts Ray itself, without the dashboard and without a pool of idle
+workers (every process of ours is an actor; ~80 MiB), then runs Serve's own
 ``serve run`` in the same process: the same config parsing, deployment, console and
 Ctrl-C handling, and when it exits, the cluster it started goes with it.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import ray
 
-from serve_app.compat import run_serve_cli
+from serve_app.compat import LEAN_RAY_SYSTEM_CONFIG, run_serve_cli
 
 SERVE_NAMESPACE = "serve"  # where ``serve run`` puts Serve (ray.serve._private.constants)
 
@@ -26,7 +27,8 @@ SERVE_NAMESPACE = "serve"  # where ``serve run`` puts Serve (ray.serve._private.
 def serve(config: str, dashboard: bool = False) -> int:
     """Start a local Ray (without its dashboard unless ``dashboard``), then ``serve run
     config`` on it until interrupted; the exit status of ``serve run``."""
-    ray.init(namespace=SERVE_NAMESPACE, include_dashboard=dashboard)
+    ray.init(namespace=SERVE_NAMESPACE, include_dashboard=dashboard,
+             _system_config=LEAN_RAY_SYSTEM_CONFIG)
     try:
         return run_serve_cli([config])
     finally:

@@ -61,7 +61,7 @@ def test_it_serves_with_metrics_and_without_the_dashboards_processes(lean):
     assert any("ServeReplica" in line for line in lines), lines  # the tree is ours
     assert any("dashboard.py" in line for line in lines)  # Ray's minimal head stays
     assert not [line for line in lines if "ray-dashboard-" in line or
-                "multiprocessing.forkserver" in line], lines
+                "multiprocessing.forkserver" in line or "ray::IDLE" in line], lines
 
 
 def test_a_bad_profile_is_refused_before_ray_starts(tmp_path):
