@@ -207,7 +207,9 @@ STAGING_SSD = (
         Query("sum(rate(ray_serve_app_cache_staging_backpressure_seconds_total"
               "[$__rate_interval]))", "seconds waited per second"),
         Query("sum(rate(ray_serve_app_cache_staging_inline_writes_total[$__rate_interval]))",
-              "inline writes per second"))),
+              "inline writes per second"),
+        Query("sum(rate(ray_serve_app_cache_oversized_snapshot_blocks_total"
+              "[$__rate_interval]))", "blocks kept out of RAM (oversized) per second"))),
     PanelSpec("SSD restore reads", "Bps", (
         Query(rate("ray_serve_app_prefix_cache_ssd_read_bytes_total", "model"), "{{model}}"),)),
     PanelSpec("SSD restore read time", "percentunit", (

@@ -141,6 +141,8 @@ class ModelReplica:
         self.machine = probe_machine()
         if memory is not None:
             self.service.engine.set_memory_limits(memory.limits(self.machine))
+            if memory.hot_share_bytes > 0:  # a larger conversation is kept out of RAM
+                self.service.cache.snapshot_limit_bytes = memory.hot_share_bytes
         if client is not None and self.service.cache.enabled:
             client.activate(self.profile.name, self.service.cache.identity,
                             self.service.layout.digest, timeout=120)

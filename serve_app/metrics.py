@@ -38,7 +38,7 @@ PUMP_INTERVAL_S = 1.0
 
 TIERS = tuple(Tier)
 MISS_REASONS = ("new_prefix", "diverged", "evicted", "no_checkpoint", "incompatible",
-                "restore_failed", "disabled", "store_unavailable")
+                "restore_failed", "disabled", "store_unavailable", "oversized_snapshot_skipped")
 WRITE_RESULTS = ("done", "failed", "dropped")
 PHASES = ("prepare", "plan", "queue", "prefill")
 DROP_REASONS = ("publish", "hot_full", "ssd_low_space", "ssd_budget", "ssd_write_budget")
@@ -204,6 +204,10 @@ METRICS: tuple[MetricDef, ...] = (
        "Seconds producers waited because staging was full.", ()),
     _c("serve_app_cache_staging_inline_writes", "store",
        "Writes done by the producer itself because staging stayed full.", ()),
+    _c("serve_app_cache_oversized_snapshot_blocks", "store",
+       "Blocks kept out of RAM because their conversation is larger than its model's share "
+       "of the hot tier (`oversized_snapshot_skipped`): written to SSD only, or dropped "
+       "without an SSD tier.", ()),
     _c("serve_app_cache_staging_writes", "store",
        "SSD writes by result (`dropped`: skipped for the free-space floor, a budget full of "
        "pinned files or the hourly write budget; a full staging buffer waits, never drops).",
@@ -457,6 +461,7 @@ def store_samples(stats: StoreStats, names: dict[str, str]) -> list[Sample]:
         Sample("serve_app_cache_staging_backpressure_seconds", {},
                staging.backpressure_seconds),
         Sample("serve_app_cache_staging_inline_writes", {}, staging.inline_writes),
+        Sample("serve_app_cache_oversized_snapshot_blocks", {}, staging.oversized_skipped),
     ]
     writes = {"done": staging.writes_done, "failed": staging.writes_failed,
               "dropped": stats.writes_dropped}

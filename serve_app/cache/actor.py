@@ -134,7 +134,7 @@ class CacheStore:
 
     # Bumped whenever a method's signature changes: the actor is detached and outlives
     # a redeploy, so replicas of new code may find one running the old code.
-    PROTOCOL = 5  # 2: put carries the block's token ids; 3: export to other nodes;
+    PROTOCOL = 6  # 2: put carries the block's token ids; 3: export to other nodes;
     # 4: replicas report their stats (report_replica, replica_reports); 5: match
 
     def __init__(self, config: CacheStoreProfile,
@@ -166,11 +166,11 @@ class CacheStore:
     @ray.method(concurrency_group="puts")
     def put(self, model: str, block_id: str, parent_id: str, nbytes: int,
             has_checkpoint: bool, refs: list, disk: DiskInfo | None,
-            token_ids: tuple[int, ...] = ()) -> bool:
+            token_ids: tuple[int, ...] = (), keep_hot: bool = True) -> bool:
         """Store a block; the reply is the replica's acknowledgement (False: dropped)."""
         entry = HotEntry(block_id, parent_id, nbytes, has_checkpoint, handle=refs[0], model=model,
                          token_ids=tuple(token_ids))
-        return self.tiers.put(entry, disk)
+        return self.tiers.put(entry, disk, keep_hot=keep_hot)
 
     def count_dropped(self, reason: str, n: int) -> None:
         """Blocks a replica could not hand over (``reason`` is "publish")."""
@@ -670,7 +670,7 @@ class RayCacheClient(CacheClient):
                 ref = ray.put(block.payload)
                 ack = self.actor.put.remote(model, block.block_id, block.parent_id,
                                             block.nbytes, block.has_checkpoint, [ref], disk,
-                                            block.token_ids)
+                                            block.token_ids, block.keep_hot)
                 ack.future().add_done_callback(
                     lambda f, seq=seq, bid=block.block_id: self._acked(seq, bid, f))
             except Exception:

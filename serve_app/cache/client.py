@@ -128,6 +128,7 @@ class FetchedChain:
     ssd_bytes: int = 0
     ssd_seconds: float = 0.0
     store_error: str | None = None  # the store failed (its kind): nothing was looked up
+    first_missing_skipped: bool = False  # kept out of RAM, too large (no SSD tier)
 
     @property
     def full_blocks(self) -> int:
@@ -297,7 +298,8 @@ class CacheClient:
             return FetchedChain(found.present, found.walkbacks, payloads, found.lease,
                                 found.first_missing_evicted, tiers, rejects, incompatible,
                                 reason, found.partial, found.block_tokens(req.block_size),
-                                loads, ssd_bytes, (toc - tic) if ssd_bytes else 0.0)
+                                loads, ssd_bytes, (toc - tic) if ssd_bytes else 0.0,
+                                first_missing_skipped=found.first_missing_skipped)
         return FetchedChain(0, 0, [], None, False, [], rejects, incompatible, reason)
 
     def _release_soon(self, lease: int | None) -> None:
@@ -450,7 +452,7 @@ class LocalCacheClient(CacheClient):
 
     def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None,
                 wait: bool = True) -> None:
-        self.store.put(entry_for(model, block, block.payload), disk)
+        self.store.put(entry_for(model, block, block.payload), disk, keep_hot=block.keep_hot)
 
     async def _match(self, q: MatchQuery) -> Match:
         return self.store.match(q)

@@ -138,6 +138,10 @@ def miss_reason(found: FetchedChain, restored: int, block_size: int) -> Miss:
     where = found.present * block_size + (found.partial.tokens if cut and found.partial else 0)
     if found.first_missing_evicted:
         return Miss("evicted", f"evicted at token {where}")
+    if found.first_missing_skipped:
+        return Miss("oversized_snapshot_skipped",
+                    f"not kept at token {where}: the conversation is larger than the model's "
+                    "share of the hot tier (and there is no SSD tier)")
     if found.present == 0:
         return Miss("new_prefix", "new prefix")
     return Miss("diverged", f"diverged at token {where}")
@@ -300,6 +304,9 @@ class RequestPlan:
     # shares the prompt up to that point restores exactly to it.
     branch_points: tuple[int, ...] = ()
     lease: int | None = None  # the store's pins on the restored blocks, until copied
+    # Blocks that end past this many tokens of the conversation are not kept in RAM: the
+    # conversation is larger than the model's share of the hot tier (None: no limit).
+    ram_tokens: int | None = None
     # Progress, kept by the plan as the engine reports it:
     restored: int = field(default=0, init=False)  # tokens the request really started from
     captured: int = field(default=0, init=False)  # tokens covered by the blocks captured
@@ -380,8 +387,9 @@ class RequestPlan:
         While decoding only the newest checkpoint keeps its state: the one it
         replaces is published as KV only.
         """
+        keep_hot = self.ram_tokens is None or capture.end <= self.ram_tokens
         item = Published(CapturedBlock(capture.block_id, capture.parent_id, payload,
-                                       token_ids=capture.token_ids),
+                                       token_ids=capture.token_ids, keep_hot=keep_hot),
                          capture.tokens, capture.tail)
         if not capture.hold:
             return self._send([item])
@@ -519,6 +527,9 @@ class CacheManager:
             breaker_failures=breaker.threshold, breaker_cool_down_s=breaker.cool_down_s)
         # A "long" cached prompt, for cache-bust diagnostics: four blocks or more.
         self.divergence = DivergenceTracker(settings.model, 4 * settings.block_size)
+        # The model's share of the hot tier (the memory plan's; None: no limit): a
+        # conversation larger than that is not kept in RAM (``ram_tokens``).
+        self.snapshot_limit_bytes: int | None = None
 
     @classmethod
     def for_model(cls, profile: ModelProfile, layout: Layout, client: CacheClient | None,
@@ -571,7 +582,19 @@ class CacheManager:
         stats.fetch_seconds += time.perf_counter() - tic
         restore = self._count(found, len(prompt), restorable)
         return RequestPlan(bs, root, ids, restore, self.publish, self.settings.checkpoint_every,
-                           branch_points, found.lease)
+                           branch_points, found.lease, self.ram_tokens())
+
+    def ram_tokens(self) -> int | None:
+        """How long a conversation may grow with its blocks kept in RAM: the tokens whose
+        KV, with one recurrent checkpoint, fit in ``snapshot_limit_bytes`` (the model's
+        share of the hot tier). A longer one is still served and cached, but past that
+        point on SSD only: in RAM it would evict everything else, then itself."""
+        limit = self.snapshot_limit_bytes
+        per_token = self.layout.block_nbytes(1) if limit is not None else 0
+        if limit is None or per_token <= 0:
+            return None
+        state = self.layout.state_nbytes() if self.layout.hybrid else 0
+        return max(0, (limit - state) // per_token)
 
     async def _fetch(self, client: CacheClient, req: FetchRequest) -> FetchedChain:
         """The local store's answer; a store that fails, times out or is skipped (its

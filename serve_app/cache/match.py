@@ -106,6 +106,7 @@ class Match:
     present: int = 0
     walkbacks: int = 0
     first_missing_evicted: bool = False
+    first_missing_skipped: bool = False  # kept out of RAM as too large, and no SSD tier
     lease: int | None = None
     store_epoch: str | None = None  # the store's incarnation (set by the Ray actor)
 

@@ -148,6 +148,9 @@ class CapturedBlock:
     payload: BlockPayload
     lossy: bool = False  # its checkpoint was decoded from a lossy sidecar codec
     token_ids: tuple[int, ...] = ()  # its own tokens, for the store's prefix tree
+    # False: its conversation is larger than the model's share of the hot tier, so the
+    # store keeps it out of RAM (on SSD only, when there is an SSD tier).
+    keep_hot: bool = True
 
     @property
     def has_checkpoint(self) -> bool:

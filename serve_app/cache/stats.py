@@ -40,6 +40,10 @@ class StagingStats:
     writes_done: int = 0
     writes_failed: int = 0
     dropped_hot_full: int = 0  # rejected by a full hot tier with no SSD tier to keep them
+    # Blocks of conversations larger than their model's share of the hot tier: kept out
+    # of RAM (on SSD only; dropped without an SSD tier).
+    oversized_skipped: int = 0
+    oversized_skipped_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from serve_app.cache.tree import PrefixTree, Walk
 logger = logging.getLogger(__name__)
 
 BACKPRESSURE_WAIT_S = 0.5
+REMEMBER_SKIPPED = 65536  # ids of blocks kept out of RAM, for miss reasons
 GONE = "gone"  # the digest of a file evicted before a lookup could capture it: matches none
 LEASE_TTL_S = 120.0  # a restore copies its blocks in well under this
 MIN_CUT_TOKENS = 1  # the fewest tokens worth cutting a stored block to
@@ -84,6 +85,9 @@ class TieredStore:
         self.staging = StagingStats()
         self._resolve = resolve
         self._pending: OrderedDict[str, PendingWrite] = OrderedDict()
+        # Blocks kept out of RAM as too large with no SSD tier to take them (newest last):
+        # a lookup that misses one says why (``Match.first_missing_skipped``).
+        self._skipped: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._leases: dict[int, tuple[int | None, list[str], float]] = {}
@@ -117,10 +121,24 @@ class TieredStore:
 
     # ---- puts and write-behind -----------------------------------------------------------
 
-    def put(self, entry: HotEntry, disk: DiskInfo | None) -> bool:
-        """Store a block; False if it was dropped (counted): no tier could keep it."""
+    def put(self, entry: HotEntry, disk: DiskInfo | None, keep_hot: bool = True) -> bool:
+        """Store a block; False if it was dropped (counted): no tier could keep it.
+
+        ``keep_hot`` False: its conversation is larger than its model's share of the hot
+        tier, so it goes to the SSD tier only (staged, then written), and is dropped
+        without one (``oversized_skipped``; a lookup that misses it says so)."""
         with self._lock:
-            in_hot = self.hot.put(entry)
+            if keep_hot:
+                in_hot = self.hot.put(entry)
+            else:
+                in_hot = False
+                self.staging.oversized_skipped += 1
+                self.staging.oversized_skipped_bytes += entry.nbytes
+                if self.ssd is None or disk is None:
+                    self._skipped[entry.block_id] = None
+                    if len(self._skipped) > REMEMBER_SKIPPED:
+                        self._skipped.popitem(last=False)
+                    return False
             if self.ssd is None or disk is None or entry.block_id in self._pending:
                 # disk None: promoted from SSD, where it stays.
                 if not in_hot and disk is not None and self.ssd is None:
@@ -140,6 +158,8 @@ class TieredStore:
             inline = self.staging.pending_bytes + entry.nbytes > self.pending_max_bytes
             if not inline:
                 self._pending[entry.block_id] = PendingWrite(entry, disk)
+                if not in_hot:  # the tree learns of it from staging (the hot tier says nothing)
+                    self._mark_changed(entry.block_id)
                 self.staging.pending_bytes += entry.nbytes
                 self.staging.peak_pending_bytes = max(self.staging.peak_pending_bytes,
                                                       self.staging.pending_bytes)
@@ -265,6 +285,7 @@ class TieredStore:
                 self.hot.touch(partial.block_id)
             touched = [seen.get(bid) for bid in ssd_ids] + [sidecar]
             evicted = present < len(q.block_ids) and self.hot.was_evicted(q.block_ids[present])
+            skipped = present < len(q.block_ids) and q.block_ids[present] in self._skipped
             cut = partial.partial if partial is not None else None
             self.hot.stats.lookups += 1
             self.hot.stats.hit_blocks += restore
@@ -273,7 +294,7 @@ class TieredStore:
         if self.ssd is not None:
             for disk_entry in touched:
                 self.ssd.touch(disk_entry)  # file mtimes: outside the lock
-        return Match(ids, sources, cut, present, present - restore, evicted, lease)
+        return Match(ids, sources, cut, present, present - restore, evicted, skipped, lease)
 
     def _restore_point(self, q: MatchQuery, sources: list[Source], seen: dict[str, DiskEntry]
                        ) -> tuple[int, PartialHit | None]:
