@@ -365,13 +365,14 @@ def test_the_builder_hands_on_digests_never_keys(tmp_path, monkeypatch):
     key_file.chmod(0o600)
     monkeypatch.setenv(auth.ENV_VAR, f"{KEY_A},{KEY_B}")
     app = build_app({"models": MODELS, "ingress": {"api_keys_file": str(key_file)}})
-    profile, handles, digests = app._bound_deployment.init_args
+    profile, handles, digests, plan = app._bound_deployment.init_args
     assert sorted(digests) == sorted(auth.digest(k) for k in (KEY_A, KEY_B, KEY_FILE_KEY))
     assert profile.ingress.api_keys_file is None
     assert all(m.cache.isolate_by_api_key for m in profile.models)
     for handle in handles.values():
         assert handle._bound_deployment.init_args[0].cache.isolate_by_api_key
-    text = repr([profile, digests] + [h._bound_deployment.init_args for h in handles.values()])
+    text = repr([profile, digests, plan]
+                + [h._bound_deployment.init_args for h in handles.values()])
     assert not any(k in text for k in (KEY_A, KEY_B, KEY_FILE_KEY, str(key_file)))
     # Set but empty, or a key file others can read: no deploy (never served open).
     monkeypatch.setenv(auth.ENV_VAR, " ")
@@ -382,7 +383,7 @@ def test_the_builder_hands_on_digests_never_keys(tmp_path, monkeypatch):
     with pytest.raises(ProfileError, match="mode 0644"):
         build_app({"models": MODELS, "ingress": {"api_keys_file": str(key_file)}})
     # No keys: nothing changes.
-    profile, _, digests = build_app({"models": MODELS})._bound_deployment.init_args
+    profile, _, digests, _ = build_app({"models": MODELS})._bound_deployment.init_args
     assert digests == [] and not any(m.cache.isolate_by_api_key for m in profile.models)
 
 
