@@ -5,7 +5,6 @@ elsewhere."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import mlx.core as mx
@@ -14,22 +13,9 @@ import pytest
 
 from serve_app.embedded import materialize
 from serve_app.memory import KV_STEP_TOKENS, MemoryLimits, cache_shape_from_layout
-from serve_app.serving.engine import Engine, EngineEvent, KVBudgetError
+from serve_app.serving.engine import Engine, KVBudgetError
 from serve_app.serving.sampling import SamplingParams
-
-
-class Collector:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.finish: EngineEvent | None = None
-        self.done = threading.Event()
-
-    def __call__(self, event: EngineEvent) -> None:
-        if event.token is not None:
-            self.tokens.append(event.token)
-        if event.finish_reason or event.error:
-            self.finish = event
-            self.done.set()
+from tests.test_engine import Collector
 
 
 @pytest.fixture(scope="module", params=["tiny-dense", "tiny-hybrid"])
