@@ -396,6 +396,9 @@ class Engine:
         # Free MLX state on the thread that made it: arrays of this thread's
         # stream destroyed at interpreter exit abort the process.
         self._generator = None
+        # The model's weights go with the engine (a model pool unloads it): this thread
+        # stays parked below, holding the engine, so it must not hold the weights too.
+        self.model = None
         mx.synchronize()
         self._stopped.set()
         # Park instead of returning: when a thread that used MLX exits, its
