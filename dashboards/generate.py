@@ -96,7 +96,23 @@ SERVING = (
               "{{model}} {{kind}}"),),
         "The memory plan per model: weights, kv (a full batch at full context), hot_share "
         "(its part of the hot tier), kv_budget (what its running requests may reserve), "
-        "kv_in_use (what they reserve now); wired_limit and cache_limit as set on Metal."),
+        "kv_in_use (what they reserve now); wired_limit and cache_limit as set on Metal; "
+        "process_rss (the replica process). Weights and KV are 0 while a model is unloaded."),
+    PanelSpec("Model pool: loaded models, loads and unloads", "short", (
+        Query(f"max by (model) (ray_serve_app_model_loaded{{{MODEL}}})", "loaded {{model}}"),
+        Query(f"sum by (model) (increase(ray_serve_app_model_loads_total{{{MODEL}}}[5m]))",
+              "loads {{model}}"),
+        Query(f"sum by (model, reason) (increase(ray_serve_app_model_unloads_total"
+              f"{{{MODEL}}}[5m]))", "unloads {{model}} {{reason}}")),
+        "1 while a model is in memory; loads and unloads by the model pool in the last 5 "
+        "minutes (unloads by reason: capacity, idle)."),
+    PanelSpec("Model load time (mean)", "s", (
+        Query(ratio(f"sum by (model) (increase(ray_serve_app_model_load_seconds_total"
+                    f"{{{MODEL}}}[15m]))",
+                    f"sum by (model) (increase(ray_serve_app_model_loads_total{{{MODEL}}}"
+                    "[15m]))"), "{{model}}"),),
+        "What a request that finds its model unloaded waits for it (load and warm-up), "
+        "over the last 15 minutes."),
     PanelSpec("Waiting for KV", "short", (
         Query(f"sum by (model) (ray_serve_app_kv_waiting_requests{{{MODEL}}})",
               "{{model}}"),),

@@ -11,8 +11,9 @@ import asyncio
 import logging
 import os
 import threading
+import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,15 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.api import auth
 from serve_app.api.http import OpenAIIngress, api
 from serve_app.compat import TOKENIZER_FILES, download_model, serve_replica_env
-from serve_app.memory import MemoryPlan, ModelMemory, memory_report, models_memory, probe_machine
+from serve_app.memory import (
+    MemoryPlan,
+    ModelMemory,
+    memory_report,
+    models_memory,
+    probe_machine,
+    process_rss_bytes,
+    trim_malloc,
+)
 from serve_app.metrics import (
     MetricsPump,
     RayRecorder,
@@ -36,6 +45,16 @@ from serve_app.metrics import (
     zero_at_start,
 )
 from serve_app.planning import planned
+from serve_app.pool import (
+    CAPACITY_RETRY_AFTER_S,
+    PoolCapacityError,
+    PoolEvent,
+    PoolGate,
+    PoolLoadError,
+    loaded_at_start,
+    pool_for,
+    pooled,
+)
 from serve_app.profile import (
     CacheStoreProfile,
     ModelProfile,
@@ -48,7 +67,9 @@ from serve_app.serving.events import Event
 from serve_app.serving.request import ApiError, Caller, OpenAIRequest
 
 if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
+    from serve_app.cache.actor import RayCacheClient
     from serve_app.serving.prepare import PreparedRequest, Preparer
+    from serve_app.serving.service import ModelService
 
 logger = logging.getLogger("ray.serve")
 
@@ -67,6 +88,13 @@ def kv_budget_error(message: str) -> ApiError:
     the memory plan (it would never be admitted; a smaller ``max_tokens`` may be)."""
     return ApiError(429, message, type="rate_limit_error", code="kv_budget_exceeded",
                     headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def model_capacity_error(message: str) -> ApiError:
+    """503 ``model_capacity`` with Retry-After: the request's model is not loaded and the
+    pool can unload nothing to make room (every loaded model is pinned or busy)."""
+    return ApiError(503, message, type="service_unavailable", code="model_capacity",
+                    headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)})
 
 
 def queue_full_error(message: str) -> ApiError:
@@ -105,18 +133,19 @@ class PrepareStage:
 
 
 class ModelReplica:
-    """Loads one model and serves it through a ``ModelService``."""
+    """Serves one model through a ``ModelService``; the model pool (``serve_app.pool``,
+    run by the ingress) loads and unloads the model inside this process, which keeps its
+    cache client (the SSD tier's conversations come back after a reload)."""
 
     def __init__(self, profile: ModelProfile, model_home: str | None,
-                 cache_store: CacheStoreProfile, memory: ModelMemory | None = None) -> None:
+                 cache_store: CacheStoreProfile, memory: ModelMemory | None = None,
+                 load_at_start: bool = True) -> None:
         from serve_app.cache.actor import DirectoryFollower, RayCacheClient, get_or_create_actor
         from serve_app.cache.client import CircuitBreaker
-        from serve_app.serving.service import ModelService, load_model
 
         self.profile = profile  # validated by the builder, pickled to this replica as is
-        home = Path(model_home).expanduser() if model_home else None
-        model, tokenizer, model_dir = load_model(self.profile, home)
-        client = actor = None
+        self.model_home = Path(model_home).expanduser() if model_home else None
+        client = None
         self.node_id = ray.get_runtime_context().get_node_id()
         self.loop_thread: str | None = None  # where Serve runs our async code (stats)
         if self.profile.cache.enabled:
@@ -133,37 +162,102 @@ class ModelReplica:
                 reconnect=lambda: get_or_create_actor(cache_store),
                 breaker=CircuitBreaker(cache_store.breaker_failures,
                                        cache_store.breaker_cool_down_s))
-        recorder = RayRecorder("replica", serve=True)
-        self.service = ModelService(self.profile, model, tokenizer, model_dir, client, recorder)
+        self.client = client
+        self.recorder = RayRecorder("replica", serve=True)
         # This model's part of the memory plan: MLX's limits (on Metal; advisory elsewhere)
-        # before the warm-up, the KV budget after it (so the warm-up never waits on it).
+        # and its KV budget, applied at every load.
         self.memory = memory
         self.machine = probe_machine()
-        if memory is not None:
-            self.service.engine.set_memory_limits(memory.limits(self.machine))
-            if memory.hot_share_bytes > 0:  # a larger conversation is kept out of RAM
-                self.service.cache.snapshot_limit_bytes = memory.hot_share_bytes
-        if client is not None and self.service.cache.enabled:
-            client.activate(self.profile.name, self.service.cache.identity,
-                            self.service.layout.digest, timeout=120)
-        # Serve routes nothing here before __init__ returns: warming up now keeps
-        # MLX's first-use cost out of the first user request.
-        seconds = self.service.warm_up()
-        if memory is not None:
-            self.service.engine.set_kv_budget(memory.kv_share_bytes)
+        # The model, while loaded (None: unloaded by the pool, or not loaded yet).
+        self.service: ModelService | None = None
+        self.loads = self.unloads = 0
+        self.demoted = (0, 0)  # blocks, bytes of the last unload taken out of the hot tier
+        self.active = 0  # generate / count_tokens calls here now (unload waits for none)
+        self._transition: asyncio.Lock | None = None
         # Templating and tokenizing a long prompt must not stall other streams.
         self.stage = PrepareStage()
         self.prepare_pool = self.stage.pool
+        if load_at_start:
+            # Serve routes nothing here before __init__ returns: loading and warming up
+            # now keeps MLX's first-use cost out of the first user request.
+            self._load()
         # Every second: the metrics, then this replica's stats to its node's store, so
         # /v1/stats answered by another replica shows this one too (serve_app.replicas).
-        self.client = client
-        self.pump = MetricsPump(recorder, self.metric_samples,
+        self.pump = MetricsPump(self.recorder, self.metric_samples,
                                 also=self.report if client is not None else None).start()
-        logger.info("model %s ready (source %s; warm-up %.2f s)", self.profile.name,
-                    self.profile.source, seconds)
+
+    # ---- the model pool: load and unload inside this process ------------------------------
+
+    def _load(self) -> ModelService:
+        """Load the model and warm it up (blocking: ``__init__``, or a worker thread)."""
+        from serve_app.serving.service import ModelService, load_model
+
+        tic = time.perf_counter()
+        model, tokenizer, model_dir = load_model(self.profile, self.model_home)
+        service = ModelService(self.profile, model, tokenizer, model_dir, self.client,
+                               self.recorder)
+        memory = self.memory
+        if memory is not None:  # MLX's limits before the warm-up
+            service.engine.set_memory_limits(memory.limits(self.machine))
+            if memory.hot_share_bytes > 0:  # a larger conversation is kept out of RAM
+                service.cache.snapshot_limit_bytes = memory.hot_share_bytes
+        if self.client is not None and service.cache.enabled:
+            self.client.activate(self.profile.name, service.cache.identity,
+                                 service.layout.digest, timeout=120)
+        seconds = service.warm_up()
+        if memory is not None:  # the KV budget after it (the warm-up never waits on it)
+            service.engine.set_kv_budget(memory.kv_share_bytes)
+        self.service = service
+        self.loads += 1
+        logger.info("model %s ready (source %s; loaded in %.2f s, warm-up %.2f s)",
+                    self.profile.name, self.profile.source, time.perf_counter() - tic, seconds)
+        return service
+
+    @property
+    def transition(self) -> asyncio.Lock:
+        if self._transition is None:  # made on Serve's loop, which uses it
+            self._transition = asyncio.Lock()
+        return self._transition
+
+    async def _loaded(self) -> ModelService:
+        """The loaded service, loading it first when the pool unloaded it."""
+        service = self.service
+        if service is not None:
+            return service
+        async with self.transition:
+            if self.service is None:
+                await asyncio.to_thread(self._load)
+            assert self.service is not None
+            return self.service
+
+    async def load(self) -> str:
+        """Load the model (the pool's call); returns once it is loaded and warmed."""
+        await self._loaded()
+        return "loaded"
+
+    async def unload(self) -> bool:
+        """Free the model (the pool's call): its engine, weights and KV, and MLX's buffer
+        cache. Refused (False) while a request is here; True when it is unloaded."""
+        async with self.transition:
+            service = self.service
+            if service is None:
+                return True
+            if self.active or self.stage.busy or service.engine.stats.in_flight:
+                return False
+            self.service = None
+            self.demoted = await asyncio.to_thread(_free, service, self.client)
+            self.unloads += 1
+            logger.info("model %s unloaded (memory freed; its SSD cache stays)",
+                        self.profile.name)
+            return True
+
+    async def status(self) -> str:
+        """``loaded`` or ``unloaded`` (the pool's view of this replica)."""
+        return "unloaded" if self.service is None else "loaded"
 
     async def ready(self) -> bool:
-        """Answered only once __init__ (load and warm-up) is done: the ingress's probe."""
+        """Answered only once __init__ (load and warm-up, for a model loaded at start) is
+        done: the ingress's probe."""
         self.loop_thread = threading.current_thread().name
         return True
 
@@ -176,106 +270,131 @@ class ModelReplica:
     async def generate(self, request: OpenAIRequest | PreparedRequest,
                        caller: Caller) -> AsyncIterator[list[Event]]:
         """Event batches for one request, which the ingress has already validated (and,
-        where replicas are routed on prefixes, prepared: the router needed its tokens)."""
+        where replicas are routed on prefixes, prepared: the router needed its tokens).
+        An unloaded model is loaded first (the pool loads it before it sends requests;
+        this covers a request that reached an unloaded replica anyway)."""
         from serve_app.serving.prepare import PreparedRequest
 
+        self.active += 1
         try:
-            self._admit()  # before any templating: a full model costs nothing more
-            if isinstance(request, PreparedRequest):
-                prepared = request
-            else:
-                prepared = await self.stage.run(self.service.prepare, request, caller)
-            # A request whose KV alone is over the model's KV budget: 429 before its grammar.
-            self._admit_kv(prepared)
-            # Grammars compile here, off the event loop (cached per schema).
-            processors = await self.stage.run(self.service.constraints, prepared)
-        except ApiError as exc:
-            yield [exc.to_failure()]
-            return
-        async for events in self.service.stream(prepared, processors):
-            yield events
+            try:
+                service = await self._loaded()
+                self._admit(service)  # before any templating: a full model costs nothing
+                if isinstance(request, PreparedRequest):
+                    prepared = request
+                else:
+                    prepared = await self.stage.run(service.prepare, request, caller)
+                # A request whose KV alone is over the model's KV budget: 429 before its
+                # grammar.
+                self._admit_kv(service, prepared)
+                # Grammars compile here, off the event loop (cached per schema).
+                processors = await self.stage.run(service.constraints, prepared)
+            except ApiError as exc:
+                yield [exc.to_failure()]
+                return
+            async for events in service.stream(prepared, processors):
+                yield events
+        finally:
+            self.active -= 1
 
     async def count_tokens(self, request: OpenAIRequest, caller: Caller) -> int:
         """Prompt tokens of a request, templated as it would be served (no generation)."""
-        self._admit()  # the same admission as a generation
-        return await self.stage.run(self.service.preparer.count, request)
+        self.active += 1
+        try:
+            service = await self._loaded()
+            self._admit(service)  # the same admission as a generation
+            return await self.stage.run(service.preparer.count, request)
+        finally:
+            self.active -= 1
 
-    def _admit(self) -> None:
+    def _admit(self, service: ModelService) -> None:
         """429 when the engine is full or too many requests wait to be prepared."""
-        engine = self.service.engine
+        engine = service.engine
         if engine.at_capacity():
             raise queue_full_error(engine.capacity_message())
         self.stage.admit(self.profile.name)
 
-    def _admit_kv(self, prepared: PreparedRequest) -> None:
+    def _admit_kv(self, service: ModelService, prepared: PreparedRequest) -> None:
         """429 ``kv_budget_exceeded`` for a request that could never be admitted (the
         engine would refuse it too, as ``queue_full``); one that fits waits in the engine
         while the running requests' KV leaves no room for it."""
         from serve_app.serving.engine import KVBudgetError
 
         try:
-            self.service.engine.check_kv(len(prepared.prompt), prepared.params.max_tokens)
+            service.engine.check_kv(len(prepared.prompt), prepared.params.max_tokens)
         except KVBudgetError as exc:
             raise kv_budget_error(str(exc)) from None
 
     def metric_samples(self) -> list:
         """The service's samples and this model's memory (the metrics pump's thread)."""
-        return self.service.metric_samples() + memory_samples(self.profile.name,
-                                                              self._memory_stats())
+        service = self.service
+        own = service.metric_samples() if service is not None else []
+        return own + memory_samples(self.profile.name, self._memory_stats(service))
 
-    def _memory_stats(self) -> dict:
+    def _memory_stats(self, service: ModelService | None) -> dict:
         """This model's memory on its node: the plan's numbers, the KV budget and what the
         running requests reserve of it, MLX's limits where set (``advisory``: none is,
-        off Metal)."""
-        engine = self.service.engine
-        snap = engine.snapshot()
-        limits = engine.applied_limits
+        off Metal); ``loaded``: False while the pool has it unloaded (then it holds no
+        weights and no KV); ``process_rss_bytes``: this replica's resident memory now."""
+        engine = service.engine if service is not None else None
+        snap = engine.snapshot() if engine is not None else None
+        limits = engine.applied_limits if engine is not None else None
         m = self.memory
         return {
+            "loaded": service is not None,
             "total_memory_bytes": self.machine.total_bytes,
             "gpu_working_set_bytes": self.machine.gpu_working_set_bytes,
             "advisory": limits is None,
             "planned": None if m is None else {
                 "weights_bytes": m.weights_bytes, "kv_bytes": m.kv_bytes,
                 "hot_share_bytes": m.hot_share_bytes, "total_bytes": m.total_bytes},
-            "kv_budget_bytes": engine.kv_budget_bytes,
-            "kv_in_use_bytes": snap.kv_in_use_bytes,
-            "kv_waiting": snap.kv_waiting,
+            "kv_budget_bytes": engine.kv_budget_bytes if engine is not None else None,
+            "kv_in_use_bytes": snap.kv_in_use_bytes if snap is not None else 0,
+            "kv_waiting": snap.kv_waiting if snap is not None else 0,
             "wired_limit_bytes": limits.wired_bytes if limits is not None else None,
             "cache_limit_bytes": limits.cache_bytes if limits is not None else None,
+            "process_rss_bytes": process_rss_bytes(),
         }
 
     def record_routing_stats(self) -> dict:
         """What the prefix-affinity router needs of this replica (polled by Serve)."""
         from serve_app.cluster.routing import ReplicaInfo
 
-        cache, engine = self.service.cache, self.service.engine.stats
-        if not cache.enabled:
+        service = self.service
+        if service is None or not service.cache.enabled:
             return {}
+        cache, engine = service.cache, service.engine.stats
         return ReplicaInfo(ray.get_runtime_context().get_node_id(), cache.root,
                            cache.settings.block_size, self.profile.max_batch_size,
                            engine.running_batch_size,
                            max(0, engine.in_flight - engine.running_batch_size)).to_stats()
 
     async def stats(self) -> dict:
-        out = await self.service.stats()
+        service = self.service
+        out = await service.stats() if service is not None else {"model": self.profile.name}
         # Where Serve runs our code: its main loop ("AsyncIO Thread: default") once
         # SERVE_REPLICA_ENV took effect, not a "Thread-N (_run_user_code_event_loop)".
         self.loop_thread = threading.current_thread().name
-        out["replica"] = self._replica_stats()
+        out["replica"] = self._replica_stats(service)
         return out
 
-    def _replica_stats(self) -> dict:
+    def _replica_stats(self, service: ModelService | None) -> dict:
         return {"pid": os.getpid(), "node_id": self.node_id,
                 "user_code_thread": self.loop_thread,
+                "status": "loaded" if service is not None else "unloaded",
+                "loads": self.loads, "unloads": self.unloads,
+                "last_unload_demoted": {"blocks": self.demoted[0], "bytes": self.demoted[1]},
                 "preparing": self.stage.busy, "prepare_runs": self.stage.runs,
-                "memory": self._memory_stats()}
+                "memory": self._memory_stats(service)}
 
-    def report_stats(self) -> dict:
+    def report_stats(self) -> dict | None:
         """What this replica reports to its node's store: its own sections of ``stats()``
-        (no store call; any thread)."""
-        out = self.service.local_stats()
-        out["replica"] = self._replica_stats()
+        (no store call; any thread); None while unloaded (nothing of its own to total)."""
+        service = self.service
+        if service is None:
+            return None
+        out = service.local_stats()
+        out["replica"] = self._replica_stats(service)
         if self.client is not None:
             out["cache_store"] = self.client.own_stats()
         return out
@@ -283,9 +402,10 @@ class ModelReplica:
     def report(self) -> None:
         """This replica's stats to its node's store (the metrics pump's thread; never
         waits), where the ingress finds them for ``/v1/stats``."""
-        if self.client is not None:
+        stats = self.report_stats()
+        if self.client is not None and stats is not None:
             self.client.report(ReplicaReport(self.profile.name, self.node_id, os.getpid(),
-                                             self.report_stats()))
+                                             stats))
 
     def __del__(self) -> None:
         pump = getattr(self, "pump", None)
@@ -297,6 +417,28 @@ class ModelReplica:
         service = getattr(self, "service", None)
         if service is not None:
             service.shutdown()
+
+
+def _free(service: ModelService, client: RayCacheClient | None) -> tuple[int, int]:
+    """Free an unloaded model's memory: stop its engine (which lets go of the weights and
+    the running batch's KV), take its blocks that the SSD tier holds out of the store's
+    RAM (its hot share; a reload restores them from SSD), then hand MLX's buffer cache
+    and the C allocator's free pages back to the OS (``malloc_trim``, where glibc has it:
+    on Linux the freed weights stay in the process's heap otherwise). Returns the blocks
+    and bytes taken out of the hot tier."""
+    import gc
+
+    import mlx.core as mx
+
+    service.shutdown()
+    demoted = (0, 0)
+    if client is not None and service.cache.enabled:
+        demoted = client.demote(service.cache.settings.model, service.layout.digest)
+    del service
+    gc.collect()
+    mx.clear_cache()
+    trim_malloc()
+    return demoted
 
 
 def load_preparer(profile: ModelProfile, model_home: str | None) -> Preparer:
@@ -337,6 +479,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     # The memory plan: hot_budget: auto -> bytes, each model's KV share and MLX limits.
     profile, plan = planned(profile)
     memory = models_memory(plan)
+    # The model pool: the models loaded at start (the others load on their first request).
+    at_start = loaded_at_start(profile, plan)
     handles: dict[str, Any] = {}
     for m in profile.models:
         threads = m.cpu_threads or os.cpu_count() or 1
@@ -369,7 +513,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             **options,
         )(ModelReplica)
         handles[m.name] = replica.bind(m, profile.model_home, profile.cache_store,
-                                       memory.get(m.name))
+                                       memory.get(m.name), m.name in at_start)
     ingress = serve.deployment(
         name="ingress",
         num_replicas=profile.ingress.num_replicas,
@@ -420,22 +564,83 @@ class Ingress(OpenAIIngress):
             zero_at_start(self.recorder, "ingress", m.name)
         self.ready_models: set[str] = set()
         self.probes: dict[str, asyncio.Future] = {}
+        # The model pool (serve_app.pool): loads, unloads, the cap and idle timers.
+        self.gate: PoolGate | None = None
+        if pooled(profile):
+            pool = pool_for(profile, plan)
+            pool.start(pool.initial())
+            self.gate = PoolGate(pool, self._load_model, self._unload_model,
+                                 lambda name: self.sent.get(name, 0), self._pool_event)
+            for name in pool.models:
+                self.recorder.set("serve_app_model_loaded",
+                                  float(pool.status(name).in_memory), {"model": name})
+            try:  # Serve runs this constructor on its event loop
+                self.gate.start_idle_checks()
+            except RuntimeError:  # no loop (a test): started by the first request
+                pass
         # Every node's cache store, where each model replica reports its stats.
         self.stores = StoreReports(self.profile.cache_store.call_timeout_s)
 
     async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller):
         preparer = self.preparers.get(name)
         streamed = request.stream
-        if preparer is None:  # the replica admits, then prepares
-            return self._call(name, request, caller, streamed)
-        self._admit(name)  # before templating here
-        sent = _Sent(self.sent, name)
+        if preparer is not None:
+            self._admit(name)  # before templating here
+        # Counted from here to its last event: the pool never unloads a model serving it.
+        sent = self._sent(name)
         try:
+            await self._pool_ready(name)
+            if preparer is None:  # the replica admits, then prepares
+                return sent.watch(self._call(name, request, caller, streamed))
             prepared = await self.stage.run(preparer.prepare, request, caller)
         except BaseException:
             sent.done()
             raise
         return sent.watch(self._call(name, prepared, caller, streamed))
+
+    def _sent(self, name: str) -> _Sent:
+        gate = self.gate
+        return _Sent(self.sent, name, None if gate is None else gate.pool.used)
+
+    async def _pool_ready(self, name: str) -> None:
+        """Return once the pool has ``name`` loaded: at once when it is, else after loading
+        it (unloading others first to make room); 503 when it cannot."""
+        if self.gate is None:
+            return
+        try:
+            await self.gate.ready(name)
+        except PoolCapacityError as exc:
+            raise model_capacity_error(str(exc)) from None
+        except PoolLoadError as exc:
+            raise ApiError(503, str(exc), type="service_unavailable", code="model_load_failed",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    async def _load_model(self, name: str) -> None:
+        await self.handles[name].load.remote()
+
+    async def _unload_model(self, name: str) -> bool:
+        return bool(await self.handles[name].unload.remote())
+
+    def _pool_event(self, event: PoolEvent) -> None:
+        """A load or unload, in the metrics."""
+        kind, name, arg = event
+        labels = {"model": name}
+        if kind == "load":
+            self.recorder.inc("serve_app_model_loads", 1, labels)
+            self.recorder.inc("serve_app_model_load_seconds", float(arg), labels)
+            self.recorder.set("serve_app_model_loaded", 1.0, labels)
+        else:
+            self.recorder.inc("serve_app_model_unloads", 1, {**labels, "reason": str(arg)})
+            self.recorder.set("serve_app_model_loaded", 0.0, labels)
+
+    def model_status(self, name: str, ready: bool) -> str:
+        if not ready:  # its replica is starting (and loads it, when loaded at start)
+            return "loading"
+        return "loaded" if self.gate is None else self.gate.pool.status(name).reported
+
+    def pool_report(self) -> dict | None:
+        gate = self.gate
+        return None if gate is None else gate.pool.report(gate.busy)
 
     def _call(self, name: str, request: OpenAIRequest | PreparedRequest, caller: Caller,
               streamed: bool) -> Any:
@@ -449,10 +654,15 @@ class Ingress(OpenAIIngress):
     async def count_prompt_tokens(self, name: str, request: OpenAIRequest,
                                   caller: Caller) -> int:
         preparer = self.preparers.get(name)
-        if preparer is not None:
+        if preparer is not None:  # the tokenizer is here: the model need not be loaded
             self._admit(name)
             return await self.stage.run(preparer.count, request)
-        return await self.handles[name].count_tokens.remote(request, caller)
+        sent = self._sent(name)  # the replica templates it: its model must be loaded
+        try:
+            await self._pool_ready(name)
+            return await self.handles[name].count_tokens.remote(request, caller)
+        finally:
+            sent.done()
 
     def _admit(self, name: str) -> None:
         """429 before templating at the ingress: when this ingress already has as many
@@ -563,10 +773,11 @@ class _Batches:
 
 class _Sent:
     """One request counted in ``counts[name]`` until its event stream ends, fails or is
-    cancelled (or is collected unread)."""
+    cancelled (or is collected unread); then ``ended(name)`` (the pool's idle clock)."""
 
-    def __init__(self, counts: dict[str, int], name: str) -> None:
-        self.counts, self.name, self.open = counts, name, True
+    def __init__(self, counts: dict[str, int], name: str,
+                 ended: Callable[[str], None] | None = None) -> None:
+        self.counts, self.name, self.open, self.ended = counts, name, True, ended
         self.events: Any = None  # the handle's response generator, set by watch()
         counts[name] = counts.get(name, 0) + 1
 
@@ -578,6 +789,8 @@ class _Sent:
         if self.open:
             self.open = False
             self.counts[self.name] -= 1
+            if self.ended is not None:
+                self.ended(self.name)
 
     def __aiter__(self) -> _Sent:
         return self

@@ -228,6 +228,29 @@ def probe_machine() -> MachineMemory:
     return MachineMemory(total, int(working) if working else None)
 
 
+def trim_malloc() -> None:
+    """glibc's ``malloc_trim(0)``; nothing elsewhere (macOS returns freed pages itself)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name or not os.uname().sysname == "Linux":
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):  # a libc without it (musl)
+        pass
+
+
+def process_rss_bytes() -> int | None:
+    """This process's resident memory (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def auto_budget(machine: MachineMemory) -> int:
     """``memory.budget: auto``: 75% of physical memory, leaving at least 4 GiB to the OS,
     never more than Metal's recommended working set, and at least 1 GiB (or half the
@@ -565,7 +588,7 @@ def memory_report(plan: MemoryPlan, budget: int | str,
 
     A node's ``budget_bytes`` is ``memory.budget`` on that node's memory;
     ``planned_bytes`` (what the plan uses of it) is the weights and KV budgets of the
-    models it serves, the hot tier and the SSD write buffer; ``kv_in_use_bytes`` what
+    models it has loaded, the hot tier and the SSD write buffer; ``kv_in_use_bytes`` what
     running requests reserve now; ``wired_limit_bytes`` the sum of the limits set on it
     (None: none set); ``advisory``: nothing is set on some model there (no Metal).
     """
@@ -584,8 +607,9 @@ def memory_report(plan: MemoryPlan, budget: int | str,
                 "staging_bytes": plan.staging_bytes, "wired_limit_bytes": None,
                 "advisory": False, "models": {}})
             planned = section.get("planned") or {}
-            node["planned_bytes"] += planned.get("weights_bytes", 0) + (
-                section.get("kv_budget_bytes") or planned.get("kv_bytes", 0))
+            if section.get("loaded", True):  # a model the pool unloaded holds neither
+                node["planned_bytes"] += planned.get("weights_bytes", 0) + (
+                    section.get("kv_budget_bytes") or planned.get("kv_bytes", 0))
             node["kv_in_use_bytes"] += section.get("kv_in_use_bytes") or 0
             wired = section.get("wired_limit_bytes")
             if wired is not None:

@@ -115,8 +115,23 @@ METRICS: tuple[MetricDef, ...] = (
        "A model's memory by kind: the plan's `weights`, `kv` (a full batch at full context) "
        "and `hot_share` (its share of the hot tier), its `kv_budget` (what its running "
        "requests may reserve), `kv_in_use` (what they reserve now), and MLX's `wired_limit` "
-       "and `cache_limit` as set on Metal (absent where the plan is advisory).",
+       "and `cache_limit` as set on Metal (absent where the plan is advisory), and the "
+       "replica process's resident memory `process_rss` (Linux). `weights`, `kv` and "
+       "`kv_budget` are 0 while the model pool has the model unloaded.",
        ("model", "kind")),
+    # ---- the model pool (the ingress runs it: serve_app/pool.py)
+    _g("serve_app_model_loaded", "ingress",
+       "1 while a model is in memory (loaded, or being unloaded), 0 while the model pool has "
+       "it unloaded."),
+    _c("serve_app_model_loads", "ingress",
+       "Times the model pool loaded a model after start (on a request for it)."),
+    _c("serve_app_model_load_seconds", "ingress",
+       "Seconds the model pool's loads took (load and warm-up; with `model_loads`, the "
+       "mean)."),
+    _c("serve_app_model_unloads", "ingress",
+       "Times the model pool unloaded a model, by reason: `capacity` (to make room for "
+       "another), `idle` (its `idle_unload_s` passed without requests).",
+       ("model", "reason")),
     _c("serve_app_normalized_requests", "replica",
        "Requests whose prompt a normalization rule changed before templating (a client quirk "
        "that would defeat the prefix cache, such as Claude Code's rotating billing header), "
@@ -233,6 +248,8 @@ DEFS: dict[str, MetricDef] = {d.name: d for d in METRICS}
 ZERO_AT_START: dict[str, tuple[dict[str, str], ...]] = {
     "serve_app_requests": ({"status": "200"},),
     "serve_app_routing_decisions": tuple({"reason": r} for r in ROUTING_REASONS),
+    "serve_app_model_loads": ({},),
+    "serve_app_model_unloads": ({"reason": "capacity"}, {"reason": "idle"}),
 }
 
 
@@ -426,16 +443,24 @@ def replica_samples(model: str, engine: EngineStats, cache: CacheStats,
 
 def memory_samples(model: str, memory: dict[str, Any]) -> list[Sample]:
     """``serve_app_memory_bytes`` of one replica from its memory section (``ModelReplica.
-    _memory_stats``); kinds without a value (no plan, nothing set off Metal) are left out."""
+    _memory_stats``); kinds without a value (no plan, nothing set off Metal) are left out.
+    A model the pool unloaded holds no weights and no KV: those kinds are 0 then."""
     planned = memory.get("planned") or {}
-    values = {"weights": planned.get("weights_bytes"), "kv": planned.get("kv_bytes"),
+    held = 1 if memory.get("loaded", True) else 0
+    values = {"weights": _times(planned.get("weights_bytes"), held),
+              "kv": _times(planned.get("kv_bytes"), held),
               "hot_share": planned.get("hot_share_bytes"),
-              "kv_budget": memory.get("kv_budget_bytes"),
+              "kv_budget": _times(memory.get("kv_budget_bytes"), held),
               "kv_in_use": memory.get("kv_in_use_bytes"),
               "wired_limit": memory.get("wired_limit_bytes"),
-              "cache_limit": memory.get("cache_limit_bytes")}
+              "cache_limit": memory.get("cache_limit_bytes"),
+              "process_rss": memory.get("process_rss_bytes")}
     return [Sample("serve_app_memory_bytes", {"model": model, "kind": kind}, value)
             for kind, value in values.items() if value is not None]
+
+
+def _times(value: int | None, factor: int) -> int | None:
+    return None if value is None else value * factor
 
 
 def store_samples(stats: StoreStats, names: dict[str, str]) -> list[Sample]:

@@ -290,12 +290,25 @@ def _cross_checks(profile: Profile) -> list[tuple[tuple[Any, ...], str]]:
         if m.pinned and m.idle_unload_s is not None:
             out.append((("models", i, "idle_unload_s"),
                         "a pinned model is never unloaded: drop idle_unload_s or pinned"))
+        if m.idle_unload_s is not None and m.num_replicas > 1:
+            out.append((("models", i, "idle_unload_s"),
+                        f"the model pool unloads a model with one replica only ({m.name!r} "
+                        f"has num_replicas {m.num_replicas}): drop idle_unload_s or set "
+                        "num_replicas: 1"))
     cap = profile.memory.max_loaded_models
-    pinned = [m.name for m in profile.models if m.pinned]
+    # A model with several replicas stays loaded as if pinned (an unload reaches one).
+    pinned = [m.name for m in profile.models if m.pinned or m.num_replicas > 1]
     if cap is not None and len(pinned) > cap:
         out.append((("memory", "max_loaded_models"),
-                    f"{cap} is fewer than the {len(pinned)} pinned models "
-                    f"({', '.join(pinned)}), which always stay loaded"))
+                    f"{cap} is fewer than the {len(pinned)} models that always stay loaded "
+                    f"({', '.join(pinned)}: pinned, or with more than one replica)"))
+    pooled = cap is not None or any(m.idle_unload_s is not None for m in profile.models)
+    if pooled and profile.ingress.num_replicas > 1:
+        key = (("memory", "max_loaded_models") if cap is not None else
+               ("models", next(i for i, m in enumerate(profile.models)
+                               if m.idle_unload_s is not None), "idle_unload_s"))
+        out.append((key, "the model pool runs in the ingress, which must then be one "
+                         f"(ingress.num_replicas is {profile.ingress.num_replicas})"))
     return out
 
 

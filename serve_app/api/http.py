@@ -287,14 +287,22 @@ class OpenAIIngress:
         """``/v1/stats``' ``memory`` section from the models' stats (None: no plan)."""
         return None
 
+    def model_status(self, name: str, ready: bool) -> str:
+        """``/v1/models``' ``status`` of a model whose replica is ``ready`` (answered the
+        readiness probe) or not: ``loaded``, ``loading`` or ``unloaded`` (the pool's)."""
+        return "loaded" if ready else "loading"
+
+    def pool_report(self) -> dict | None:
+        """``/v1/stats``' ``pool`` section (None: no model pool)."""
+        return None
+
     async def _model_entry(self, m: Any) -> dict:
-        """A model in ``/v1/models``: ``status`` is ``loaded`` once its replica answered
-        the readiness probe, ``loading`` until then (every listed model loads at start);
-        ``memory_bytes`` its planned footprint."""
+        """A model in ``/v1/models``: its ``status`` (``model_status``) and
+        ``memory_bytes``, its planned footprint."""
         ready = await self.model_ready(m.name)
         return {"id": m.name, "object": "model", "created": 0, "owned_by": "serve_app",
                 "context_length": m.context_length,
-                "status": "loaded" if ready else "loading",
+                "status": self.model_status(m.name, ready),
                 "memory_bytes": self.memory_bytes(m.name)}
 
     @api.get("/v1/models")
@@ -313,7 +321,8 @@ class OpenAIIngress:
     @api.get("/v1/stats")
     async def stats(self) -> dict:
         models = await self.model_stats()
-        return {"models": models, "memory": self.memory_report(models)}
+        return {"models": models, "memory": self.memory_report(models),
+                "pool": self.pool_report()}
 
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:

@@ -134,8 +134,9 @@ class CacheStore:
 
     # Bumped whenever a method's signature changes: the actor is detached and outlives
     # a redeploy, so replicas of new code may find one running the old code.
-    PROTOCOL = 6  # 2: put carries the block's token ids; 3: export to other nodes;
-    # 4: replicas report their stats (report_replica, replica_reports); 5: match
+    PROTOCOL = 7  # 2: put carries the block's token ids; 3: export to other nodes;
+    # 4: replicas report their stats (report_replica, replica_reports); 5: match;
+    # 6: put's keep_hot; 7: demote (a model the pool unloaded)
 
     def __init__(self, config: CacheStoreProfile,
                  feed_interval_s: float = FEED_INTERVAL_S) -> None:
@@ -171,6 +172,12 @@ class CacheStore:
         entry = HotEntry(block_id, parent_id, nbytes, has_checkpoint, handle=refs[0], model=model,
                          token_ids=tuple(token_ids))
         return self.tiers.put(entry, disk, keep_hot=keep_hot)
+
+    @ray.method(concurrency_group="puts")
+    def demote(self, model: str, layout: str, wait_s: float) -> tuple[int, int]:
+        """The model pool unloaded ``model``'s replica: its blocks on SSD leave RAM
+        (``TieredStore.demote``); the blocks and bytes taken out."""
+        return self.tiers.demote(model, layout, wait_s)
 
     def count_dropped(self, reason: str, n: int) -> None:
         """Blocks a replica could not hand over (``reason`` is "publish")."""
@@ -559,6 +566,21 @@ class RayCacheClient(CacheClient):
         """Tell the store this replica serves ``model`` (repeated on a replacement)."""
         self._activation = (name, model, layout)
         ray.get(self.actor.activate.remote(name, model, layout), timeout=timeout)
+
+    def demote(self, model: str, layout: str, wait_s: float = 30.0) -> tuple[int, int]:
+        """This replica's model was unloaded: once every block it published is
+        acknowledged, its blocks that the SSD tier holds leave the store's RAM (blocks,
+        bytes). Bounded by ``wait_s``; a failing store costs nothing but the RAM."""
+        with self._cv:
+            published = set(self._unacked)
+        self._wait_acked(published, wait_s)
+        try:
+            return ray.get(self.actor.demote.remote(model, layout, wait_s),
+                           timeout=wait_s + self.timeout)
+        except Exception as exc:
+            logger.warning("taking model %s's blocks out of the store's RAM failed: %r",
+                           model, exc)
+            return 0, 0
 
     def publish(self, model: str, block: CapturedBlock, disk: DiskInfo | None,
                 wait: bool = True) -> None:

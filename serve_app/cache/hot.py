@@ -124,11 +124,12 @@ class HotStore:
         entry.has_checkpoint = False
         return True
 
-    def remove(self, block_id: str) -> bool:
+    def remove(self, block_id: str, count: bool = True) -> bool:
+        """Take an unpinned block out (``count``: as an eviction)."""
         entry = self._entries.get(block_id)
         if entry is None or entry.pins:
             return False
-        self._evict(entry)
+        self._evict(entry, count=count)
         return True
 
     def pinned_ids(self) -> set[str]:

@@ -44,6 +44,9 @@ class StagingStats:
     # of RAM (on SSD only; dropped without an SSD tier).
     oversized_skipped: int = 0
     oversized_skipped_bytes: int = 0
+    # Blocks of a model the pool unloaded, taken out of RAM because the SSD tier has them.
+    demoted_blocks: int = 0
+    demoted_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -483,6 +483,35 @@ class TieredStore:
         block = self.ssd.block_entry(bid) if self.ssd is not None else None
         return block is not None and block.meta.get("checkpoint") == "embedded"
 
+    def demote(self, model: str, layout: str, wait_s: float) -> tuple[int, int]:
+        """Take a model's blocks out of RAM where the SSD tier has them (the model pool
+        unloaded the model: its hot share goes with its weights). Waits up to ``wait_s``
+        for the model's staged writes; a block that is not on SSD with everything a
+        restore needs (a hybrid block's checkpoint, exact for this ``layout``) stays hot,
+        as does a pinned one. Returns the blocks and bytes taken out."""
+        if self.ssd is None:
+            return 0, 0
+        with self._lock:
+            self._cv.wait_for(lambda: not any(p.entry.model == model
+                                              for p in self._pending.values()),
+                              timeout=wait_s)
+            blocks = nbytes = 0
+            for bid in self.hot.ids():
+                entry = self.hot.entry(bid)
+                if entry is None or entry.model != model or entry.pins:
+                    continue
+                if not self.ssd.has_block(bid) or bid in self._pending:
+                    continue
+                if entry.has_checkpoint and not (self._embedded_state(bid) or _exact_or_none(
+                        self.ssd.sidecar_entry(layout, bid))):
+                    continue
+                if self.hot.remove(bid, count=False):  # on SSD: not an eviction
+                    blocks += 1
+                    nbytes += entry.nbytes
+            self.staging.demoted_blocks += blocks
+            self.staging.demoted_bytes += nbytes
+        return blocks, nbytes
+
     def release(self, lease: int | None) -> None:
         with self._lock:
             self._release_locked(lease)
@@ -554,6 +583,10 @@ class TieredStore:
         if self.ssd is not None:
             out["ssd"] = self.ssd.snapshot()
         return out
+
+
+def _exact_or_none(sidecar: DiskEntry | None) -> bool:
+    return sidecar is not None and _exact(sidecar)
 
 
 def _exact(sidecar: DiskEntry) -> bool:

@@ -1,0 +1,388 @@
+"""The model pool: which models are loaded, which to unload to make room, and when an
+idle one goes.
+
+Every model has one Ray Serve replica process for its whole life; the pool loads and
+unloads the model *inside* it (``ModelReplica.load`` / ``unload``: weights, engine and
+KV freed, the cache client and the SSD tier kept). Why not Ray Serve's scale-to-zero: its
+autoscaler decides from request metrics pushed every few seconds and cannot take "unload
+the least recently used idle model now, to make room for this request" from the ingress
+without a side channel into the controller (Ray 2.60 takes a custom policy only from
+code it imports there); it also scales a deployment up from zero on queued requests
+before any policy is asked, so the cap would still need a gate here. The ingress sees
+every request, so it runs the pool: ``ModelPool`` decides (pure, a clock passed in),
+``PoolGate`` carries decisions out with the replicas' ``load`` and ``unload`` calls.
+
+Rules: pinned models are loaded at start and never unloaded; the others load at start
+while they fit, then on their first request. A model fits when at most
+``max_loaded_models`` are loaded with it and, with another model loaded beside it, their
+planned footprints (weights + KV of a full batch at full context) fit in the memory the
+plan leaves to models (one model alone always loads: its KV admission keeps it in its
+budget). When a request's model does not fit, the least recently used loaded model that
+is neither pinned nor serving a request is unloaded first (then the next, until it
+fits); when none can be, the request gets 503 ``model_capacity`` with Retry-After.
+A model with ``idle_unload_s`` is unloaded once that long has passed since its last
+request ended. Nothing in flight is ever unloaded: the ingress counts a request from
+before it is sent until its last event, and the replica refuses to unload while it
+serves one (``ModelReplica.unload``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from serve_app.memory import MemoryPlan
+    from serve_app.profile import Profile
+
+logger = logging.getLogger(__name__)
+
+CAPACITY_RETRY_AFTER_S = 5  # a loaded model is busy: retry once a request could end
+IDLE_TICK_S = 1.0  # how often the ingress looks for idle models
+
+
+class Status(enum.Enum):
+    LOADED = "loaded"
+    LOADING = "loading"
+    UNLOADING = "unloading"  # still in memory: reported as ``loaded``
+    UNLOADED = "unloaded"
+
+    @property
+    def reported(self) -> str:
+        """``/v1/models``' status: ``loaded``, ``loading`` or ``unloaded``."""
+        return "loaded" if self is Status.UNLOADING else self.value
+
+    @property
+    def in_memory(self) -> bool:
+        return self is not Status.UNLOADED
+
+
+@dataclass(frozen=True)
+class PoolModel:
+    """One model as the pool sees it."""
+
+    name: str
+    pinned: bool = False
+    idle_unload_s: float | None = None
+    footprint_bytes: int = 0  # planned weights + KV (0: unknown, counted for the cap only)
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    max_loaded: int | None = None  # memory.max_loaded_models
+    room_bytes: int | None = None  # what the plan leaves to loaded models (None: no plan)
+
+
+@dataclass
+class ModelState:
+    status: Status = Status.UNLOADED
+    last_used: float = 0.0  # when its last request arrived or ended (the pool's clock)
+    loads: int = 0
+    unloads: dict[str, int] = field(default_factory=lambda: {"capacity": 0, "idle": 0})
+    load_seconds: float = 0.0  # the last load's
+    last_error: str | None = None
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What it takes to serve a request's model: nothing (it is in memory), or unload
+    ``unload`` (least recently used first) and then load it; or ``refused``: why not."""
+
+    load: bool = False
+    unload: tuple[str, ...] = ()
+    refused: str | None = None
+
+
+class PoolCapacityError(Exception):
+    """No room for a model and nothing that may be unloaded (503 ``model_capacity``)."""
+
+
+class PoolLoadError(Exception):
+    """The model's replica failed to load it (503 ``model_load_failed``)."""
+
+
+class ModelPool:
+    """The pool's state and decisions; no I/O, one thread (the ingress's event loop)."""
+
+    def __init__(self, models: Sequence[PoolModel], limits: PoolLimits,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.models = {m.name: m for m in models}
+        self.limits = limits
+        self.clock = clock
+        now = clock()
+        self.states = {m.name: ModelState(last_used=now) for m in models}
+
+    # ---- at start ----------------------------------------------------------------
+
+    def initial(self) -> tuple[str, ...]:
+        """The models loaded at start: every pinned one, then the others in the profile's
+        order while they fit."""
+        chosen: list[str] = [m.name for m in self.models.values() if m.pinned]
+        for m in self.models.values():
+            if not m.pinned and self._fits(m.name, chosen):
+                chosen.append(m.name)
+        return tuple(chosen)
+
+    def start(self, loaded: Iterable[str]) -> None:
+        """The statuses at start: ``loaded`` models are in memory (their replicas load
+        them before they answer), the others unloaded."""
+        names = set(loaded)
+        for name, state in self.states.items():
+            state.status = Status.LOADED if name in names else Status.UNLOADED
+
+    # ---- decisions -----------------------------------------------------------------
+
+    def admit(self, name: str, busy: Callable[[str], int]) -> Admission:
+        """What serving ``name`` now takes; ``busy(model)``: its requests in flight."""
+        if self.states[name].status.in_memory:
+            return Admission()
+        in_memory = [n for n, s in self.states.items() if s.status.in_memory]
+        if self._fits(name, in_memory):
+            return Admission(load=True)
+        victims: list[str] = []
+        kept = list(in_memory)
+        for victim in self._unloadable(busy):
+            victims.append(victim)
+            kept.remove(victim)
+            if self._fits(name, kept):
+                return Admission(load=True, unload=tuple(victims))
+        return Admission(refused=self._why_full(name, in_memory, busy))
+
+    def idle(self, busy: Callable[[str], int]) -> list[str]:
+        """Loaded models whose ``idle_unload_s`` has passed since their last request."""
+        now = self.clock()
+        out = []
+        for n, s in self.states.items():
+            limit = self.models[n].idle_unload_s
+            if (limit is not None and s.status is Status.LOADED and not self.models[n].pinned
+                    and busy(n) == 0 and now - s.last_used >= limit):
+                out.append(n)
+        return out
+
+    def _unloadable(self, busy: Callable[[str], int]) -> list[str]:
+        """Loaded, unpinned models serving nothing, least recently used first."""
+        out = [n for n, s in self.states.items()
+               if s.status is Status.LOADED and not self.models[n].pinned and busy(n) == 0]
+        return sorted(out, key=lambda n: self.states[n].last_used)
+
+    def _fits(self, name: str, others: Sequence[str]) -> bool:
+        together = [*(n for n in others if n != name), name]
+        cap = self.limits.max_loaded
+        if cap is not None and len(together) > cap:
+            return False
+        room = self.limits.room_bytes
+        if room is None or len(together) == 1:
+            return True
+        return sum(self.models[n].footprint_bytes for n in together) <= room
+
+    def _why_full(self, name: str, in_memory: Sequence[str],
+                  busy: Callable[[str], int]) -> str:
+        cap = self.limits.max_loaded
+        held = []
+        for n in in_memory:
+            s = self.states[n]
+            why = ("pinned" if self.models[n].pinned
+                   else f"{busy(n)} requests in flight" if busy(n)
+                   else s.status.value)
+            held.append(f"{n} ({why})")
+        limit = (f"memory.max_loaded_models {cap}" if cap is not None
+                 and len(in_memory) + 1 > cap else "the memory budget")
+        return (f"model {name!r} is not loaded and there is no room for it under {limit}: "
+                f"loaded are {', '.join(held) or 'none'}, and none of them can be unloaded "
+                f"now; retry in {CAPACITY_RETRY_AFTER_S} s")
+
+    # ---- bookkeeping ---------------------------------------------------------------
+
+    def status(self, name: str) -> Status:
+        return self.states[name].status
+
+    def used(self, name: str) -> None:
+        """A request of ``name`` arrived or ended: its idle time starts again."""
+        self.states[name].last_used = self.clock()
+
+    def set(self, name: str, status: Status) -> None:
+        self.states[name].status = status
+
+    def loaded(self) -> list[str]:
+        return [n for n, s in self.states.items() if s.status.in_memory]
+
+    def report(self, busy: Callable[[str], int]) -> dict[str, Any]:
+        """``/v1/stats``' ``pool``: the limits and each model's state."""
+        now = self.clock()
+        return {
+            "max_loaded_models": self.limits.max_loaded,
+            "room_bytes": self.limits.room_bytes,
+            "loaded": self.loaded(),
+            "models": {n: {"status": s.status.reported, "state": s.status.value,
+                           "pinned": self.models[n].pinned,
+                           "idle_unload_s": self.models[n].idle_unload_s,
+                           "footprint_bytes": self.models[n].footprint_bytes,
+                           "in_flight": busy(n), "idle_s": round(now - s.last_used, 3),
+                           "loads": s.loads, "unloads": dict(s.unloads),
+                           "last_load_seconds": round(s.load_seconds, 3),
+                           "last_error": s.last_error}
+                       for n, s in self.states.items()},
+        }
+
+
+# What the gate tells the outside world (metrics): ("load", model, seconds) after a load,
+# ("unload", model, reason) after an unload.
+PoolEvent = tuple[str, str, Any]
+
+
+class PoolGate:
+    """Carries out the pool's decisions on the ingress's event loop: one transition at a
+    time (``lock``); requests for a model being loaded share its load; a request for a
+    loaded model never waits for anything.
+
+    ``load(model)`` returns once the model's replica has it loaded (and warmed); it
+    raises on failure. ``unload(model)`` returns whether the replica unloaded it (it
+    refuses while it serves a request). ``busy(model)``: the ingress's requests in
+    flight at the model."""
+
+    def __init__(self, pool: ModelPool, load: Callable[[str], Awaitable[None]],
+                 unload: Callable[[str], Awaitable[bool]], busy: Callable[[str], int],
+                 on_event: Callable[[PoolEvent], None] | None = None) -> None:
+        self.pool = pool
+        self._load = load
+        self._unload = unload
+        self.busy = busy
+        self.on_event = on_event or (lambda event: None)
+        self._lock: asyncio.Lock | None = None
+        self._bringing: dict[str, asyncio.Future] = {}
+        self._idle_task: asyncio.Task | None = None
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        if self._lock is None:  # made on the loop that uses it
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def ready(self, name: str) -> None:
+        """Return once ``name`` is loaded (loading it, and unloading others to make room,
+        when it is not); raise ``PoolCapacityError`` or ``PoolLoadError``. The caller has
+        counted its request in ``busy`` already, so the model cannot be chosen to unload
+        once this returns."""
+        self.pool.used(name)
+        self.start_idle_checks()
+        if self.pool.status(name) is Status.LOADED:
+            return
+        bringing = self._bringing.get(name)
+        if bringing is None:
+            bringing = self._bringing[name] = asyncio.ensure_future(self._bring(name))
+        await asyncio.shield(bringing)
+
+    async def _bring(self, name: str) -> None:
+        try:
+            async with self.lock:
+                if self.pool.status(name) is Status.LOADED:
+                    return
+                admission = self.pool.admit(name, self.busy)
+                if admission.refused is not None:
+                    raise PoolCapacityError(admission.refused)
+                for victim in admission.unload:
+                    if not await self._unload_one(victim, "capacity"):
+                        raise PoolCapacityError(
+                            f"model {name!r} is not loaded and model {victim!r}, which had "
+                            "to make room for it, took a request meanwhile; retry in "
+                            f"{CAPACITY_RETRY_AFTER_S} s")
+                await self._load_one(name)
+        finally:
+            self._bringing.pop(name, None)
+
+    async def _load_one(self, name: str) -> None:
+        state = self.pool.states[name]
+        self.pool.set(name, Status.LOADING)
+        tic = time.perf_counter()
+        try:
+            await self._load(name)
+        except Exception as exc:
+            self.pool.set(name, Status.UNLOADED)
+            state.last_error = f"load failed: {exc!r}"
+            logger.warning("model pool: loading %s failed: %r", name, exc)
+            raise PoolLoadError(f"model {name!r} could not be loaded: {exc}") from exc
+        state.load_seconds = time.perf_counter() - tic
+        state.loads += 1
+        state.last_error = None
+        self.pool.set(name, Status.LOADED)
+        self.pool.used(name)
+        logger.info("model pool: loaded %s in %.2f s", name, state.load_seconds)
+        self.on_event(("load", name, state.load_seconds))
+
+    async def _unload_one(self, name: str, reason: str) -> bool:
+        """Unload ``name`` (the lock held); False when its replica refused (busy)."""
+        self.pool.set(name, Status.UNLOADING)
+        try:
+            done = await self._unload(name)
+        except Exception as exc:  # the replica is gone or failing: it is not serving
+            logger.warning("model pool: unloading %s failed: %r", name, exc)
+            self.pool.states[name].last_error = f"unload failed: {exc!r}"
+            done = False
+        if not done:
+            self.pool.set(name, Status.LOADED)
+            return False
+        self.pool.set(name, Status.UNLOADED)
+        self.pool.states[name].unloads[reason] += 1
+        logger.info("model pool: unloaded %s (%s)", name, reason)
+        self.on_event(("unload", name, reason))
+        return True
+
+    # ---- idle unloading ------------------------------------------------------------
+
+    def start_idle_checks(self) -> None:
+        """Start the idle check on the running loop (once; only when a model has
+        ``idle_unload_s``)."""
+        if self._idle_task is not None and not self._idle_task.done():
+            return
+        if not any(m.idle_unload_s for m in self.pool.models.values()):
+            return
+        self._idle_task = asyncio.get_running_loop().create_task(self._idle_checks())
+
+    async def _idle_checks(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_TICK_S)
+            try:
+                await self.unload_idle()
+            except Exception:  # the check must outlive one failure
+                logger.exception("model pool: idle check failed")
+
+    async def unload_idle(self) -> list[str]:
+        """Unload every model idle past its ``idle_unload_s``; the ones unloaded."""
+        out = []
+        for name in self.pool.idle(self.busy):
+            async with self.lock:
+                if name in self.pool.idle(self.busy) and await self._unload_one(name, "idle"):
+                    out.append(name)
+        return out
+
+
+def pool_for(profile: Profile, plan: MemoryPlan | None) -> ModelPool:
+    """The pool of a profile, with the plan's footprints and the memory it leaves to
+    models (the budget less the hot tier and the SSD write buffer). A model with more
+    than one replica counts as pinned: an unload reaches one replica only."""
+    footprints = {m.name: m.resident_bytes for m in plan.models} if plan is not None else {}
+    models = [PoolModel(m.name, pinned=m.pinned or m.num_replicas > 1,
+                        idle_unload_s=m.idle_unload_s,
+                        footprint_bytes=footprints.get(m.name, 0))
+              for m in profile.models]
+    room = (plan.budget_bytes - plan.hot_bytes - plan.staging_bytes
+            if plan is not None else None)
+    return ModelPool(models, PoolLimits(profile.memory.max_loaded_models, room))
+
+
+def pooled(profile: Profile) -> bool:
+    """Whether the ingress runs a pool: it must be the only ingress (with several, each
+    would hold its own view); without a pool every model loads at start and stays."""
+    return profile.ingress.num_replicas == 1
+
+
+def loaded_at_start(profile: Profile, plan: MemoryPlan | None) -> tuple[str, ...]:
+    """The models whose replicas load them at start (``ModelPool.initial``)."""
+    if not pooled(profile):
+        return tuple(m.name for m in profile.models)
+    return pool_for(profile, plan).initial()
