@@ -187,7 +187,8 @@ class ModelPool:
         for n in in_memory:
             s = self.states[n]
             why = ("pinned" if self.models[n].pinned
-                   else f"{busy(n)} requests in flight" if busy(n)
+                   else f"{busy(n)} request{'s' if busy(n) > 1 else ''} in flight"
+                   if busy(n)
                    else s.status.value)
             held.append(f"{n} ({why})")
         limit = (f"memory.max_loaded_models {cap}" if cap is not None
@@ -285,8 +286,15 @@ class PoolGate:
                 admission = self.pool.admit(name, self.busy)
                 if admission.refused is not None:
                     raise PoolCapacityError(admission.refused)
+                # Every victim at once: a request for one of them from now on waits for
+                # this transition (and loads it again after), never reaches its replica
+                # while it is being unloaded.
                 for victim in admission.unload:
+                    self.pool.set(victim, Status.UNLOADING)
+                for i, victim in enumerate(admission.unload):
                     if not await self._unload_one(victim, "capacity"):
+                        for kept in admission.unload[i + 1:]:
+                            self.pool.set(kept, Status.LOADED)
                         raise PoolCapacityError(
                             f"model {name!r} is not loaded and model {victim!r}, which had "
                             "to make room for it, took a request meanwhile; retry in "
@@ -319,7 +327,7 @@ class PoolGate:
         self.pool.set(name, Status.UNLOADING)
         try:
             done = await self._unload(name)
-        except Exception as exc:  # the replica is gone or failing: it is not serving
+        except Exception as exc:  # failing or gone: kept as loaded (never counted twice)
             logger.warning("model pool: unloading %s failed: %r", name, exc)
             self.pool.states[name].last_error = f"unload failed: {exc!r}"
             done = False
