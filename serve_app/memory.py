@@ -410,7 +410,8 @@ def plan_memory(profile: Profile, models: Sequence[ModelFootprint], machine: Mac
     """
     budget = _budget(profile, machine)
     store = profile.cache_store
-    pinned_names = {m.name for m in profile.models if m.pinned}  # the profile says, always
+    # Always loaded: pinned, or with several replicas (the model pool unloads neither).
+    pinned_names = {m.name for m in profile.models if m.pinned or m.num_replicas > 1}
     models = [replace(m, pinned=m.name in pinned_names) for m in models]
     staging = int(store.gdn_ssd_pending_max_size) if store.ssd else 0
     cap = profile.memory.max_loaded_models

@@ -221,6 +221,19 @@ def test_a_model_that_cannot_fit_beside_the_pinned_ones_is_refused():
     assert "the pinned models' 3.00 GiB" in problem and "9.00 GiB" in problem
 
 
+def test_a_model_with_several_replicas_is_always_loaded_like_a_pinned_one():
+    """The model pool never unloads it (an unload reaches one replica): the plan counts
+    it beside every other model, like a pinned one."""
+    models = [{"name": "a", "source": "org/model", "num_replicas": 2},
+              {"name": "c", "source": "org/model"}]
+    p = profile(models, cache_store={"hot_budget": 1 * GiB, "ssd": False},
+                memory={"budget": 8 * GiB})
+    plan = plan_memory(p, [fp("a", 3 * GiB), fp("c", 5 * GiB)], MachineMemory(64 * GiB))
+    assert plan.models[0].pinned and not plan.models[1].pinned
+    (problem,) = plan.problems
+    assert problem.startswith("model 'c' needs 5.00 GiB of memory")
+
+
 def test_models_that_fit_one_by_one_but_not_together_are_a_note():
     p = profile(named("a", "b", "c"), cache_store={"hot_budget": "auto", "ssd": False},
                 memory={"budget": 8 * GiB, "max_loaded_models": 2})
