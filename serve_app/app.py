@@ -42,13 +42,14 @@ from serve_app.metrics import (
     RayRecorder,
     memory_samples,
     merge_exposition,
+    pool_samples,
     zero_at_start,
 )
 from serve_app.planning import planned
 from serve_app.pool import (
     CAPACITY_RETRY_AFTER_S,
+    UNLOAD_REASONS,
     PoolCapacityError,
-    PoolEvent,
     PoolGate,
     PoolLoadError,
     loaded_at_start,
@@ -170,7 +171,11 @@ class ModelReplica:
         self.machine = probe_machine()
         # The model, while loaded (None: unloaded by the pool, or not loaded yet).
         self.service: ModelService | None = None
-        self.loads = self.unloads = 0
+        # The pool's doings here (the metrics pump exports them): loads after start, their
+        # seconds, unloads by the ingress's reason.
+        self.loads = 0
+        self.load_seconds = 0.0
+        self.unloads = dict.fromkeys(UNLOAD_REASONS, 0)
         self.demoted = (0, 0)  # blocks, bytes of the last unload taken out of the hot tier
         self.active = 0  # generate / count_tokens calls here now (unload waits for none)
         self._transition: asyncio.Lock | None = None
@@ -180,7 +185,7 @@ class ModelReplica:
         if load_at_start:
             # Serve routes nothing here before __init__ returns: loading and warming up
             # now keeps MLX's first-use cost out of the first user request.
-            self._load()
+            self._load(at_start=True)
         # Every second: the metrics, then this replica's stats to its node's store, so
         # /v1/stats answered by another replica shows this one too (serve_app.replicas).
         self.pump = MetricsPump(self.recorder, self.metric_samples,
@@ -188,7 +193,7 @@ class ModelReplica:
 
     # ---- the model pool: load and unload inside this process ------------------------------
 
-    def _load(self) -> ModelService:
+    def _load(self, at_start: bool = False) -> ModelService:
         """Load the model and warm it up (blocking: ``__init__``, or a worker thread)."""
         from serve_app.serving.service import ModelService, load_model
 
@@ -208,9 +213,12 @@ class ModelReplica:
         if memory is not None:  # the KV budget after it (the warm-up never waits on it)
             service.engine.set_kv_budget(memory.kv_share_bytes)
         self.service = service
-        self.loads += 1
+        took = time.perf_counter() - tic
+        if not at_start:
+            self.loads += 1
+            self.load_seconds += took
         logger.info("model %s ready (source %s; loaded in %.2f s, warm-up %.2f s)",
-                    self.profile.name, self.profile.source, time.perf_counter() - tic, seconds)
+                    self.profile.name, self.profile.source, took, seconds)
         return service
 
     @property
@@ -235,9 +243,10 @@ class ModelReplica:
         await self._loaded()
         return "loaded"
 
-    async def unload(self) -> bool:
-        """Free the model (the pool's call): its engine, weights and KV, and MLX's buffer
-        cache. Refused (False) while a request is here; True when it is unloaded."""
+    async def unload(self, reason: str = "capacity") -> bool:
+        """Free the model (the pool's call, for ``reason``: ``capacity`` or ``idle``): its
+        engine, weights and KV, and MLX's buffer cache. Refused (False) while a request is
+        here; True when it is unloaded."""
         async with self.transition:
             service = self.service
             if service is None:
@@ -246,7 +255,7 @@ class ModelReplica:
                 return False
             self.service = None
             self.demoted = await asyncio.to_thread(_free, service, self.client)
-            self.unloads += 1
+            self.unloads[reason if reason in self.unloads else "capacity"] += 1
             logger.info("model %s unloaded (memory freed; its SSD cache stays)",
                         self.profile.name)
             return True
@@ -329,7 +338,9 @@ class ModelReplica:
         """The service's samples and this model's memory (the metrics pump's thread)."""
         service = self.service
         own = service.metric_samples() if service is not None else []
-        return own + memory_samples(self.profile.name, self._memory_stats(service))
+        return [*own, *memory_samples(self.profile.name, self._memory_stats(service)),
+                *pool_samples(self.profile.name, service is not None, self.loads,
+                              self.load_seconds, self.unloads)]
 
     def _memory_stats(self, service: ModelService | None) -> dict:
         """This model's memory on its node: the plan's numbers, the KV budget and what the
@@ -382,7 +393,8 @@ class ModelReplica:
         return {"pid": os.getpid(), "node_id": self.node_id,
                 "user_code_thread": self.loop_thread,
                 "status": "loaded" if service is not None else "unloaded",
-                "loads": self.loads, "unloads": self.unloads,
+                "loads": self.loads, "load_seconds": round(self.load_seconds, 3),
+                "unloads": dict(self.unloads),
                 "last_unload_demoted": {"blocks": self.demoted[0], "bytes": self.demoted[1]},
                 "preparing": self.stage.busy, "prepare_runs": self.stage.runs,
                 "memory": self._memory_stats(service)}
@@ -570,10 +582,7 @@ class Ingress(OpenAIIngress):
             pool = pool_for(profile, plan)
             pool.start(pool.initial())
             self.gate = PoolGate(pool, self._load_model, self._unload_model,
-                                 lambda name: self.sent.get(name, 0), self._pool_event)
-            for name in pool.models:
-                self.recorder.set("serve_app_model_loaded",
-                                  float(pool.status(name).in_memory), {"model": name})
+                                 lambda name: self.sent.get(name, 0))
             try:  # Serve runs this constructor on its event loop
                 self.gate.start_idle_checks()
             except RuntimeError:  # no loop (a test): started by the first request
@@ -618,20 +627,8 @@ class Ingress(OpenAIIngress):
     async def _load_model(self, name: str) -> None:
         await self.handles[name].load.remote()
 
-    async def _unload_model(self, name: str) -> bool:
-        return bool(await self.handles[name].unload.remote())
-
-    def _pool_event(self, event: PoolEvent) -> None:
-        """A load or unload, in the metrics."""
-        kind, name, arg = event
-        labels = {"model": name}
-        if kind == "load":
-            self.recorder.inc("serve_app_model_loads", 1, labels)
-            self.recorder.inc("serve_app_model_load_seconds", float(arg), labels)
-            self.recorder.set("serve_app_model_loaded", 1.0, labels)
-        else:
-            self.recorder.inc("serve_app_model_unloads", 1, {**labels, "reason": str(arg)})
-            self.recorder.set("serve_app_model_loaded", 0.0, labels)
+    async def _unload_model(self, name: str, reason: str) -> bool:
+        return bool(await self.handles[name].unload.remote(reason))
 
     def model_status(self, name: str, ready: bool) -> str:
         if not ready:  # its replica is starting (and loads it, when loaded at start)

@@ -119,16 +119,15 @@ METRICS: tuple[MetricDef, ...] = (
        "replica process's resident memory `process_rss` (Linux). `weights`, `kv` and "
        "`kv_budget` are 0 while the model pool has the model unloaded.",
        ("model", "kind")),
-    # ---- the model pool (the ingress runs it: serve_app/pool.py)
-    _g("serve_app_model_loaded", "ingress",
-       "1 while a model is in memory (loaded, or being unloaded), 0 while the model pool has "
-       "it unloaded."),
-    _c("serve_app_model_loads", "ingress",
+    # ---- the model pool (serve_app/pool.py): what each model's replica did for it
+    _g("serve_app_model_loaded", "replica",
+       "1 while a model is loaded in its replica, 0 while the model pool has it unloaded."),
+    _c("serve_app_model_loads", "replica",
        "Times the model pool loaded a model after start (on a request for it)."),
-    _c("serve_app_model_load_seconds", "ingress",
+    _c("serve_app_model_load_seconds", "replica",
        "Seconds the model pool's loads took (load and warm-up; with `model_loads`, the "
        "mean)."),
-    _c("serve_app_model_unloads", "ingress",
+    _c("serve_app_model_unloads", "replica",
        "Times the model pool unloaded a model, by reason: `capacity` (to make room for "
        "another), `idle` (its `idle_unload_s` passed without requests).",
        ("model", "reason")),
@@ -248,8 +247,6 @@ DEFS: dict[str, MetricDef] = {d.name: d for d in METRICS}
 ZERO_AT_START: dict[str, tuple[dict[str, str], ...]] = {
     "serve_app_requests": ({"status": "200"},),
     "serve_app_routing_decisions": tuple({"reason": r} for r in ROUTING_REASONS),
-    "serve_app_model_loads": ({},),
-    "serve_app_model_unloads": ({"reason": "capacity"}, {"reason": "idle"}),
 }
 
 
@@ -457,6 +454,17 @@ def memory_samples(model: str, memory: dict[str, Any]) -> list[Sample]:
               "process_rss": memory.get("process_rss_bytes")}
     return [Sample("serve_app_memory_bytes", {"model": model, "kind": kind}, value)
             for kind, value in values.items() if value is not None]
+
+
+def pool_samples(model: str, loaded: bool, loads: int, load_seconds: float,
+                 unloads: dict[str, int]) -> list[Sample]:
+    """The model pool's metrics of one replica (``ModelReplica``'s counts)."""
+    labels = {"model": model}
+    return [Sample("serve_app_model_loaded", labels, 1.0 if loaded else 0.0),
+            Sample("serve_app_model_loads", labels, loads),
+            Sample("serve_app_model_load_seconds", labels, load_seconds),
+            *(Sample("serve_app_model_unloads", {**labels, "reason": reason}, n)
+              for reason, n in unloads.items())]
 
 
 def _times(value: int | None, factor: int) -> int | None:

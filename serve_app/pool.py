@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+UNLOAD_REASONS = ("capacity", "idle")  # to make room for another model; its idle_unload_s
 CAPACITY_RETRY_AFTER_S = 5  # a loaded model is busy: retry once a request could end
 IDLE_TICK_S = 1.0  # how often the ingress looks for idle models
 
@@ -83,7 +84,7 @@ class ModelState:
     status: Status = Status.UNLOADED
     last_used: float = 0.0  # when its last request arrived or ended (the pool's clock)
     loads: int = 0
-    unloads: dict[str, int] = field(default_factory=lambda: {"capacity": 0, "idle": 0})
+    unloads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(UNLOAD_REASONS, 0))
     load_seconds: float = 0.0  # the last load's
     last_error: str | None = None
 
@@ -242,12 +243,12 @@ class PoolGate:
     loaded model never waits for anything.
 
     ``load(model)`` returns once the model's replica has it loaded (and warmed); it
-    raises on failure. ``unload(model)`` returns whether the replica unloaded it (it
-    refuses while it serves a request). ``busy(model)``: the ingress's requests in
+    raises on failure. ``unload(model, reason)`` returns whether the replica unloaded it
+    (it refuses while it serves a request). ``busy(model)``: the ingress's requests in
     flight at the model."""
 
     def __init__(self, pool: ModelPool, load: Callable[[str], Awaitable[None]],
-                 unload: Callable[[str], Awaitable[bool]], busy: Callable[[str], int],
+                 unload: Callable[[str, str], Awaitable[bool]], busy: Callable[[str], int],
                  on_event: Callable[[PoolEvent], None] | None = None) -> None:
         self.pool = pool
         self._load = load
@@ -326,7 +327,7 @@ class PoolGate:
         """Unload ``name`` (the lock held); False when its replica refused (busy)."""
         self.pool.set(name, Status.UNLOADING)
         try:
-            done = await self._unload(name)
+            done = await self._unload(name, reason)
         except Exception as exc:  # failing or gone: kept as loaded (never counted twice)
             logger.warning("model pool: unloading %s failed: %r", name, exc)
             self.pool.states[name].last_error = f"unload failed: {exc!r}"

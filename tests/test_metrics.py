@@ -24,10 +24,12 @@ from serve_app.metrics import (
     Sample,
     markdown_table,
     merge_exposition,
+    pool_samples,
     replica_samples,
     store_samples,
     zero_at_start,
 )
+from serve_app.pool import UNLOAD_REASONS
 from serve_app.serving.engine import EngineStats
 from serve_app.serving.normalize import RULE_NAMES
 from serve_app.serving.request import CompletionRequest
@@ -117,6 +119,7 @@ def test_every_labelled_counter_a_dashboard_queries_starts_at_zero():
     pump.publish(replica_samples("m", EngineStats(), CacheStats(True, None, 16),
                                  dict.fromkeys(RULE_NAMES, 0)))
     pump.publish(store_samples(TieredStore(1 << 20, None, 1 << 20).stats(), {"0" * 16: "m"}))
+    pump.publish(pool_samples("m", True, 0, 0.0, dict.fromkeys(UNLOAD_REASONS, 0)))
     for where in ("ingress", "router"):
         zero_at_start(recorder, where, "m")
     assert not [call for call in recorder.calls if call[0] == "inc"]  # fresh: nothing yet

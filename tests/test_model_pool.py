@@ -229,10 +229,36 @@ def drain(chunks) -> tuple[str | None, int]:
 
 
 def test_pool_metrics(server):
-    text = httpx.get(f"{server.base_url}/metrics", timeout=60).text
-    assert 'ray_serve_app_model_unloads_total{' in text
-    loaded_lines = [line for line in text.splitlines()
-                    if line.startswith("ray_serve_app_model_loaded{")]
-    assert any(f'model="{PINNED}"' in line and line.endswith(" 1.0") for line in loaded_lines)
-    assert any("ray_serve_app_model_loads_total{" in line and f'model="{THIRD}"' in line
-               for line in text.splitlines())
+    """Each replica exports its model's pool metrics (its metrics pump, every second)."""
+    pool = stats(server)["pool"]["models"]  # the ingress's counts (no requests now)
+    assert pool[THIRD]["loads"] >= 2 and pool[IDLE]["unloads"]["idle"] >= 1
+    want = {("ray_serve_app_model_loaded", PINNED): 1.0,
+            ("ray_serve_app_model_loads_total", THIRD): pool[THIRD]["loads"],
+            ("ray_serve_app_model_unloads_total", IDLE, "idle"): pool[IDLE]["unloads"]["idle"],
+            ("ray_serve_app_model_unloads_total", THIRD, "capacity"):
+                pool[THIRD]["unloads"]["capacity"],
+            ("ray_serve_app_model_loads_total", PINNED): 0}
+    deadline = time.monotonic() + 60
+    while True:  # the pumps publish every second, Ray exports every few
+        samples = metric_lines(server)
+        if all(samples.get(k) == v for k, v in want.items()):
+            break
+        assert time.monotonic() < deadline, (want, samples)
+        time.sleep(1)
+    assert 0 < samples[("ray_serve_app_model_load_seconds_total", THIRD)] < 60
+
+
+def metric_lines(server: ServerProcess) -> dict[tuple, float]:
+    """The pool's series in ``/metrics``, by (name, model[, reason])."""
+    out: dict[tuple, float] = {}
+    for line in httpx.get(f"{server.base_url}/metrics", timeout=60).text.splitlines():
+        if not line.startswith("ray_serve_app_model_"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        name, _, labels = head.partition("{")
+        pairs = dict(p.split("=", 1) for p in labels.rstrip("}").split(",") if "=" in p)
+        key = (name, pairs.get("model", "").strip('"'))
+        if "reason" in pairs:
+            key += (pairs["reason"].strip('"'),)
+        out[key] = out.get(key, 0) + float(value)
+    return out

@@ -222,7 +222,7 @@ class Replicas:
         if self.fail is not None:
             raise self.fail
 
-    async def unload(self, name: str) -> bool:
+    async def unload(self, name: str, reason: str) -> bool:
         self.unloads.append(name)
         if self.unload_release is not None:
             await self.unload_release.wait()
@@ -336,7 +336,7 @@ def test_an_unload_that_raises_keeps_the_victim_loaded():
     async def main():
         r = Replicas()
 
-        async def broken(name: str) -> bool:
+        async def broken(name: str, reason: str) -> bool:
             raise RuntimeError("replica gone")
 
         p = pool(PoolModel("a"), PoolModel("b"), max_loaded=1)
