@@ -82,6 +82,8 @@ ROUTING_STATS_PERIOD_S = 2.0  # how often Serve polls a replica's record_routing
 # compiling run, beyond which a replica or the ingress answers 429 before doing any of it.
 MAX_PREPARING = 16
 RETRY_AFTER_S = 1
+UNLOAD_WAIT_S = 5.0  # an unload waits this long for requests closing in the replica
+DEMOTE_WAIT_S = 10.0  # ... and this long for its blocks to reach SSD (then they stay hot)
 
 
 def kv_budget_error(message: str) -> ApiError:
@@ -201,6 +203,23 @@ class ModelReplica:
         model, tokenizer, model_dir = load_model(self.profile, self.model_home)
         service = ModelService(self.profile, model, tokenizer, model_dir, self.client,
                                self.recorder)
+        try:
+            seconds = self._prepare(service)
+        except BaseException:  # a failed load holds nothing: the pool may load others
+            _free(service, None)
+            raise
+        self.service = service
+        took = time.perf_counter() - tic
+        if not at_start:
+            self.loads += 1
+            self.load_seconds += took
+        logger.info("model %s ready (source %s; loaded in %.2f s, warm-up %.2f s)",
+                    self.profile.name, self.profile.source, took, seconds)
+        return service
+
+    def _prepare(self, service: ModelService) -> float:
+        """A new service's memory limits, store activation, warm-up (its seconds) and KV
+        budget."""
         memory = self.memory
         if memory is not None:  # MLX's limits before the warm-up
             service.engine.set_memory_limits(memory.limits(self.machine))
@@ -212,14 +231,7 @@ class ModelReplica:
         seconds = service.warm_up()
         if memory is not None:  # the KV budget after it (the warm-up never waits on it)
             service.engine.set_kv_budget(memory.kv_share_bytes)
-        self.service = service
-        took = time.perf_counter() - tic
-        if not at_start:
-            self.loads += 1
-            self.load_seconds += took
-        logger.info("model %s ready (source %s; loaded in %.2f s, warm-up %.2f s)",
-                    self.profile.name, self.profile.source, took, seconds)
-        return service
+        return seconds
 
     @property
     def transition(self) -> asyncio.Lock:
@@ -251,8 +263,13 @@ class ModelReplica:
             service = self.service
             if service is None:
                 return True
-            if self.active or self.stage.busy or service.engine.stats.in_flight:
-                return False
+            # A request the ingress saw end may still be closing here (a stream's last
+            # chunk goes out before its generator's cleanup): wait for it, briefly.
+            deadline = time.monotonic() + UNLOAD_WAIT_S
+            while self._busy(service):
+                if time.monotonic() > deadline:
+                    return False
+                await asyncio.sleep(0.02)
             self.service = None
             self.demoted = await asyncio.to_thread(_free, service, self.client)
             self.unloads[reason if reason in self.unloads else "capacity"] += 1
@@ -260,8 +277,11 @@ class ModelReplica:
                         self.profile.name)
             return True
 
+    def _busy(self, service: ModelService) -> bool:
+        return bool(self.active or self.stage.busy or service.engine.stats.in_flight)
+
     async def status(self) -> str:
-        """``loaded`` or ``unloaded`` (the pool's view of this replica)."""
+        """``loaded`` or ``unloaded``: what the pool reconciles its view with."""
         return "unloaded" if self.service is None else "loaded"
 
     async def ready(self) -> bool:
@@ -355,7 +375,8 @@ class ModelReplica:
             "loaded": service is not None,
             "total_memory_bytes": self.machine.total_bytes,
             "gpu_working_set_bytes": self.machine.gpu_working_set_bytes,
-            "advisory": limits is None,
+            # Nothing is set off Metal or without a plan (whether loaded or not).
+            "advisory": not self.machine.metal or self.memory is None,
             "planned": None if m is None else {
                 "weights_bytes": m.weights_bytes, "kv_bytes": m.kv_bytes,
                 "hot_share_bytes": m.hot_share_bytes, "total_bytes": m.total_bytes},
@@ -445,7 +466,8 @@ def _free(service: ModelService, client: RayCacheClient | None) -> tuple[int, in
     service.shutdown()
     demoted = (0, 0)
     if client is not None and service.cache.enabled:
-        demoted = client.demote(service.cache.settings.model, service.layout.digest)
+        demoted = client.demote(service.cache.settings.model, service.layout.digest,
+                                wait_s=DEMOTE_WAIT_S)
     del service
     gc.collect()
     mx.clear_cache()
@@ -582,7 +604,8 @@ class Ingress(OpenAIIngress):
             pool = pool_for(profile, plan)
             pool.start(pool.initial())
             self.gate = PoolGate(pool, self._load_model, self._unload_model,
-                                 lambda name: self.sent.get(name, 0))
+                                 lambda name: self.sent.get(name, 0),
+                                 status=self._model_status)
             try:  # Serve runs this constructor on its event loop
                 self.gate.start_idle_checks()
             except RuntimeError:  # no loop (a test): started by the first request
@@ -626,6 +649,9 @@ class Ingress(OpenAIIngress):
 
     async def _load_model(self, name: str) -> None:
         await self.handles[name].load.remote()
+
+    async def _model_status(self, name: str) -> str:
+        return str(await self.handles[name].status.remote())
 
     async def _unload_model(self, name: str, reason: str) -> bool:
         return bool(await self.handles[name].unload.remote(reason))
@@ -704,6 +730,8 @@ class Ingress(OpenAIIngress):
         lost = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
         if isinstance(exc, lost):
             self.ready_models.discard(name)
+            if self.gate is not None:  # its replacement holds what it was built to
+                asyncio.ensure_future(self.gate.reconcile())
             return True
         return False
 

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 UNLOAD_REASONS = ("capacity", "idle")  # to make room for another model; its idle_unload_s
 CAPACITY_RETRY_AFTER_S = 5  # a loaded model is busy: retry once a request could end
 IDLE_TICK_S = 1.0  # how often the ingress looks for idle models
+RECONCILE_S = 30.0  # how often it asks the replicas what they hold
+STATUS_TIMEOUT_S = 2.0  # a replica's answer to that, at most
 
 
 class Status(enum.Enum):
@@ -249,8 +251,10 @@ class PoolGate:
 
     def __init__(self, pool: ModelPool, load: Callable[[str], Awaitable[None]],
                  unload: Callable[[str, str], Awaitable[bool]], busy: Callable[[str], int],
-                 on_event: Callable[[PoolEvent], None] | None = None) -> None:
+                 on_event: Callable[[PoolEvent], None] | None = None,
+                 status: Callable[[str], Awaitable[str]] | None = None) -> None:
         self.pool = pool
+        self.status = status
         self._load = load
         self._unload = unload
         self.busy = busy
@@ -341,24 +345,58 @@ class PoolGate:
         self.on_event(("unload", name, reason))
         return True
 
-    # ---- idle unloading ------------------------------------------------------------
+    # ---- in the background: idle unloading, the replicas' own word -----------------
 
     def start_idle_checks(self) -> None:
-        """Start the idle check on the running loop (once; only when a model has
-        ``idle_unload_s``)."""
+        """Start the background checks on the running loop (once): idle unloading every
+        ``IDLE_TICK_S`` (when a model has ``idle_unload_s``), and every ``RECONCILE_S``
+        the replicas' own word on what they hold (``reconcile``, when ``status`` is set)."""
         if self._idle_task is not None and not self._idle_task.done():
             return
-        if not any(m.idle_unload_s for m in self.pool.models.values()):
+        idle = any(m.idle_unload_s for m in self.pool.models.values())
+        if not idle and self.status is None:
             return
-        self._idle_task = asyncio.get_running_loop().create_task(self._idle_checks())
+        self._idle_task = asyncio.get_running_loop().create_task(self._checks(idle))
 
-    async def _idle_checks(self) -> None:
+    async def _checks(self, idle: bool) -> None:
+        last_reconcile = 0.0  # at the first tick: an ingress that restarted learns at once
         while True:
             await asyncio.sleep(IDLE_TICK_S)
             try:
-                await self.unload_idle()
-            except Exception:  # the check must outlive one failure
-                logger.exception("model pool: idle check failed")
+                if self.status is not None and time.monotonic() - last_reconcile > RECONCILE_S:
+                    last_reconcile = time.monotonic()
+                    await self.reconcile()
+                if idle:
+                    await self.unload_idle()
+            except Exception:  # the checks must outlive one failure
+                logger.exception("model pool: background check failed")
+
+    async def reconcile(self) -> dict[str, str]:
+        """Take each replica's word for whether it holds its model (``status(model)``:
+        ``loaded`` or ``unloaded``; one that does not answer in ``STATUS_TIMEOUT_S`` is
+        left as the pool has it). A replica that Serve restarted comes back as its
+        deployment was built (loaded or not at start), and an ingress that restarted
+        starts from the start-time view: without this the cap could be passed unseen.
+        Returns the models whose status changed, with the new one."""
+        status = self.status
+        if status is None:
+            return {}
+        async with self.lock:  # no transition runs meanwhile
+            names = list(self.pool.models)
+            answers = await asyncio.gather(
+                *(asyncio.wait_for(status(n), STATUS_TIMEOUT_S) for n in names),
+                return_exceptions=True)
+            changed = {}
+            for name, answer in zip(names, answers, strict=True):
+                held = {"loaded": Status.LOADED, "unloaded": Status.UNLOADED}.get(
+                    answer if isinstance(answer, str) else "")
+                if held is not None and held is not self.pool.status(name):
+                    self.pool.set(name, held)
+                    changed[name] = held.value
+            if changed:
+                logger.warning("model pool: the replicas say %s (the pool had it otherwise)",
+                               changed)
+            return changed
 
     async def unload_idle(self) -> list[str]:
         """Unload every model idle past its ``idle_unload_s``; the ones unloaded."""

@@ -5,6 +5,7 @@ and the gate that carries it out (one load shared, a loaded model never waits)."
 from __future__ import annotations
 
 import asyncio
+from unittest import mock
 
 import pytest
 
@@ -450,6 +451,37 @@ def test_a_request_for_a_victim_waits_for_the_transition_and_loads_it_again():
         await waiting
         assert r.unloads == ["a", "b", "big"] and r.loads == ["big", "b"]
         assert p.status("b") is Status.LOADED and p.status("big") is Status.UNLOADED
+
+    asyncio.run(main())
+
+
+def test_reconcile_takes_each_replicas_word_and_leaves_the_silent_ones():
+    """A replica Serve restarted holds what its deployment was built to hold, an ingress
+    that restarted starts from the start-time view: the replicas' answers win; a replica
+    that does not answer (or answers something else) leaves the pool's view as it was."""
+    async def main():
+        r = Replicas()
+        answers = {"a": "unloaded", "b": "loaded", "c": "what?"}
+
+        async def status(name: str) -> str:
+            if name == "d":
+                await asyncio.Event().wait()  # never answers
+            return answers[name]
+
+        p = pool(PoolModel("a"), PoolModel("b"), PoolModel("c"), PoolModel("d"),
+                 max_loaded=2)
+        p.start(["a", "c"])
+        g = PoolGate(p, r.load, r.unload, r.busy, status=status)
+        with mock.patch("serve_app.pool.STATUS_TIMEOUT_S", 0.05):
+            changed = await g.reconcile()
+        assert changed == {"a": "unloaded", "b": "loaded"}
+        assert [p.status(n) for n in "abcd"] == [Status.UNLOADED, Status.LOADED,
+                                                 Status.LOADED, Status.UNLOADED]
+        # At the cap now (b and c): the next model to load makes room for itself.
+        r.in_flight["c"] = 1
+        p.used("b")
+        await g.ready("a")
+        assert r.unloads == ["b"] and sorted(p.loaded()) == ["a", "c"]
 
     asyncio.run(main())
 

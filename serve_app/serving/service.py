@@ -98,13 +98,17 @@ class ModelService:
             prefill_step_size=profile.prefill_step_size,
             name=profile.name,
         )
-        # The engine thread probes the layout: every cached array's shape and dtype.
-        self.layout = self.engine.wait_ready()
+        try:
+            # The engine thread probes the layout: every cached array's shape and dtype.
+            self.layout = self.engine.wait_ready()
+            self.cache = CacheManager.for_model(profile, self.layout, cache_client, model_dir,
+                                                tokenizer.chat_template)
+        except BaseException:  # its thread would hold the weights on (a pool loads again)
+            self.engine.shutdown()
+            raise
         self.phases = PhaseTimes()
         # Requests whose prompt a normalization rule changed, by rule (serve_app/normalize).
         self.normalized = dict.fromkeys(RULE_NAMES, 0)
-        self.cache = CacheManager.for_model(profile, self.layout, cache_client, model_dir,
-                                            tokenizer.chat_template)
         self.preparer = Preparer(profile, tokenizer, branch_points=self.cache.enabled)
         # Token id -> (its text, its raw bytes), for logprobs; the byte table on first use.
         self._token_texts: dict[int, tuple[str, tuple[int, ...]]] = {}
