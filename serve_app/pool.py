@@ -234,11 +234,6 @@ class ModelPool:
         }
 
 
-# What the gate tells the outside world (metrics): ("load", model, seconds) after a load,
-# ("unload", model, reason) after an unload.
-PoolEvent = tuple[str, str, Any]
-
-
 class PoolGate:
     """Carries out the pool's decisions on the ingress's event loop: one transition at a
     time (``lock``); requests for a model being loaded share its load; a request for a
@@ -251,14 +246,12 @@ class PoolGate:
 
     def __init__(self, pool: ModelPool, load: Callable[[str], Awaitable[None]],
                  unload: Callable[[str, str], Awaitable[bool]], busy: Callable[[str], int],
-                 on_event: Callable[[PoolEvent], None] | None = None,
                  status: Callable[[str], Awaitable[str]] | None = None) -> None:
         self.pool = pool
         self.status = status
         self._load = load
         self._unload = unload
         self.busy = busy
-        self.on_event = on_event or (lambda event: None)
         self._lock: asyncio.Lock | None = None
         self._bringing: dict[str, asyncio.Future] = {}
         self._idle_task: asyncio.Task | None = None
@@ -325,7 +318,6 @@ class PoolGate:
         self.pool.set(name, Status.LOADED)
         self.pool.used(name)
         logger.info("model pool: loaded %s in %.2f s", name, state.load_seconds)
-        self.on_event(("load", name, state.load_seconds))
 
     async def _unload_one(self, name: str, reason: str) -> bool:
         """Unload ``name`` (the lock held); False when its replica refused (busy)."""
@@ -342,7 +334,6 @@ class PoolGate:
         self.pool.set(name, Status.UNLOADED)
         self.pool.states[name].unloads[reason] += 1
         logger.info("model pool: unloaded %s (%s)", name, reason)
-        self.on_event(("unload", name, reason))
         return True
 
     # ---- in the background: idle unloading, the replicas' own word -----------------

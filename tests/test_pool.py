@@ -213,7 +213,6 @@ class Replicas:
         self.fail: Exception | None = None
         self.release: asyncio.Event | None = None
         self.unload_release: asyncio.Event | None = None
-        self.events: list[tuple] = []
         self.in_flight: dict[str, int] = {}
 
     async def load(self, name: str) -> None:
@@ -233,7 +232,7 @@ class Replicas:
         return self.in_flight.get(name, 0)
 
     def gate(self, p: ModelPool) -> PoolGate:
-        return PoolGate(p, self.load, self.unload, self.busy, self.events.append)
+        return PoolGate(p, self.load, self.unload, self.busy)
 
 
 async def until(predicate, steps: int = 100) -> None:
@@ -283,7 +282,7 @@ def test_a_loaded_model_never_waits_for_another_models_load():
     asyncio.run(main())
 
 
-def test_a_full_pool_unloads_then_loads_and_tells_the_metrics():
+def test_a_full_pool_unloads_then_loads_and_counts_both():
     async def main():
         r = Replicas()
         p = pool(PoolModel("a"), PoolModel("b"), max_loaded=1)
@@ -292,10 +291,8 @@ def test_a_full_pool_unloads_then_loads_and_tells_the_metrics():
         assert r.unloads == ["a"] and r.loads == ["b"]
         assert (p.status("a"), p.status("b")) == (Status.UNLOADED, Status.LOADED)
         assert p.states["a"].unloads == {"capacity": 1, "idle": 0}
-        assert r.events[0] == ("unload", "a", "capacity")
-        kind, name, seconds = r.events[1]
-        assert (kind, name) == ("load", "b") and seconds >= 0.0
-        assert len(r.events) == 2
+        assert p.states["b"].loads == 1 and p.states["b"].load_seconds >= 0.0
+        assert p.states["a"].loads == 0 and p.states["b"].unloads == {"capacity": 0, "idle": 0}
 
     asyncio.run(main())
 
@@ -325,7 +322,7 @@ def test_an_unload_the_replica_refuses_is_a_capacity_error_and_the_victim_stays(
             await g.ready("b")
         assert r.unloads == ["a"] and r.loads == []
         assert (p.status("a"), p.status("b")) == (Status.LOADED, Status.UNLOADED)
-        assert p.states["a"].unloads == {"capacity": 0, "idle": 0} and r.events == []
+        assert p.states["a"].unloads == {"capacity": 0, "idle": 0}
         r.accept = True  # a retry succeeds
         await g.ready("b")
         assert p.status("b") is Status.LOADED
@@ -362,7 +359,6 @@ def test_a_failed_load_is_unloaded_with_its_error_and_a_later_ready_tries_again(
         state = p.states["b"]
         assert p.status("b") is Status.UNLOADED and state.loads == 0
         assert state.last_error is not None and "weights missing" in state.last_error
-        assert r.events == []
         r.fail = None
         await g.ready("b")
         assert r.loads == ["b", "b"] and p.status("b") is Status.LOADED
@@ -404,7 +400,6 @@ def test_unload_idle_unloads_an_idle_model_and_counts_it():
         assert await g.unload_idle() == ["a"]
         assert r.unloads == ["a"] and p.status("a") is Status.UNLOADED
         assert p.states["a"].unloads == {"capacity": 0, "idle": 1}
-        assert r.events == [("unload", "a", "idle")]
         assert p.status("b") is Status.LOADED and p.status("c") is Status.LOADED
 
     asyncio.run(main())
