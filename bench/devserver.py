@@ -63,6 +63,14 @@ def write_config(path: Path, port: int, models: list[dict], **args) -> Path:
     return path
 
 
+def _default_sigint() -> None:
+    """In the child, before exec: SIGINT's default action, whatever the parent had. A
+    command a shell started in the background (``cmd &``, no job control) ignores SIGINT,
+    and so would every server it starts: ``stop()``'s SIGINT would do nothing (Python
+    installs its KeyboardInterrupt handler only over the default action)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class ServerProcess:
     """A server subprocess on loopback (its own session), with its log file."""
 
@@ -81,6 +89,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             env=full_env,
             start_new_session=True,
+            preexec_fn=_default_sigint,
         )
         self._pids: set[int] = set()
 
