@@ -233,8 +233,10 @@ def trim_malloc() -> None:
     import ctypes
     import ctypes.util
 
+    if os.uname().sysname != "Linux":
+        return
     name = ctypes.util.find_library("c")
-    if not name or not os.uname().sysname == "Linux":
+    if not name:
         return
     try:
         ctypes.CDLL(name).malloc_trim(0)
@@ -410,8 +412,7 @@ def plan_memory(profile: Profile, models: Sequence[ModelFootprint], machine: Mac
     """
     budget = _budget(profile, machine)
     store = profile.cache_store
-    # Always loaded: pinned, or with several replicas (the model pool unloads neither).
-    pinned_names = {m.name for m in profile.models if m.pinned or m.num_replicas > 1}
+    pinned_names = {m.name for m in profile.models if m.always_loaded}
     models = [replace(m, pinned=m.name in pinned_names) for m in models]
     staging = int(store.gdn_ssd_pending_max_size) if store.ssd else 0
     cap = profile.memory.max_loaded_models

@@ -401,10 +401,10 @@ class PoolGate:
 
 def pool_for(profile: Profile, plan: MemoryPlan | None) -> ModelPool:
     """The pool of a profile, with the plan's footprints and the memory it leaves to
-    models (the budget less the hot tier and the SSD write buffer). A model with more
-    than one replica counts as pinned: an unload reaches one replica only."""
+    models (the budget less the hot tier and the SSD write buffer). An ``always_loaded``
+    model (pinned, or with several replicas) is pinned here."""
     footprints = {m.name: m.resident_bytes for m in plan.models} if plan is not None else {}
-    models = [PoolModel(m.name, pinned=m.pinned or m.num_replicas > 1,
+    models = [PoolModel(m.name, pinned=m.always_loaded,
                         idle_unload_s=m.idle_unload_s,
                         footprint_bytes=footprints.get(m.name, 0))
               for m in profile.models]

@@ -214,6 +214,12 @@ class ModelProfile(_Strict):
         mode = self.routing.mode
         return mode == "prefix" or (mode == "auto" and self.num_replicas > 1)
 
+    @property
+    def always_loaded(self) -> bool:
+        """Never unloaded by the model pool: pinned, or with several replicas (an unload
+        reaches one replica only)."""
+        return self.pinned or self.num_replicas > 1
+
     def prompt_char_limit(self) -> int:
         """``max_prompt_chars``, or 32 characters per token of context when unset."""
         return self.max_prompt_chars or 32 * self.context_length
@@ -296,8 +302,7 @@ def _cross_checks(profile: Profile) -> list[tuple[tuple[Any, ...], str]]:
                         f"has num_replicas {m.num_replicas}): drop idle_unload_s or set "
                         "num_replicas: 1"))
     cap = profile.memory.max_loaded_models
-    # A model with several replicas stays loaded as if pinned (an unload reaches one).
-    pinned = [m.name for m in profile.models if m.pinned or m.num_replicas > 1]
+    pinned = [m.name for m in profile.models if m.always_loaded]
     if cap is not None and len(pinned) > cap:
         out.append((("memory", "max_loaded_models"),
                     f"{cap} is fewer than the {len(pinned)} models that always stay loaded "
