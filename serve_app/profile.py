@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from serve_app.embedded import EMBEDDED_MODELS, EMBEDDED_PREFIX
+from serve_app.embedded import EMBEDDED_PREFIX, embedded_names
 from serve_app.serving.normalize import RULE_NAMES
 from serve_app.validation import clean_loc
 
@@ -321,8 +321,8 @@ def source_kind(source: str) -> str:
     """Classify a model source: ``embedded``, ``path`` or ``hub``; raise if neither."""
     if source.startswith(EMBEDDED_PREFIX):
         name = source[len(EMBEDDED_PREFIX) :]
-        if name not in EMBEDDED_MODELS:
-            known = ", ".join(EMBEDDED_PREFIX + k for k in sorted(EMBEDDED_MODELS))
+        if name not in embedded_names():
+            known = ", ".join(EMBEDDED_PREFIX + k for k in embedded_names())
             raise ValueError(f"unknown embedded model {source!r}; known: {known}")
         return "embedded"
     looks_like_path = source.startswith(("/", ".", "~")) or Path(source).expanduser().exists()

@@ -32,12 +32,12 @@ def test_shipped_configs_are_valid(config):
     assert apps and all(p.models for _, p in apps)
 
 
-def test_default_profile_serves_the_embedded_hybrid_on_loopback():
+def test_default_profile_serves_the_real_embedded_model_on_loopback():
     raw = yaml.safe_load((REPO / "configs/qwen.yaml").read_text())
     assert raw["http_options"]["host"] == "127.0.0.1"
     assert raw["http_options"]["port"] == 8000
     (_, profile), = load_serve_config(REPO / "configs/qwen.yaml")
-    assert profile.models[0].source == "embedded:tiny-hybrid"
+    assert profile.models[0].source == "embedded:smollm2-135m"
 
 
 @pytest.mark.parametrize(

