@@ -45,6 +45,15 @@ from serve_app.metrics import (
     pool_samples,
     zero_at_start,
 )
+from serve_app.models.phase import (
+    ModelLoadError,
+    ModelPhase,
+    PhaseBoard,
+    load_failure_reason,
+    model_phase,
+    read_phases,
+    replica_identity,
+)
 from serve_app.planning import planned
 from serve_app.pool import (
     CAPACITY_RETRY_AFTER_S,
@@ -184,10 +193,20 @@ class ModelReplica:
         # Templating and tokenizing a long prompt must not stall other streams.
         self.stage = PrepareStage()
         self.prepare_pool = self.stage.pool
+        # What this replica is doing, for the ingress's /health and /v1/models (it answers
+        # no call before __init__ returns).
+        self.board = PhaseBoard(*replica_identity(profile.name))
+        self.load_error: str | None = None
         if load_at_start:
             # Serve routes nothing here before __init__ returns: loading and warming up
-            # now keeps MLX's first-use cost out of the first user request.
-            self._load(at_start=True)
+            # now keeps MLX's first-use cost out of the first user request. A failed load
+            # leaves the replica up, ``failed`` with its reason; a request tries again.
+            try:
+                self._load(at_start=True)
+            except ModelLoadError:
+                pass
+        else:
+            self.board.set("unloaded")
         # Every second: the metrics, then this replica's stats to its node's store, so
         # /v1/stats answered by another replica shows this one too (serve_app.replicas).
         self.pump = MetricsPump(self.recorder, self.metric_samples,
@@ -200,15 +219,25 @@ class ModelReplica:
         from serve_app.serving.service import ModelService, load_model
 
         tic = time.perf_counter()
-        model, tokenizer, model_dir = load_model(self.profile, self.model_home)
-        service = ModelService(self.profile, model, tokenizer, model_dir, self.client,
-                               self.recorder)
         try:
+            model, tokenizer, model_dir = load_model(self.profile, self.model_home,
+                                                     self._progress())
+            self.board.set("loading")
+            service = ModelService(self.profile, model, tokenizer, model_dir, self.client,
+                                   self.recorder)
+        except Exception as exc:
+            raise self._failed(exc) from exc
+        try:
+            self.board.set("warming")
             seconds = self._prepare(service)
-        except BaseException:  # a failed load holds nothing: the pool may load others
+        except BaseException as exc:  # a failed load holds nothing: the pool may load others
             _free(service, None)
+            if isinstance(exc, Exception):
+                raise self._failed(exc) from exc
             raise
         self.service = service
+        self.load_error = None
+        self.board.set("ready")
         took = time.perf_counter() - tic
         if not at_start:
             self.loads += 1
@@ -216,6 +245,26 @@ class ModelReplica:
         logger.info("model %s ready (source %s; loaded in %.2f s, warm-up %.2f s)",
                     self.profile.name, self.profile.source, took, seconds)
         return service
+
+    def _progress(self):
+        """Download and materialize progress: to the console and to the phase board."""
+        from serve_app.models.smollm2 import console_progress
+
+        console = console_progress(self.profile.name)
+
+        def report(p) -> None:
+            console(p)
+            self.board.set(p.phase, p.done_bytes or None, p.total_bytes or None)
+
+        return report
+
+    def _failed(self, exc: Exception) -> ModelLoadError:
+        """The phase ``failed``, with the cause and what to do, logged and returned."""
+        reason = load_failure_reason(self.profile.source, exc)
+        self.load_error = reason
+        self.board.set("failed", reason=reason)
+        logger.error("model %s failed to load: %s", self.profile.name, reason)
+        return ModelLoadError(reason)
 
     def _prepare(self, service: ModelService) -> float:
         """A new service's memory limits, store activation, warm-up (its seconds) and KV
@@ -246,7 +295,13 @@ class ModelReplica:
             return service
         async with self.transition:
             if self.service is None:
-                await asyncio.to_thread(self._load)
+                try:
+                    await asyncio.to_thread(self._load)
+                except ModelLoadError as exc:
+                    raise ApiError(503, f"model {self.profile.name!r} could not be loaded: "
+                                        f"{exc}", type="service_unavailable",
+                                   code="model_load_failed",
+                                   headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             assert self.service is not None
             return self.service
 
@@ -273,6 +328,7 @@ class ModelReplica:
             self.service = None
             self.demoted = await asyncio.to_thread(_free, service, self.client)
             self.unloads[reason if reason in self.unloads else "capacity"] += 1
+            self.board.set("unloaded")
             logger.info("model %s unloaded (memory freed; its SSD cache stays)",
                         self.profile.name)
             return True
@@ -441,6 +497,9 @@ class ModelReplica:
                                              stats))
 
     def __del__(self) -> None:
+        board = getattr(self, "board", None)
+        if board is not None:
+            board.clear()
         pump = getattr(self, "pump", None)
         if pump is not None:
             pump.stop()
@@ -612,6 +671,7 @@ class Ingress(OpenAIIngress):
                 pass
         # Every node's cache store, where each model replica reports its stats.
         self.stores = StoreReports(self.profile.cache_store.call_timeout_s)
+        self.app_name = replica_identity("")[0]  # where the replicas write their phases
 
     async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller):
         preparer = self.preparers.get(name)
@@ -655,6 +715,17 @@ class Ingress(OpenAIIngress):
 
     async def _unload_model(self, name: str, reason: str) -> bool:
         return bool(await self.handles[name].unload.remote(reason))
+
+    async def model_phase(self, name: str) -> ModelPhase:
+        """The phases the model's replicas wrote (Ray's KV store, a GCS round trip off the
+        event loop), read with whether one answered the readiness probe."""
+        ready = await self.model_ready(name)
+        try:
+            written = await asyncio.to_thread(read_phases, self.app_name, name)
+        except Exception as exc:  # the GCS is away: what the probe says
+            logger.warning("reading the phase of model %s failed: %r", name, exc)
+            written = []
+        return model_phase(written, ready)
 
     def model_status(self, name: str, ready: bool) -> str:
         if not ready:  # its replica is starting (and loads it, when loaded at start)

@@ -163,3 +163,53 @@ def token_bytes_table(tokenizer: Any) -> Callable[[int], bytes] | None:
         return byte_level
     return None
 
+
+
+def kv_put(namespace: str, key: str, value: bytes) -> None:
+    """Write ``key`` in Ray's cluster-wide KV store (the GCS), overwriting it.
+
+    Relies on ``ray.experimental.internal_kv`` (Ray 2.60), the store Serve keeps its own
+    checkpoints in: a replica still in its constructor can write there, and any process
+    of the cluster read it, with no actor of ours to start first.
+    """
+    from ray.experimental import internal_kv
+
+    if internal_kv._internal_kv_initialized():
+        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=namespace)
+
+
+def kv_delete(namespace: str, key: str) -> None:
+    """Remove ``key`` from Ray's KV store (see ``kv_put``)."""
+    from ray.experimental import internal_kv
+
+    if internal_kv._internal_kv_initialized():
+        internal_kv._internal_kv_del(key, namespace=namespace)
+
+
+def kv_items(namespace: str, prefix: str) -> dict[str, bytes]:
+    """Every key under ``prefix`` in Ray's KV store with its value (see ``kv_put``)."""
+    from ray.experimental import internal_kv
+
+    if not internal_kv._internal_kv_initialized():
+        return {}
+    out: dict[str, bytes] = {}
+    for key in internal_kv._internal_kv_list(prefix, namespace=namespace):
+        value = internal_kv._internal_kv_get(key, namespace=namespace)
+        if value is not None:
+            out[key.decode() if isinstance(key, bytes) else key] = value
+    return out
+
+
+def log_dir() -> str:
+    """Where this Ray session writes its logs (Serve's are in ``serve/`` below it).
+
+    Relies on ``ray._private.worker.global_worker.node`` (Ray 2.60): Ray has no public
+    call for its session's log directory; ``/tmp/ray/session_latest/logs`` when unknown.
+    """
+    try:
+        import ray._private.worker as worker
+
+        node: Any = worker.global_worker.node
+        return str(node.get_logs_dir_path())
+    except Exception:
+        return "/tmp/ray/session_latest/logs"

@@ -398,7 +398,7 @@ def _materialize_real(name: str, home: Path, target: Path, progress) -> Path:
         if (target / "EMBEDDED").exists():
             return target
         if progress:
-            progress(smollm2.Progress("converting"))
+            progress(smollm2.Progress("materializing"))
 
         def build_dequantized(tmp: Path) -> None:
             smollm2.dequantize_dir(base, tmp, fmt)

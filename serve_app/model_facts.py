@@ -125,14 +125,34 @@ def cached_hub_dir(repo: str, revision: str | None) -> Path | None:
         return None
 
 
+def real_model_facts(name: str) -> ModelFacts:
+    """An embedded real model's facts before it is downloaded: its known config and size."""
+    from serve_app.embedded import REAL_MODELS
+    from serve_app.models import smollm2
+
+    fmt = REAL_MODELS[name]
+    dtype = "float32" if fmt == "q4" else fmt
+    config = {**smollm2.CONFIG, "torch_dtype": dtype}
+    return ModelFacts(config, smollm2.WEIGHTS_BYTES[fmt], dtype,
+                      f"embedded:{name} (not downloaded yet)")
+
+
 def model_facts(model: ModelProfile, home: Path | None = None, hub: bool = False) -> ModelFacts:
     """The facts of a profile's model; ``hub``: ask the hub when the local cache lacks it."""
     kind = source_kind(model.source)
     if kind == "embedded":
-        from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
+        from serve_app.embedded import (
+            EMBEDDED_PREFIX,
+            REAL_MODELS,
+            default_home,
+            is_materialized,
+            materialize,
+        )
 
-        return facts_from_dir(materialize(model.source[len(EMBEDDED_PREFIX):],
-                                          home or default_home()))
+        name = model.source[len(EMBEDDED_PREFIX):]
+        if name in REAL_MODELS and not is_materialized(name, home):
+            return real_model_facts(name)  # known without its 93 MB download
+        return facts_from_dir(materialize(name, home or default_home()))
     if kind == "path":
         return facts_from_dir(Path(model.source).expanduser())
     local = cached_hub_dir(model.source, model.revision)

@@ -131,3 +131,28 @@ def test_serve_cli_runs_in_process_and_returns_its_exit_status(capsys):
     assert compat.run_serve_cli(["--help"]) == 0
     assert "Usage: serve run" in capsys.readouterr().out
     assert compat.run_serve_cli(["--no-such-flag"]) != 0
+
+
+def test_kv_store_round_trips_across_processes_of_one_cluster():
+    """What a replica writes in Ray's KV store, another process of the cluster reads."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ray, subprocess, sys\n"
+        "from serve_app import compat\n"
+        "ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
+        "@ray.remote(num_cpus=0)\n"
+        "def write():\n"
+        "    compat.kv_put('ns_probe', 'app/m/r1', b'one')\n"
+        "    compat.kv_put('ns_probe', 'app/m/r2', b'two')\n"
+        "    compat.kv_put('ns_probe', 'app/other/r1', b'x')\n"
+        "ray.get(write.remote())\n"
+        "print(sorted(compat.kv_items('ns_probe', 'app/m/').items()))\n"
+        "compat.kv_delete('ns_probe', 'app/m/r1')\n"
+        "print(sorted(compat.kv_items('ns_probe', 'app/m/')))\n"
+        "ray.shutdown()\n"
+        "print(compat.kv_items('ns_probe', 'app/'))\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, timeout=120).stdout.strip().splitlines()
+    assert out == ["[('app/m/r1', b'one'), ('app/m/r2', b'two')]", "['app/m/r2']", "{}"]

