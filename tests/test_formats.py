@@ -1,4 +1,5 @@
-"""Exactness on every weight format the embedded models come in (fp32, bf16, fp16, 4-bit).
+"""Exactness on every weight format the embedded models come in (fp32, bf16, fp16, 4-bit;
+the real SmolLM2-135M in its 4-bit, fp32 and bf16).
 
 In-process (real engine, real store, real files, no Ray): warm restores from
 the hot tier, restores after a restart from SSD in every storage mode, and
@@ -22,7 +23,7 @@ from serve_app.cache.manager import RequestPlan
 from serve_app.cache.payload import BlockPayload, RestorePlan, Tensor, from_tensors
 from serve_app.cache.ssd import SSDStore, read_file
 from serve_app.cache.tiers import TieredStore
-from serve_app.embedded import FORMATS, materialize
+from serve_app.embedded import FORMATS, REAL_MODELS, materialize
 from serve_app.profile import ModelProfile
 from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
 from serve_app.serving.sampling import SamplingParams
@@ -32,6 +33,7 @@ from tests.test_cache_exact import run
 BS = 16
 HYBRIDS = [f"tiny-hybrid-{f}" if f != "fp32" else "tiny-hybrid" for f in FORMATS]
 DENSES = [f"tiny-dense-{f}" if f != "fp32" else "tiny-dense" for f in FORMATS]
+REALS = sorted(REAL_MODELS)  # SmolLM2-135M: 4-bit as its GGUF, fp32 and bf16
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +131,13 @@ def test_warm_multi_turn_matches_cold(name, home):
 @pytest.mark.parametrize("name,storage", [
     *((n, s) for n in HYBRIDS for s in ("ssd_sidecar", "embedded")),
     *((n, "auto") for n in DENSES),  # no recurrent state: KV block files only
+    *((n, "auto") for n in REALS),
 ])
-def test_restart_from_ssd_matches_cold(name, storage, home, tmp_path):
+def test_restart_from_ssd_matches_cold(name, storage, home, tmp_path, model_home):
+    """Cold, then restored from SSD after a restart, then from the hot tier, then its full
+    blocks alone: the same tokens each time."""
+    if name in REAL_MODELS:  # one download and build for the session
+        home = model_home
     cache = {"gdn_snapshot_storage": storage}
     prompt = prompt_of(7, 3)
     first = Server(name, home, tmp_path, cache)
