@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--hub", action="store_true",
                        help="read the size of hub models missing from the local Hugging Face "
                             "cache from the hub (config.json and the file listing only)")
+    check.add_argument("--mac-gb", type=int, default=None, metavar="GB",
+                       help="plan for a Mac with this much memory (16, 32, 64, 128...) "
+                            "instead of this machine")
     mat = sub.add_parser("materialize", help="build an embedded model and print its path")
     mat.add_argument("name")
     sub.add_parser("gc", help="report (and with --apply clean) an SSD cache directory")
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         except ProfileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        return check_memory(args.config, apps, args.hub)
+        return check_memory(args.config, apps, args.hub, args.mac_gb)
     if args.command == "serve":
         try:
             load_serve_config(args.config)  # a bad profile is refused before Ray starts
@@ -84,12 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def check_memory(config: str, apps: list, hub: bool) -> int:
-    """Print each application's memory plan; 2 if one cannot fit (each reason on stderr)."""
-    from serve_app.memory import describe, probe_machine
+def check_memory(config: str, apps: list, hub: bool, mac_gb: int | None = None) -> int:
+    """Print each application's memory plan; 2 if one cannot fit (each reason on stderr).
+    ``mac_gb``: plan for a Mac of that many GB (as the sizing table does), not this one."""
+    from serve_app.memory import MachineMemory, describe, probe_machine
     from serve_app.planning import plan_profile
 
-    machine = probe_machine()
+    machine = probe_machine() if mac_gb is None else MachineMemory(mac_gb << 30)
     refused = False
     for name, profile in apps:
         plan = plan_profile(profile, machine, hub)
