@@ -158,6 +158,12 @@ def model_facts(model: ModelProfile, home: Path | None = None, hub: bool = False
     local = cached_hub_dir(model.source, model.revision)
     if local is not None:
         return facts_from_dir(local)
+    from serve_app.sizing import KNOWN_REPOS, quantized_weight_bytes
+
+    if model.source in KNOWN_REPOS and model.revision is None:
+        config = KNOWN_REPOS[model.source]
+        return ModelFacts(config, quantized_weight_bytes(config), "bfloat16",
+                          f"{model.source} (its known shape: not downloaded yet)")
     if not hub:
         raise FactsUnavailable(f"{model.source} is not in the local Hugging Face cache; "
                                "`check --hub` reads its size from the hub")

@@ -52,6 +52,12 @@ QWEN35_27B = {
 }
 
 
+# mlx-community checkpoints of the table's shapes: the memory plan knows their size before
+# they are downloaded (``check`` of configs/qwen-mac.yaml works offline).
+KNOWN_REPOS = {"mlx-community/Qwen3-8B-4bit": QWEN3_8B,
+               "mlx-community/Qwen3.5-27B-4bit": QWEN35_27B}
+
+
 @dataclass(frozen=True)
 class Shape:
     """One model of the table: its name, config, 4-bit weight bytes and longest context."""

@@ -131,3 +131,45 @@ def test_stream_interval_stretches_with_running_streams(running, interval_ms):
     service = SimpleNamespace(profile=profile, engine=SimpleNamespace(
         stats=SimpleNamespace(running_batch_size=running)))
     assert ModelService.stream_interval(service) == pytest.approx(interval_ms / 1000)
+
+
+def _check(config: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "serve_app", "check", str(config), *flags],
+                          cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("config", ["qwen.yaml", "qwen-cluster.yaml"])
+def test_shipped_profiles_pass_check_here(config):
+    done = _check(REPO / "configs" / config)
+    assert done.returncode == 0, done.stderr
+    assert "footprint unknown" not in done.stdout
+
+
+MAC_VARIANTS = {  # configs/qwen-mac.yaml's comments: what to change on other Macs
+    16: ({"context_length": 16384, "max_batch_size": 2}, {"hot_budget": "1GiB"}),
+    32: ({}, {}),
+    64: ({"max_batch_size": 6}, {"hot_budget": "4GiB"}),
+    128: ({"name": "qwen3.5-27b", "source": "mlx-community/Qwen3.5-27B-4bit",
+           "context_length": 65536, "max_batch_size": 8,
+           "cache": {"checkpoint_interval": 2048}}, {"hot_budget": "8GiB"}),
+}
+
+
+@pytest.mark.parametrize("gb", sorted(MAC_VARIANTS))
+def test_the_mac_profile_fits_each_mac_its_comments_name(gb, tmp_path):
+    text = (REPO / "configs" / "qwen-mac.yaml").read_text()
+    model, store = MAC_VARIANTS[gb]
+    for key, value in {**model, **store}.items():  # each change is written in the comments
+        if key != "cache":
+            assert f"{key}: {value}" in text, key
+    raw = yaml.safe_load(text)
+    args = raw["applications"][0]["args"]
+    args["models"][0].update(model)
+    args["cache_store"].update(store)
+    path = tmp_path / "mac.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    done = _check(path, "--mac-gb", str(gb))
+    assert done.returncode == 0, done.stderr
+    assert "footprint unknown" not in done.stdout and " ok: " in done.stdout
+    if gb == 32:
+        assert _check(path, "--mac-gb", "16").returncode == 2  # not past a 16 GB Mac
