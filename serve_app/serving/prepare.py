@@ -166,7 +166,8 @@ class Preparer:
         vocab = self.tokenizer.vocab_size
         bad = [t for t in prompt if not 0 <= t < max(vocab, len(self.tokenizer))]
         if bad:
-            raise ApiError(400, f"prompt has token ids outside the vocabulary: {bad[:5]}",
+            raise ApiError(400, f"prompt has token ids outside the vocabulary (0 to "
+                                f"{max(vocab, len(self.tokenizer)) - 1}): {bad[:5]}",
                            param="prompt")
         return list(prompt)
 

@@ -567,7 +567,11 @@ class _RequestStream:
         if event.restored is not None:  # the engine took it out of the queue
             self._restored(event.restored, event.at)
         if event.error is not None:
-            out.append(ApiError(500, event.error, type="server_error").to_failure())
+            from serve_app.compat import log_dir
+
+            out.append(ApiError(500, f"{event.error} (the model replica's log under "
+                                     f"{log_dir()}/serve has the traceback)",
+                                type="server_error").to_failure())
             return True
         if event.token is not None:
             self._clock.token(event.at, self._prompt_tokens - self.cached)
