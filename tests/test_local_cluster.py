@@ -1,4 +1,4 @@
-"""``python -m serve_app local-cluster``, as the README runs it: real nodes, own SSD dirs."""
+"""``python -m serve_app local-cluster``, as docs/cluster.md runs it: real nodes, own SSD dirs."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_local_cluster_runs_nodes_with_their_own_ssd_directories(tmp_path):
     # A short temp dir: Ray's socket paths must fit in 107 bytes.
     ray_tmp = tempfile.mkdtemp(prefix="rlc", dir="/tmp")
-    # The README's command as it is: the SSD directories go to this user's cache
+    # The documented command as it is (docs/cluster.md): the SSD directories go to this user's cache
     # directory (XDG_CACHE_HOME here, ~/.cache by default), not to a shared /tmp.
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0",
            "XDG_CACHE_HOME": str(tmp_path / "cache")}

@@ -362,17 +362,17 @@ def test_the_builder_resolves_an_auto_hot_budget(home, monkeypatch):
     assert with_planned_hot_budget(profile([TINY])) .cache_store.hot_budget == 1 * GiB
 
 
-# ---- the README's sizing table ---------------------------------------------------------
+# ---- the docs' sizing table (docs/mac.md) ----------------------------------------------
 
 
-def test_readme_sizing_table_is_the_plans_own():
+def test_docs_sizing_table_is_the_plans_own():
     from serve_app.sizing import sizing_table
 
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("<!-- sizing-table:start -->\n") + len("<!-- sizing-table:start -->\n")
-    end = readme.index("<!-- sizing-table:end -->")
-    assert readme[start:end] == sizing_table(), (
-        "README sizing table is stale: paste `python -m serve_app sizing-table`")
+    page = (REPO / "docs" / "mac.md").read_text()
+    start = page.index("<!-- sizing-table:start -->\n") + len("<!-- sizing-table:start -->\n")
+    end = page.index("<!-- sizing-table:end -->")
+    assert page[start:end] == sizing_table(), (
+        "docs/mac.md's sizing table is stale: paste `python -m serve_app sizing-table`")
 
 
 def test_sizing_shapes_are_the_real_models():
