@@ -3,7 +3,7 @@
 Reads a results directory as ``python -m bench`` leaves it: the benches' JSON
 (``<bench>-<model>.json``), ``runs.json`` (each bench's exit status and log tail)
 and ``machine.json``; writes ``REPORT.md`` and its PNG plots beside it, linked
-relatively so that the README (or any Markdown viewer) can embed the report.
+relatively so that any Markdown viewer shows the report with its plots.
 Missing keys and missing files leave a cell ``n/a`` or a plot out: a bench
 that failed, or an older JSON schema, must not stop the report.
 

@@ -431,7 +431,7 @@ LEAN_KNOBS = [
 ]
 # What ``ray.init`` cannot turn off (only ``ray start`` can: ``--include-log-monitor=false``
 # for replica logs on the console, ``--no-monitor`` for the autoscaler monitor, ~160 MiB
-# together): the README says how, and what each gives up.
+# together): docs/cli.md ("The lean start") says how, and what each gives up.
 
 
 def start_lean_serve(tmp: Path, model: str, plan: Plan) -> ServerProcess:
