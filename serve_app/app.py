@@ -545,7 +545,8 @@ def load_preparer(profile: ModelProfile, model_home: str | None) -> Preparer:
     # Only the tokenizer's files: the ingress's node needs no weights for it.
     model_dir = download_model(resolve_source(profile, home), profile.revision,
                                allow_patterns=TOKENIZER_FILES)
-    return Preparer(profile, load_tokenizer(model_dir), branch_points=profile.cache.enabled)
+    return Preparer(profile, load_tokenizer(model_dir, profile.tokenizer_config()),
+                    branch_points=profile.cache.enabled)
 
 
 def deployment_name(model_name: str) -> str:

@@ -319,6 +319,20 @@ REAL_MODELS: dict[str, str] = {
     "smollm2-135m": "q4", "smollm2-135m-fp32": "float32", "smollm2-135m-bf16": "bfloat16",
 }
 REAL_FORMAT_VERSION = 1
+# Profile keys an embedded model takes unless its profile sets them (even to null).
+# SmolLM2's own template (its GGUF's) has no tools: it is served with ChatML and
+# Hermes-style tools, its default system prompt kept (serve_app/chat_templates.py).
+PROFILE_DEFAULTS: dict[str, dict[str, str]] = {
+    name: {"chat_template": "smollm2-tools", "tool_call_format": "json_tools"}
+    for name in REAL_MODELS
+}
+
+
+def profile_defaults(source: str) -> dict[str, str]:
+    """The profile keys ``source`` (``embedded:NAME``) brings by default; {} for others."""
+    if not source.startswith(EMBEDDED_PREFIX):
+        return {}
+    return dict(PROFILE_DEFAULTS.get(source[len(EMBEDDED_PREFIX):], {}))
 
 
 def embedded_names() -> list[str]:

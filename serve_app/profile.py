@@ -20,11 +20,15 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import ErrorDetails
 
-from serve_app.embedded import EMBEDDED_PREFIX, embedded_names
+from serve_app.chat_templates import check_chat_template, check_tool_call_format
+from serve_app.chat_templates import tokenizer_config as _tokenizer_config
+from serve_app.embedded import EMBEDDED_PREFIX, embedded_names, profile_defaults
 from serve_app.serving.normalize import RULE_NAMES
 from serve_app.validation import clean_loc
 
@@ -182,6 +186,36 @@ class ModelProfile(_Strict):
     # Prompt normalization rules (``serve_app/serving/normalize.py``) applied before templating:
     # client quirks that would defeat the prefix cache. Default: all; [] turns them off.
     normalize: list[str] = Field(default_factory=lambda: list(RULE_NAMES))
+    # The chat template, instead of the checkpoint's: a builtin name ("chatml-tools",
+    # "smollm2-tools") or a Jinja file (a relative path from the config file's directory,
+    # else the working directory; kept absolute). None: the checkpoint's own.
+    chat_template: str | None = None
+    # The tool-call format, instead of the one mlx-lm infers from the template: one of
+    # mlx-lm's tool parsers (mlx_lm/tool_parsers: "json_tools", "qwen3_coder", ...).
+    # Embedded models may bring defaults for both (serve_app.embedded.PROFILE_DEFAULTS).
+    tool_call_format: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _embedded_defaults(cls, data: Any) -> Any:
+        """An embedded model's defaults for keys the profile does not set (a key set to
+        null stays null: the checkpoint's own template or format)."""
+        if isinstance(data, dict) and isinstance(data.get("source"), str):
+            return {**profile_defaults(data["source"]), **data}
+        return data
+
+    @field_validator("chat_template")
+    @classmethod
+    def _check_template(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        base = (info.context or {}).get("base_dir")
+        return check_chat_template(value, Path(base) if base is not None else None)
+
+    @field_validator("tool_call_format")
+    @classmethod
+    def _check_tool_call_format(cls, value: str | None) -> str | None:
+        return None if value is None else check_tool_call_format(value)
 
     @field_validator("name")
     @classmethod
@@ -219,6 +253,11 @@ class ModelProfile(_Strict):
         """Never unloaded by the model pool: pinned, or with several replicas (an unload
         reaches one replica only)."""
         return self.pinned or self.num_replicas > 1
+
+    def tokenizer_config(self) -> dict:
+        """What ``mlx_lm.load`` (or ``load_tokenizer``) takes as ``tokenizer_config`` for
+        this model's ``chat_template`` and ``tool_call_format`` ({} when neither is set)."""
+        return _tokenizer_config(self.chat_template, self.tool_call_format)
 
     def prompt_char_limit(self) -> int:
         """``max_prompt_chars``, or 32 characters per token of context when unset."""
@@ -364,12 +403,15 @@ def _describe(err: ErrorDetails) -> str:
     return msg
 
 
-def parse_profile(args: Any, where: str = "profile", key_prefix: str = "") -> Profile:
-    """Validate application args into a ``Profile`` or raise ``ProfileError``."""
+def parse_profile(args: Any, where: str = "profile", key_prefix: str = "",
+                  base_dir: Path | None = None) -> Profile:
+    """Validate application args into a ``Profile`` or raise ``ProfileError``.
+    ``base_dir``: where relative paths in it start (the config file's directory); the
+    working directory when None."""
     if not isinstance(args, dict):
         raise ProfileError(f"{where}: {key_prefix or 'args'}: must be a mapping")
     try:
-        profile = Profile.model_validate(args)
+        profile = Profile.model_validate(args, context={"base_dir": base_dir})
     except ValidationError as exc:
         lines = [
             f"{where}: {_format_loc(key_prefix, tuple(clean_loc(e['loc']))) or 'args'}: "
@@ -405,7 +447,8 @@ def load_serve_config(path: str | Path) -> list[tuple[str, Profile]]:
         if not str(app.get("import_path", "")).startswith("serve_app"):
             continue
         name = app.get("name", f"app{i + 1}")
-        out.append((name, parse_profile(app.get("args"), str(path), f"applications[{i}].args")))
+        out.append((name, parse_profile(app.get("args"), str(path), f"applications[{i}].args",
+                                        base_dir=path.resolve().parent)))
     if not out:
         raise ProfileError(f"{path}: applications: no application uses serve_app")
     return out

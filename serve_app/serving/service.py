@@ -75,8 +75,10 @@ def load_model(profile: ModelProfile, home: Path | None = None, progress=None):
     if progress is not None and source_kind(profile.source) == "hub":
         progress(Progress("downloading"))  # from the hub, or at once from its local cache
     model_dir = download_model(path, profile.revision)
-    # typed as a 2- or 3-tuple (return_config has no overloads): two without it
-    model, tokenizer = mlx_lm.load(str(model_dir))  # type: ignore[misc]
+    # typed as a 2- or 3-tuple (return_config has no overloads): two without it;
+    # the profile's chat template and tool-call format, if any, replace the checkpoint's
+    model, tokenizer = mlx_lm.load(str(model_dir),  # type: ignore[misc]
+                                   tokenizer_config=profile.tokenizer_config())
     return model, tokenizer, model_dir
 
 
