@@ -616,6 +616,25 @@ def test_sdk_accumulates_our_stream_to_the_same_message_as_non_streaming():
     assert final.model_dump(exclude_none=True) == expected.model_dump(exclude_none=True)
 
 
+def test_a_call_cut_by_the_token_limit_is_a_tool_use_block_with_its_input_so_far():
+    """The token limit cut a call in its arguments: a tool_use block whose input is what
+    of it is whole (an object, streamed or not), and stop_reason max_tokens."""
+    cut = ToolCall("toolu_c", "get_weather", '{"city": "Par', complete=False)
+    generation = internal(30, 0, calls=(cut,), reason="length")
+    message = Message.model_validate(collect(generation))
+    assert [b.type for b in message.content] == ["tool_use"]
+    assert (message.content[0].name, message.content[0].input) == ("get_weather",
+                                                                    {"city": "Par"})
+    assert message.stop_reason == "max_tokens"
+
+    def handler(request):
+        return sse_response(stream_events(generation))
+
+    with sdk_client(handler).messages.stream(**base_request()) as s:
+        final = s.get_final_message()
+    assert final.model_dump(exclude_none=True) == message.model_dump(exclude_none=True)
+
+
 def test_sdk_reads_a_stream_split_into_small_chunks():
     body = b"".join(sse_event(e) for e in stream_events(internal(8, 0, "héllo ", "wörld")))
 

@@ -375,6 +375,20 @@ def test_cut_by_the_token_limit_is_incomplete():
     assert r.output[0].status == "incomplete"
 
 
+def test_a_call_cut_by_the_token_limit_is_an_incomplete_function_call():
+    """Its arguments as far as they got, never the call's markup as message text."""
+    cut = ToolCall("call_c", "get_weather", '{"city": "Os', complete=False)
+    generation = [Start(30, 0), cut, Finish("length", 30, 7, 0, 0.1)]
+    for obj in (collect(generation, tools=[WEATHER], tool_choice="required"),
+                accumulate(stream_events(generation, tools=[WEATHER],
+                                         tool_choice="required"))):
+        r = Response.model_validate(obj)
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        [call] = r.output
+        assert (call.type, call.name, call.arguments, call.status) == (
+            "function_call", "get_weather", '{"city": "Os', "incomplete")
+
+
 def test_empty_generation_is_a_valid_response():
     r = Response.model_validate(collect(internal(completion=0)))
     assert r.output == [] and r.status == "completed" and r.output_text == ""

@@ -67,10 +67,12 @@ def service(tmp_path_factory):
     svc.shutdown()
 
 
-def events_of(service: ModelService, script: str, stream_tools: bool = True) -> list[Event]:
+def events_of(service: ModelService, script: str, stream_tools: bool = True,
+              max_tokens: int = 400, choice=None) -> list[Event]:
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Go"}],
-                                    tools=[WEATHER, TIME], max_tokens=400, temperature=0,
-                                    tool_choice="auto" if stream_tools else "none")
+                                    tools=[WEATHER, TIME], max_tokens=max_tokens,
+                                    temperature=0,
+                                    tool_choice=choice or ("auto" if stream_tools else "none"))
     tokens = service.tokenizer.encode(script, add_special_tokens=False)
     eos = next(iter(service.eos_ids))
 
@@ -123,6 +125,36 @@ def test_a_call_cut_short_is_text_not_a_broken_call(service):
     text = "".join(e.text for e in events if isinstance(e, Delta))
     assert not [e for e in events if isinstance(e, ToolCall)]
     assert text == cut and events[-1].finish_reason == "stop"
+
+
+FORCED = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n'
+          "</tool_call>")
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}},
+                                    "required", None])
+def test_a_call_cut_by_max_tokens_is_a_call_with_finish_reason_length(service, choice):
+    """Forced (a named function, "required") or not: the call as far as it got, never its
+    markup as text. A forced call is one from its first token on."""
+    tokens = service.tokenizer.encode(FORCED, add_special_tokens=False)
+    name_end = len(service.tokenizer.encode('<tool_call>\n{"name": "get_w',
+                                            add_special_tokens=False))
+    for max_tokens in (1, 3, name_end + 1, len(tokens) - 8, len(tokens) - 1):
+        events = events_of(service, FORCED, max_tokens=max_tokens, choice=choice)
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        text = "".join(e.text for e in events if isinstance(e, Delta))
+        assert events[-1].finish_reason == "length", max_tokens
+        if choice is None and max_tokens < name_end:  # auto: not yet a call of a tool
+            assert not calls and FORCED.startswith(text), max_tokens
+            continue
+        assert text == "" and len(calls) == 1, (max_tokens, text)
+        [call] = calls
+        assert call.name == "get_weather" or choice == "required", max_tokens
+        full = '{"city": "Oslo", "days": 2}'
+        if max_tokens == len(tokens) - 1:  # all but the end marker: the arguments are whole
+            assert call.complete and json.loads(call.arguments) == json.loads(full)
+        else:
+            assert not call.complete and full.startswith(call.arguments), max_tokens
 
 
 def test_a_model_without_a_tool_format_refuses_tools(service):

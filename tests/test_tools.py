@@ -30,6 +30,7 @@ from serve_app.serving.tools import (
     ToolSupport,
     canonical_tools,
     new_call_id,
+    partial_object,
     tool_support,
 )
 
@@ -192,6 +193,28 @@ def test_tool_support_comes_from_mlx_lm(dense, coder, home):
     assert ToolSupport.from_parser("mistral").end == ""
 
 
+def test_profile_keys_reach_mlx_lms_tokenizer(home):
+    """``chat_template`` and ``tool_call_format`` go to mlx-lm as its public
+    ``tokenizer_config`` (from_pretrained's keyword arguments): the template replaces the
+    checkpoint's, the format replaces the one mlx-lm infers, and a template alone brings the
+    format mlx-lm reads in it."""
+    from mlx_lm.utils import load_tokenizer
+
+    from serve_app.chat_templates import BUILTIN_TEMPLATES, tokenizer_config
+
+    path = home / "plain"
+    _with_template(home, "plain", PLAIN_TEMPLATE)
+    template = load_tokenizer(path, tokenizer_config("chatml-tools", None))
+    assert template.chat_template == BUILTIN_TEMPLATES["chatml-tools"]
+    assert tool_support(template).parser == "json_tools"
+    both = load_tokenizer(path, tokenizer_config("chatml-tools", "qwen3_coder"))
+    assert tool_support(both).parser == "qwen3_coder"
+    format_only = load_tokenizer(path, tokenizer_config(None, "json_tools"))
+    assert format_only.chat_template == PLAIN_TEMPLATE
+    assert tool_support(format_only).start == "<tool_call>"
+    assert tool_support(load_tokenizer(path, tokenizer_config(None, None))) is None
+
+
 def test_call_ids_are_fresh():
     ids = {new_call_id() for _ in range(100)}
     assert len(ids) == 100
@@ -317,6 +340,88 @@ def test_unfinished_or_broken_calls(tail, calls):
         text, got = _run(ToolSupport.from_parser("json_tools").stream(), chunks)
         assert [c.name for c in got] == calls
         assert text == ("Ok." if calls else "Ok. " + tail), chunks
+
+
+FULL_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+             "\n</tool_call>")
+NAMES = ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("forced", [None, ("get_weather",), tuple(NAMES)])
+def test_a_call_cut_by_the_token_limit_is_a_call_with_its_arguments_so_far(forced):
+    """Cut anywhere in a call, the output is one call (never its markup as text): its
+    arguments as far as they got, whole once they are. Unforced, a call whose name cannot
+    be told yet stays the model's text."""
+    support = ToolSupport.from_parser("json_tools")
+    tools = [{"type": "function", "function": {"name": n}} for n in NAMES]
+    head = len('<tool_call>\n{"name": "get_weather", "arguments": ')
+    for end in range(1, len(FULL_CALL)):
+        stream = support.stream(tools, forced)
+        update = stream.feed(FULL_CALL[:end])
+        done = stream.finish(cut=True)
+        text, calls = update.text + done.text, [*update.calls, *done.calls]
+        named = end >= len('<tool_call>\n{"name": "get_w')  # get_weather alone begins so
+        if forced is None and not named:
+            assert not calls and text == FULL_CALL[:end], end
+            continue
+        assert text == "" and len(calls) == 1, end
+        [call] = calls
+        assert call.name == ("get_weather" if named or forced == ("get_weather",) else
+                             FULL_CALL[len('<tool_call>\n{"name": "'):end]), end
+        arguments = FULL_CALL[head:end] if end > head else ""
+        if end >= head + len('{"city": "Paris", "days": 2}'):
+            assert call.complete and json.loads(call.arguments) == {"city": "Paris", "days": 2}
+        else:
+            assert not call.complete and call.arguments == arguments, end
+            got = call.input()  # Anthropic's input: what of the arguments is whole
+            assert got.get("days", 2) == 2 and "Paris".startswith(got.get("city", "")), end
+    # An output the limit did not cut: a call left open is the model's text, as before.
+    stream = support.stream(tools, forced)
+    assert stream.finish(FULL_CALL[:40]).text == FULL_CALL[:40]
+
+
+def test_forced_parallel_calls_cut_in_the_next_marker_are_the_calls_made():
+    support = ToolSupport.from_parser("json_tools")
+    stream = support.stream(None, NAMES)
+    first = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_c'
+    update, done = stream.feed(first), stream.finish(cut=True)
+    assert [c.name for c in update.calls] == ["get_time"] and done == ToolStreamUpdate()
+    assert update.text == ""
+
+
+def test_a_qwen3_coder_call_cut_short_keeps_its_closed_parameters():
+    support = ToolSupport.from_parser("qwen3_coder")
+    body = "\n<function=run>\n<parameter=cmd>\nls\n</parameter>\n<parameter=n>\n3"
+    call = support.partial(body, CODER_TOOLS, ["run"])
+    assert (call.name, call.complete, call.input()) == ("run", False, {"cmd": "ls"})
+    assert support.partial("\n<function=ru", CODER_TOOLS, ["run"]).name == "run"
+    assert support.partial("\n<function=ru", CODER_TOOLS, ["run", "rust"]) is None
+    assert ToolSupport.from_parser("mistral").partial('[{"name": "x"', None, ["x"]) is None
+
+
+@pytest.mark.parametrize("text,value", [
+    ('{"city": "Pa', {"city": "Pa"}),
+    ('{"city', {}),
+    ('{"a": 1, "b": tr', {"a": 1}),
+    ('{"a": 12', {"a": 12}),
+    ('{"a": "x\\', {"a": "x"}),
+    ('{"a": "x\\u00', {"a": "x"}),
+    ('{"a": "\\\\u00', {"a": "\\u00"}),
+    ('{"a": "x", ', {"a": "x"}),
+    ('{"a": [1, {"b": [true', {"a": [1, {"b": [True]}]}),
+    ('{"a": {"b": "x"}, "c"', {"a": {"b": "x"}}),
+    ('{"a": 1}}\n</tool', {"a": 1}),
+    ("", {}), ("[1, 2", {}), ("nope", {}), ('{"a": ]', {}),
+])
+def test_partial_object_keeps_what_is_whole(text, value):
+    assert partial_object(text) == value
+
+
+def test_a_call_cut_short_needs_no_json():
+    call = ToolCall("call_x", "f", '{"a": [1, "b', complete=False)
+    assert call.arguments == '{"a": [1, "b' and call.input() == {"a": [1, "b"]}
+    with pytest.raises(ValueError):
+        ToolCall("call_x", "f", '{"a": [1, "b')
 
 
 def test_arguments_are_a_json_object_string():

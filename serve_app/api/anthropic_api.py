@@ -676,8 +676,12 @@ class MessageStream:
                                  "input": {}})
         self._open = "tool_use"
         self._tool_calls += 1
+        # A call the token limit cut off sends what of its input is whole, as JSON: the
+        # block's input must be an object, whoever reads the stream.
+        arguments = call.arguments if call.complete else json.dumps(call.input(),
+                                                                    ensure_ascii=False)
         out.append({"type": "content_block_delta", "index": self._index,
-                    "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
+                    "delta": {"type": "input_json_delta", "partial_json": arguments}})
         return out + self._close()
 
     def finish(self, finish_reason: str, *, prompt_tokens: int, completion_tokens: int,

@@ -582,7 +582,7 @@ class ResponseStream:
         if isinstance(event, Delta):
             return self.text(event.text)
         if isinstance(event, ToolCall):
-            return self.tool_call(event.id, event.name, event.arguments)
+            return self.tool_call(event.id, event.name, event.arguments, event.complete)
         if isinstance(event, Finish):
             return self.finish(event.finish_reason, prompt_tokens=event.prompt_tokens,
                                completion_tokens=event.completion_tokens,
@@ -646,7 +646,10 @@ class ResponseStream:
         self._message = None
         return out
 
-    def tool_call(self, call_id: str, name: str, arguments: str) -> list[dict[str, Any]]:
+    def tool_call(self, call_id: str, name: str, arguments: str,
+                  complete: bool = True) -> list[dict[str, Any]]:
+        """A function_call item; one the token limit cut off (``complete`` false) is
+        ``incomplete``, its arguments as far as they got."""
         self._check(started=True)
         out = self._close_message()
         item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
@@ -658,7 +661,7 @@ class ResponseStream:
                                output_index=index, delta=arguments))
         out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                output_index=index, arguments=arguments, name=name))
-        item.update(arguments=arguments, status="completed")
+        item.update(arguments=arguments, status="completed" if complete else "incomplete")
         out.append(self._event("response.output_item.done", output_index=index,
                                item=dict(item)))
         self._output.append(item)

@@ -29,7 +29,7 @@ from serve_app.serving.prepare import PreparedRequest, Preparer
 from serve_app.serving.request import ApiError, Caller, ChatCompletionRequest, CompletionRequest
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.stops import StopStringMatcher
-from serve_app.serving.tools import ToolCallStream
+from serve_app.serving.tools import ToolCallStream, function_name
 
 RETRY_AFTER_SECONDS = 1
 
@@ -344,6 +344,19 @@ class ModelService:
         return time.perf_counter() - tic
 
 
+def forced_names(prepared: PreparedRequest) -> tuple[str, ...] | None:
+    """The names a forced call of ``prepared`` may have (``tool_choice`` "required": any
+    of its tools; a named function: that one); None when no call is forced."""
+    if not prepared.forced_tool_choice:
+        return None
+    choice = prepared.tool_choice
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        return (name,) if isinstance(name, str) else ()
+    return tuple(n for n in (function_name(t) for t in prepared.tools or ()) if n)
+
+
 def _queue_full(message: str) -> ApiError:
     return ApiError(
         429,
@@ -440,12 +453,13 @@ class _TextDecoder:
 
 
 def emit_text(out: list[Event], text: str, calls: ToolCallStream | None,
-              logprobs: TokenLogprob | None, final: bool = False) -> int:
+              logprobs: TokenLogprob | None, final: bool = False, cut: bool = False) -> int:
     """Text (with tool-call markup taken out as ``ToolCall`` events) and logprobs into
-    ``out``; returns the tool calls emitted."""
+    ``out``; returns the tool calls emitted. ``final``: the output's end (``cut``: by the
+    token limit, when a call left open is still a call, cut short)."""
     found: tuple[ToolCall, ...] = ()
     if calls is not None:
-        update = calls.finish(text) if final else calls.feed(text)
+        update = calls.finish(text, cut) if final else calls.feed(text)
         text, found = update.text, update.calls
     if text or logprobs is not None:
         out.append(Delta(text, (logprobs,) if logprobs is not None else None))
@@ -547,7 +561,8 @@ class _RequestStream:
         self._started = time.monotonic()
         self._decoder = _TextDecoder(service.tokenizer, service.eos_ids, prepared.stops)
         support = service.preparer.tool_support if prepared.tools is not None else None
-        self._calls = ToolCallStream(support, prepared.tools) if support is not None else None
+        self._calls = (ToolCallStream(support, prepared.tools, forced_names(prepared))
+                       if support is not None else None)
         self._logprobs = prepared.logprobs is not None
         self._called = 0  # tool calls emitted
         self.done = False
@@ -585,8 +600,9 @@ class _RequestStream:
                 out.append(self._finish("stop"))
                 return True
         if event.finish_reason is not None:
-            self._emit(out, self._decoder.finish(), None, final=True)
-            out.append(self._finish("stop" if event.finish_reason == "stop" else "length"))
+            cut = event.finish_reason != "stop"
+            self._emit(out, self._decoder.finish(), None, final=True, cut=cut)
+            out.append(self._finish("length" if cut else "stop"))
             return True
         return False
 
@@ -597,8 +613,8 @@ class _RequestStream:
             self.cached = restored
 
     def _emit(self, out: list[Event], text: str, logprobs: TokenLogprob | None,
-              final: bool = False) -> None:
-        self._called += emit_text(out, text, self._calls, logprobs, final)
+              final: bool = False, cut: bool = False) -> None:
+        self._called += emit_text(out, text, self._calls, logprobs, final, cut)
 
     def _finish(self, reason: str) -> Finish:
         return Finish(
