@@ -71,6 +71,14 @@ def test_default_profile_serves_the_real_embedded_model_on_loopback():
         ({"models": [{**GOOD_MODEL, "max_prompt_chars": "9"}]}, "models[0].max_prompt_chars",
          "integer"),
         ({"models": [GOOD_MODEL], "extra": 1}, "extra", "unknown key"),
+        ({"models": [{**GOOD_MODEL, "chat_template": "no/such.jinja"}]},
+         "models[0].chat_template", "neither a builtin template nor a file"),
+        ({"models": [{**GOOD_MODEL, "chat_template": 3}]}, "models[0].chat_template",
+         "string"),
+        ({"models": [{**GOOD_MODEL, "tool_call_format": "hermes"}]},
+         "models[0].tool_call_format", "unknown tool-call format 'hermes'"),
+        ({"models": [{**GOOD_MODEL, "tool_call_format": "../json_tools"}]},
+         "models[0].tool_call_format", "mlx-lm's tool parsers (function_gemma"),
     ],
 )
 def test_bad_profiles_name_file_and_key(tmp_path, args, key, words):
@@ -80,6 +88,44 @@ def test_bad_profiles_name_file_and_key(tmp_path, args, key, words):
     message = str(info.value)
     assert f"{path}: applications[0].args.{key}:" in message
     assert words in message
+
+
+def test_a_template_file_is_read_from_the_config_files_directory(tmp_path, monkeypatch):
+    """A relative path starts at the config file's directory (the working directory when
+    there is no file, as in Serve's builder); it is kept absolute, and must be Jinja."""
+    (tmp_path / "templates").mkdir()
+    template = tmp_path / "templates" / "mine.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    model = {**GOOD_MODEL, "chat_template": "templates/mine.jinja"}
+    (_, profile), = load_serve_config(write(tmp_path, {"models": [model]}))
+    assert profile.models[0].chat_template == str(template)
+    assert profile.models[0].tokenizer_config() == {"chat_template": template.read_text()}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ProfileError, match="relative to the working directory"):
+        parse_profile({"models": [model]})
+    monkeypatch.chdir(tmp_path)
+    assert parse_profile({"models": [model]}).models[0].chat_template == str(template)
+    template.write_text("{% for m in messages %}")
+    with pytest.raises(ProfileError, match=r"chat_template: .*mine.jinja: not a Jinja template"):
+        parse_profile({"models": [model]})
+
+
+def test_embedded_smollm2_brings_tools_unless_the_profile_says_otherwise():
+    for name in ("smollm2-135m", "smollm2-135m-fp32", "smollm2-135m-bf16"):
+        model = ModelProfile(name="s", source=f"embedded:{name}")
+        assert (model.chat_template, model.tool_call_format) == ("smollm2-tools", "json_tools")
+        assert set(model.tokenizer_config()) == {"chat_template", "tool_parser_type"}
+    own = ModelProfile(name="s", source="embedded:smollm2-135m", chat_template=None,
+                       tool_call_format=None)  # null: the checkpoint's own (no tools)
+    assert own.tokenizer_config() == {}
+    other = ModelProfile(name="s", source="embedded:smollm2-135m", chat_template="chatml-tools")
+    assert (other.chat_template, other.tool_call_format) == ("chatml-tools", "json_tools")
+    assert ModelProfile(name="d", source="embedded:tiny-dense").tokenizer_config() == {}
+    (_, shipped), = load_serve_config(REPO / "configs/qwen.yaml")
+    assert shipped.models[0].chat_template == "smollm2-tools"  # written out for users
+    assert shipped.models[0].tool_call_format == "json_tools"
 
 
 def test_directory_without_config_json_is_rejected(tmp_path):
