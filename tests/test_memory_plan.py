@@ -143,7 +143,20 @@ def test_a_hub_model_not_in_the_local_cache_is_unknown_without_network(tmp_path,
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FactsUnavailable, match="check --hub"):
-        model_facts(ModelProfile(name="m", source="mlx-community/Qwen3-8B-4bit"))
+        model_facts(ModelProfile(name="m", source="mlx-community/Qwen3-4B-4bit"))
+
+
+def test_a_known_hub_checkpoint_is_planned_before_its_download(tmp_path, monkeypatch):
+    """The sizing table's mlx-community checkpoints: their shape is known offline."""
+    from serve_app.sizing import QWEN3_8B, quantized_weight_bytes
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    facts = model_facts(ModelProfile(name="m", source="mlx-community/Qwen3-8B-4bit"))
+    assert facts.config == QWEN3_8B and facts.weights_bytes == quantized_weight_bytes(QWEN3_8B)
+    with pytest.raises(FactsUnavailable):  # another revision: not the shape we know
+        model_facts(ModelProfile(name="m", source="mlx-community/Qwen3-8B-4bit",
+                                 revision="abc123"))
 
 
 # ---- the budget, the hot tier and what is refused ------------------------------------
