@@ -1,5 +1,6 @@
-"""Command line: ``check FILE [--hub]``, ``materialize NAME``, ``gc [--apply]``,
-``metrics-table``, ``sizing-table``, ``local-cluster``, ``serve FILE [--dashboard]``."""
+"""The ``serve-app`` command (also ``python -m serve_app``): ``serve MODEL|FILE``,
+``status``, ``check FILE``, ``materialize NAME``, ``gc``, ``metrics-table``,
+``sizing-table``, ``local-cluster``, ``--version``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ def main(argv: list[str] | None = None) -> int:
         from serve_app.gc import main as gc_main
 
         return gc_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="serve_app")
+    from serve_app import __version__
+    from serve_app.cli.quickstart import add_model_flags
+
+    parser = argparse.ArgumentParser(prog="serve-app", description="MLX models on Ray Serve, "
+                                     "OpenAI- and Anthropic-compatible, with a prefix cache")
+    parser.add_argument("--version", action="version", version=f"serve_app {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="validate a Serve config file's profiles and print "
                                          "their memory plans (refused if one cannot fit)")
@@ -29,13 +35,24 @@ def main(argv: list[str] | None = None) -> int:
     mat = sub.add_parser("materialize", help="build an embedded model and print its path")
     mat.add_argument("name")
     sub.add_parser("gc", help="report (and with --apply clean) an SSD cache directory")
-    sub.add_parser("metrics-table", help="print the README's table of metrics")
-    sub.add_parser("sizing-table", help="print the README's table of what fits on a Mac")
-    lean = sub.add_parser("serve", help="`serve run CONFIG` on a local Ray started without "
-                                        "its dashboard (~1 GB less resident memory)")
-    lean.add_argument("config")
+    sub.add_parser("metrics-table", help="print the table of metrics (docs/metrics.md)")
+    sub.add_parser("sizing-table", help="print the table of what fits on a Mac (docs/mac.md)")
+    lean = sub.add_parser(
+        "serve", help="serve MODEL (an embedded name, a model directory or a Hugging Face "
+                      "repo id) or a profile FILE.yaml, on a local Ray started without its "
+                      "dashboard (~1 GB less resident memory)",
+        description="MODEL: embedded:smollm2-135m, a model directory or a Hugging Face repo "
+                    "id; the flags make a one-model profile, written to "
+                    "~/.cache/serve_app/run/NAME.yaml and served like a FILE.yaml (whose "
+                    "own settings the flags do not change).")
+    lean.add_argument("config", metavar="MODEL|FILE.yaml")
     lean.add_argument("--dashboard", action="store_true",
                       help="keep Ray's dashboard (UI, `ray list`, `serve status`)")
+    add_model_flags(lean)
+    stat = sub.add_parser("status", help="what a running server is doing: each model's phase, "
+                                         "memory, requests and cache hits")
+    stat.add_argument("--url", default="http://127.0.0.1:8000")
+    stat.add_argument("--api-key", default=None, help="or $SERVE_APP_API_KEY")
     local = sub.add_parser("local-cluster",
                            help="run a Ray cluster of several nodes on this machine (to try "
                                 "configs/qwen-cluster.yaml without several Macs)")
@@ -52,8 +69,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return check_memory(args.config, apps, args.hub, args.mac_gb)
+    if args.command == "status":
+        from serve_app.cli.status import status
+
+        code, report = status(args.url, args.api_key)
+        print(report, file=sys.stderr if code == 2 else sys.stdout)
+        return code
     if args.command == "serve":
+        from serve_app.cli.quickstart import build_config, looks_like_config, write_config
+
         try:
+            if not looks_like_config(args.config):
+                args.config = str(write_config(build_config(args.config, args)))
+                print(f"serve-app: serving {args.config} (a profile made from the flags)",
+                      file=sys.stderr)
             load_serve_config(args.config)  # a bad profile is refused before Ray starts
         except ProfileError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -63,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.config, dashboard=args.dashboard)
     if args.command == "materialize":
         from serve_app.embedded import materialize
+        from serve_app.models.smollm2 import MaterializeError, console_progress
 
         try:
-            print(materialize(args.name))
-        except ValueError as exc:
+            print(materialize(args.name, progress=console_progress(args.name)))
+        except (ValueError, MaterializeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return 0
