@@ -1,7 +1,9 @@
 """What every benchmark here needs: the servers, one streamed chat request, the checks.
 
 Every bench takes ``--model`` with an embedded model name (``tiny-hybrid``,
-``tiny-hybrid-bf16``, ``tiny-dense``, ...; see ``serve_app.embedded.EMBEDDED_MODELS``).
+``tiny-hybrid-bf16``, ``tiny-dense``, ...; see ``serve_app.embedded.EMBEDDED_MODELS``), or a
+real one (``smollm2-135m``: ``serve_app.embedded.REAL_MODELS``, ~10 tok/s on a 2-core CPU;
+``bench.serving`` and ``bench.traces`` have settings sized for it).
 The model is materialized once; ``mlx_lm.server --model <dir>`` gets that
 directory and our profile gets ``source: embedded:<name>``, which resolves to the
 same directory, so both servers run the very same weights, tokenizer and
@@ -33,9 +35,9 @@ from bench.devserver import (  # noqa: F401 (re-exported for the benches)
     free_port,
     write_config,
 )
-from serve_app.embedded import EMBEDDED_MODELS
+from serve_app.embedded import embedded_names
 
-MODELS = sorted(EMBEDDED_MODELS)
+MODELS = embedded_names()  # the real ones first, then the random-weight ones
 MLX_LM_PROMPT_CACHE_SIZE = 10  # mlx_lm.server --prompt-cache-size default (mlx-lm 0.32)
 
 

@@ -30,8 +30,13 @@ Neither server has ``ignore_eos`` (mlx_lm.server's ``logit_bias`` could imitate 
 ours rejects ``logit_bias``), so both get the same prompts and ``max_tokens`` and the
 outputs (temperature 0) are compared request by request, with token counts.
 
+A real model (``--model smollm2-135m``; ``serve_app.embedded.REAL_MODELS``) is far too slow
+on a CPU for all that: it runs ``bench/serving_real.py`` instead (the rows users feel: a
+non-streamed 1-token request, 64-token answers, a forced tool call; interleaved A/B rounds).
+
 Usage: python -m bench.serving --model tiny-hybrid [--tokens 256] [--streams 8]
        [--out PATH] [--quick] [--no-lean]
+       python -m bench.serving --model smollm2-135m [--rounds 4] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ from bench.common import (
     workdir,
     write_config,
 )
-from serve_app.embedded import materialize
+from serve_app.embedded import REAL_MODELS, materialize
 from serve_app.profile import ModelProfile
 
 PROMPT = "Once upon a time, in a land far away, there lived a"
@@ -695,9 +700,19 @@ def main() -> int:
                         help="smoke run: fewer repeats and tokens, a 1K cold prompt")
     parser.add_argument("--no-lean", action="store_true", help="skip the lean start of ours")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="a real model's interleaved rounds (default 4; 1 with --quick)")
+    parser.add_argument("--no-template-arm", action="store_true",
+                        help="a real model: no second mlx_lm.server with our chat template "
+                             "for the tool row")
     args = parser.parse_args()
-    plan = make_plan(args)
     host = machine()  # the load average before this bench adds to it
+    if args.model in REAL_MODELS:
+        from bench import serving_real
+
+        return serving_real.main(args.model, host, args.quick, args.rounds, args.out,
+                                 template_arm=not args.no_template_arm)
+    plan = make_plan(args)
 
     model_dir = materialize(args.model)
     ref = in_process(model_dir, plan)
