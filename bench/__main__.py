@@ -12,6 +12,8 @@ to ``DIR/machine.json``; ``bench/report.py`` turns it all into ``DIR/REPORT.md``
     python -m bench                          # everything, into bench/results/<UTC date>
     python -m bench --quick --only agents    # a smaller run of one bench
     python -m bench --report-only --out DIR  # re-render DIR/REPORT.md from its JSON
+    python -m bench --only serving,traces --serving-models smollm2-135m \
+        --traces-models smollm2-135m         # the real model (issue 28), ~20 minutes
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--serving-models", default=SERVING_MODELS,
                         help=f"models of the serving bench (default {SERVING_MODELS}; "
                              "e.g. tiny-hybrid,tiny-dense)")
+    parser.add_argument("--traces-models", default=FIXED_MODELS["traces"],
+                        help=f"models of the trace replay (default {FIXED_MODELS['traces']}; "
+                             "smollm2-135m gets its own smaller scale)")
     parser.add_argument("--quick", action="store_true",
                         help="smaller settings (a bench's own --quick where it has one): "
                              "checks the plumbing, not the goals")
@@ -106,7 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def plan(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     """(bench, model, variant) in run order: the bench order of ``BENCHES``, each bench's
     models, then its ``VARIANTS`` on its first model (variant "" is the plain run)."""
-    models = {"serving": args.serving_models, **FIXED_MODELS}
+    models = {"serving": args.serving_models, **FIXED_MODELS, "traces": args.traces_models}
     out = []
     for bench in BENCHES:
         if bench not in args.only:

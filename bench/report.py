@@ -130,8 +130,8 @@ def fmt(value: float | None, unit: str) -> str:
         return "n/a"
     if unit == "s":
         return f"{value:.3f} s"
-    if unit == "tok/s":
-        return f"{value:,.0f} tok/s"
+    if unit == "tok/s":  # a real model on a CPU decodes at ~10 tok/s: keep its decimals
+        return f"{value:,.0f} tok/s" if value >= 100 else f"{value:.2f} tok/s"
     if unit == " MiB":
         return f"{value:,.0f} MiB"
     return f"{value:g}{unit}"
@@ -227,6 +227,8 @@ def streams_entry(d: dict, streams: int = 8) -> tuple[int | None, dict]:
 
 
 def serving_rows(model: str, d: dict) -> list[Row]:
+    if d.get("mode") == "interleaved":
+        return real_serving_rows(model, d)
     single = d.get("single_stream") or {}
     server = first(single, "mlx_lm_server_tps", "mlx_lm_server_http_tps")
     in_process = server is None and single.get("mlx_lm_generate_tps") is not None
@@ -249,6 +251,75 @@ def serving_rows(model: str, d: dict) -> list[Row]:
             *memory_goal_rows(model, d),
             *control_rows(model, d),
             identical_row("serving", model, d)]
+
+
+TOOL_ARMS = {"mlx_lm_server": "mlx_lm.server",
+             "mlx_lm_server_tools_template": "mlx_lm.server with our template"}
+
+
+def real_serving_rows(model: str, d: dict) -> list[Row]:
+    """Issue 28: a real model's interleaved rows (bench/serving_real.py): a non-streamed
+    1-token request, 64-token answers' decode rate, a forced tool call's JSON arguments."""
+    short = d.get("short_requests") or {}
+    plain = short.get("nonstreamed") or {}
+    answers = short.get("single_stream") or {}
+    tokens = (short.get("prompt_tokens") or {}).get("ours")
+    prompt = f"{tokens}-token prompts" if tokens else "short prompts"
+    p90 = [plain.get("ours_p90_s"), plain.get("mlx_lm_server_p90_s")]
+    e2e = [answers.get("ours_e2e_tps"), answers.get("mlx_lm_server_e2e_tps")]
+    tool = d.get("tool_call") or {}
+    ours = tool.get("ours") or {}
+    theirs = "; ".join(f"{label} {(tool.get(arm) or {}).get('json_arguments')}/"
+                       f"{(tool.get(arm) or {}).get('requests')}"
+                       for arm, label in TOOL_ARMS.items() if tool.get(arm))
+    return [ratio_row("serving", model, f"non-streamed, max_tokens 1 ({prompt}), median",
+                      plain.get("ours_median_s"), plain.get("mlx_lm_server_median_s"), "s",
+                      "serving_short_request", plain.get("ratio")),
+            Row("serving", model, "non-streamed, max_tokens 1, p90", fmt(p90[0], "s"),
+                fmt(p90[1], "s"), plain.get("p90_ratio"), status="info"),
+            ratio_row("serving", model, f"{answers.get('max_tokens', 64)}-token answers, "
+                      "decode tok/s (usage's completion tokens)", answers.get("ours_tps"),
+                      answers.get("mlx_lm_server_tps"), "tok/s", "serving_short_single",
+                      answers.get("ratio")),
+            Row("serving", model, f"{answers.get('max_tokens', 64)}-token answers, tok/s over "
+                "the whole request", fmt(e2e[0], "tok/s"), fmt(e2e[1], "tok/s"),
+                answers.get("e2e_ratio"), status="info"),
+            count_row("serving", model, "forced tool call, arguments parse as JSON",
+                      ours.get("json_arguments"), ours.get("requests"), theirs),
+            identical_row("serving", model, d)]
+
+
+def real_serving_lines(results: dict[str, dict[str, dict]]) -> list[str]:
+    """A real model's rounds: each round's ratio (how much it moves), and what each server
+    answered to the forced tool call."""
+    lines = []
+    for label, d in valid(results["serving"]).items():
+        if d.get("mode") != "interleaved":
+            continue
+        s = d.get("settings") or {}
+        short = d.get("short_requests") or {}
+        lines += [f"**{label}**: {s.get('rounds')} rounds ({s.get('order', 'interleaved')}); "
+                  f"per server and round {s.get('nonstreamed')} non-streamed requests, "
+                  f"{s.get('answers')} answers of {s.get('answer_tokens')} tokens, "
+                  f"{s.get('tool_calls')} forced tool calls.", ""]
+        for key, name in (("nonstreamed", "non-streamed, max_tokens 1"),
+                          ("single_stream", "answers, decode tok/s")):
+            per = (short.get(key) or {}).get("ratio_per_round") or []
+            lines.append(f"- {name}, ours / mlx_lm.server by round: "
+                         + (", ".join(times(r) or "n/a" for r in per) or "n/a"))
+        tool = d.get("tool_call") or {}
+        lines += ["", "| server | requests | JSON arguments | with tool_calls | finish reasons "
+                  "| median wall | first answer |", "|---|---|---|---|---|---|---|"]
+        for arm in s.get("arms") or []:
+            t = tool.get(arm) or {}
+            sample = (t.get("samples") or [{}])[0]
+            shown = sample.get("arguments") or sample.get("content") or ""
+            shown = shown.replace("|", "\\|").replace("\n", " ")[:80]
+            lines.append(f"| {arm} | {t.get('requests')} | {t.get('json_arguments')} | "
+                         f"{t.get('with_tool_calls')} | {t.get('finish_reasons')} | "
+                         f"{fmt(t.get('median_s'), 's')} | `{shown}` |")
+        lines.append("")
+    return lines
 
 
 # What an idle `serve run configs/qwen.yaml` held when issue 21 was filed (every process).
@@ -480,6 +551,8 @@ def plot_ttft_per_turn(label: str, d: dict, directory: Path) -> Path | None:
 def throughput_points(d: dict) -> dict[str, list[tuple[int, float]]]:
     """Tok/s by stream count for each server: the ``concurrency`` sweep, or the
     aggregate run (and our single stream) of an older serving JSON."""
+    if d.get("mode") == "interleaved":  # a real model: one stream at a time, no sweep
+        return {}
     sweep = d.get("concurrency") or []
     if not sweep:
         n, agg = streams_entry(d)
@@ -756,6 +829,7 @@ def render(directory: Path) -> str:
     runs = load_json(directory / RUNS, {}).get("runs", {})
     sections = (("Summary", summary_table(summary_rows(results, runs))),
                 ("Runs", runs_lines(runs)),
+                ("Serving, real model", real_serving_lines(results)),
                 ("Trace replay", traces_lines(results)),
                 ("Plots", plot_lines(plots(results, directory))),
                 ("Resident memory", memory_rows(results)),

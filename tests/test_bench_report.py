@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from bench import report
 from bench.__main__ import main as bench_main
 from bench.__main__ import merge_flags, parse_args, plan, quick_flags, run_bench, variant_flags
@@ -244,3 +246,70 @@ def test_report_only_renders_an_existing_directory(tmp_path):
     machine = json.loads((tmp_path / "machine.json").read_text())
     assert machine["cores"] and machine["python"] and "git_commit" in machine
     assert "ttft-per-turn-tiny-hybrid.png" in (tmp_path / "REPORT.md").read_text()
+
+
+def real_records() -> list[dict]:
+    """bench/serving_real.py's per-request records for two rounds: ours slightly slower on
+    the 1-token request, as fast on answers, every forced call JSON; mlx_lm.server none."""
+    out = []
+    for rnd in range(2):
+        for arm, wall, tps in (("ours", 1.05, 9.5), ("mlx_lm_server", 1.0, 10.0)):
+            for i in (2 * rnd, 2 * rnd + 1):
+                out.append({"row": "nonstreamed", "i": i, "round": rnd, "arm": arm,
+                            "total_s": wall + i / 100, "text": "Hello", "tokens": 1,
+                            "prompt_tokens": 49, "cached_tokens": 24, "finish_reason": "length"})
+            out.append({"row": "answers", "i": rnd, "round": rnd, "arm": arm, "total_s": 7.5,
+                        "text": "Once upon a time", "tokens": 64, "prompt_tokens": 42,
+                        "cached_tokens": 29, "finish_reason": "length", "ttft": 1.0,
+                        "decode_s": 63 / tps, "decode_tps": tps, "e2e_tps": 64 / 7.5})
+        for arm in ("ours", "mlx_lm_server", "mlx_lm_server_tools_template"):
+            made = arm == "ours"
+            out.append({"row": "tool_call", "i": rnd, "round": rnd, "arm": arm, "total_s": 4.0,
+                        "status": 200, "error": None,
+                        "finish_reason": "tool_calls" if made else "stop",
+                        "tool_calls": int(made), "name": "get_weather" if made else None,
+                        "arguments": '{"city": "Paris"}' if made else None,
+                        "json_arguments": made, "arguments_object": made,
+                        "content": "" if made else "The weather in | Paris\nis sunny",
+                        "tokens": 31, "prompt_tokens": 231, "cached_tokens": 222})
+    return out
+
+
+def test_a_real_models_interleaved_rows(tmp_path):
+    """Issue 28: bench/serving_real.py's result, judged by the short-request goals, with the
+    forced tool call a count (every request) and no point on the throughput plot."""
+    from bench import serving_real
+
+    plan = serving_real.RealPlan(rounds=2, nonstreamed=2, answers=1, tool_calls=1)
+    arms = ["ours", "mlx_lm_server", "mlx_lm_server_tools_template"]
+    result = serving_real.build_result("smollm2-135m", Path("/m"), {}, plan, real_records(),
+                                       arms)
+    assert result["short_requests"]["nonstreamed"]["ratio_per_round"] == pytest.approx(
+        [1.055 / 1.005, 1.075 / 1.025])  # each round's medians
+    assert result["tool_call"]["ours"]["fraction"] == 1.0 and result["tool_call"]["met"]
+    assert result["tool_call"]["mlx_lm_server"]["finish_reasons"] == {"stop": 2}
+    write(tmp_path, "serving-smollm2-135m.json", result)
+    text = report.write_report(tmp_path).read_text()
+    rows = {metric: cells for (bench, model, metric), cells in table(text).items()
+            if (bench, model) == ("serving", "smollm2-135m")}
+    plain = rows["non-streamed, max_tokens 1 (49-token prompts), median"]
+    assert plain[:2] == ["1.065 s", "1.015 s"] and plain[-2:] == ["≤ 1.1×", "met"]
+    assert rows["64-token answers, decode tok/s (usage's completion tokens)"] == [
+        "9.50 tok/s", "10.00 tok/s", "0.950×", "≥ 0.95×", "met"]
+    assert rows["64-token answers, tok/s over the whole request"][-1] == "info"
+    assert rows["forced tool call, arguments parse as JSON"] == [
+        "2/2", "mlx_lm.server 0/2; mlx_lm.server with our template 0/2", "", "all", "met"]
+    assert rows["identical outputs"][0] == "6/6"
+    assert not any(m.startswith(("single-stream", "8 streams", "cold")) for m in rows)
+    section = text.split("## Serving, real model", 1)[1].split("\n## ", 1)[0]
+    assert "by round: 1.050×, 1.049×" in section
+    assert '| ours | 2 | 2 | 2 | {\'tool_calls\': 2} | 4.000 s | `{"city": "Paris"}` |' in section
+    assert "The weather in \\| Paris is sunny" in section  # a table cell stays one cell
+    assert "throughput-vs-concurrency.png" not in text
+
+
+def test_the_runner_takes_the_trace_replays_model():
+    args = parse_args(["--only", "serving,traces", "--serving-models", "smollm2-135m",
+                       "--traces-models", "smollm2-135m"])
+    assert plan(args) == [("serving", "smollm2-135m", ""), ("traces", "smollm2-135m", "")]
+    assert plan(parse_args(["--only", "traces"])) == [("traces", "tiny-hybrid", "")]
