@@ -249,8 +249,8 @@ def test_a_real_model_gets_a_smaller_replay_unless_told_otherwise(tmp_path):
     assert {k: getattr(tiny, k) for k in traces.TINY_DEFAULTS} == traces.TINY_DEFAULTS
     real = traces.parse_args(["--model", "smollm2-135m"])
     assert {k: getattr(real, k) for k in traces.REAL_DEFAULTS} == traces.REAL_DEFAULTS
-    told = traces.parse_args(["--model", "smollm2-135m", "--sessions", "3", "--context", "2048"])
-    assert (told.sessions, told.context, told.max_turns) == (3, 2048, 4)
+    told = traces.parse_args(["--model", "smollm2-135m", "--sessions", "3", "--context", "1024"])
+    assert (told.sessions, told.context, told.max_turns) == (3, 1024, 3)
     quick = traces.parse_args(["--model", "smollm2-135m", "--quick"])
     assert (quick.sessions, quick.max_turns, quick.tokens_per_block) == (2, 2, 2)
     # no tokenizer there: its characters, the byte tokenizer's count
