@@ -2,10 +2,12 @@
 
 ``api`` (wire formats and HTTP) sits on ``serving`` (prepare, service, engine), which
 sits on ``cache``; ``cluster`` (routing, the local cluster, replica reports) uses
-``serving`` and ``cache``. The modules at the top level are the edges every layer
-may use (the profile, metrics, compat, the embedded models) or the assembly of them
-all (``app``, ``__main__``, ``gc``). A module-level import against the arrows fails here;
-imports under ``TYPE_CHECKING`` are annotations only and do not count.
+``serving`` and ``cache``. ``models`` (materializing a real model, its load phases) and
+``cli`` (the user's commands) stay out of the serving path. The modules at the top level
+are the edges every layer may use (the profile, metrics, compat, the embedded models,
+chat templates) or the assembly of them all (``app``, ``__main__``, ``gc``). A module-level
+import against the arrows fails here; imports under ``TYPE_CHECKING`` are annotations only
+and do not count.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ FORBIDDEN = {
     "serving": {"api", "cluster"},
     "api": {"cluster"},
     "cluster": {"api"},
+    "models": {"cache", "serving", "api", "cluster"},
+    "cli": {"cache", "serving", "api", "cluster"},
 }
-EDGES = {"profile", "metrics", "compat", "embedded", "validation", "replicas"}  # used by all
+# used by all
+EDGES = {"profile", "metrics", "compat", "embedded", "validation", "replicas", "chat_templates"}
 ASSEMBLY = {"app", "__main__", "gc"}  # they put the layers together: only each other use them
 # The profile is the YAML schema of every layer, checked when it loads: it names the prompt
 # normalization rules the serving layer has, and reads an API keys file as the ingress will.
@@ -72,5 +77,5 @@ def test_imports_only_point_down(path: Path):
         if layer is not None:
             assert target not in FORBIDDEN[layer], f"{layer}/{path.name} imports {module}"
         elif path.stem in EDGES:
-            assert target in EDGES or target == "cache", (
+            assert target in EDGES or target in ("cache", "models"), (
                 f"the edge {path.name} imports {module}: edges sit below the layers")

@@ -61,10 +61,13 @@ def source_of(model: str) -> str:
 
 
 def model_name(source: str) -> str:
-    """The API name: an embedded model's name, a directory's or a repo's last part."""
+    """The API name: an embedded model's name, a directory's last part, a repo's id (as
+    ``mlx_lm.server`` names it)."""
     if source.startswith(EMBEDDED_PREFIX):
         return source[len(EMBEDDED_PREFIX):]
-    return Path(source.rstrip("/")).name or source
+    if source.startswith("/"):
+        return Path(source.rstrip("/")).name or source
+    return source
 
 
 def build_config(model: str, args: argparse.Namespace) -> dict:
