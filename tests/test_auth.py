@@ -121,7 +121,9 @@ def test_every_route_but_health_needs_a_key(keyed, method, path, body):
 
 def test_health_stays_open(keyed):
     r = raw(keyed, "GET", "/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200 and r.json() == {
+        "status": "ok",
+        "models": {"auth-dense": {"phase": "ready"}, "auth-hybrid": {"phase": "ready"}}}
 
 
 def test_both_header_forms_and_every_configured_key_work(keyed):

@@ -156,7 +156,8 @@ def test_health_is_503_with_retry_after_until_ready_then_200(young):
     _, seen = young
     health = [o for o in seen if o["what"] == "health" and not _proxy_not_found(o)]
     assert _not_ready(health[0]), health[0]  # the ingress answers before the model is warm
-    assert health[-1]["status"] == 200 and health[-1]["body"] == {"status": "ok"}
+    assert health[-1]["status"] == 200 and health[-1]["body"] == {
+        "status": "ok", "models": {MODEL: {"phase": "ready"}}}
     first_ok = next(i for i, o in enumerate(health) if o["status"] == 200)
     assert all(o["status"] == 200 for o in health[first_ok:])
 
