@@ -591,3 +591,27 @@ def test_tool_choice_errors(dense):
         with pytest.raises(StructuredOutputError, match=words) as info:
             compile_tool_choice(tools, choice, tokenizer, sup)
         assert info.value.param == param
+
+
+@pytest.mark.parametrize("extra", [None, True])
+def test_a_forced_call_takes_only_the_declared_arguments_unless_open(dense, extra):
+    """A parameters schema without ``additionalProperties`` is closed in a forced call (a small
+    model invented a "description" argument and wrote it until max_tokens cut the call);
+    ``additionalProperties: true`` keeps it open."""
+    tokenizer = dense[1]
+    support = tool_support(tokenizer)
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    if extra is not None:
+        params["additionalProperties"] = extra
+    tools = canonical_tools([{"type": "function", "function": {"name": "get_weather",
+                                                               "parameters": params}}])
+    grammar = compile_tool_choice(tools, "required", tokenizer, support)
+
+    def accepted(arguments: str) -> bool:
+        text = (f'{support.start}\n{{"name": "get_weather", "arguments": {arguments}}}\n'
+                f'{support.end}')
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        return grammar._template.deep_copy().validate_tokens(tokens) == len(tokens)
+
+    assert accepted('{"city": "Oslo"}')
+    assert accepted('{"city": "Oslo", "description": "x"}') is bool(extra)

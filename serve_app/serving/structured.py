@@ -380,8 +380,9 @@ def compile_tool_choice(tools: list[dict] | None, choice: str | dict | None, tok
 
     ``"required"``: one or more calls (one when ``parallel`` is false) of any of ``tools``;
     ``{"type": "function", "function": {"name": ...}}``: exactly one call of that tool.
-    Each call's arguments are valid against its tool's ``parameters`` schema, and EOS
-    follows the last call. None for ``"auto"``, ``"none"`` and None: nothing is forced.
+    Each call's arguments are valid against its tool's ``parameters`` schema (whose top-level
+    object is closed unless it says ``additionalProperties``), and EOS follows the last call.
+    None for ``"auto"``, ``"none"`` and None: nothing is forced.
 
     ``support`` (``serve_app.serving.tools.tool_support``) gives the markup: mlx-lm's parser for the
     model family. Markers are forced as the exact tokens the tokenizer makes of them (one
@@ -464,6 +465,10 @@ def _functions(tools: list[dict] | None) -> dict[str, dict]:
             params = _NO_ARGUMENTS
         elif "type" not in params:
             params = {**params, "type": "object"}  # arguments are an object, always
+        if "properties" in params and "additionalProperties" not in params:
+            # A function takes the arguments it declares: left open, a small model invents
+            # one ("description": ...) and writes until max_tokens cuts the call.
+            params = {**params, "additionalProperties": False}
         out.setdefault(name, params)
     return out
 
