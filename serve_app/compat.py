@@ -82,7 +82,7 @@ def record_metric_zero(metric: Any, labels: dict[str, str]) -> None:
 # (``_enqueue_thread_safe``, chained futures): Python work that takes the GIL
 # from the engine thread at each chunk. On the main loop that handoff is gone:
 # the decode step in the replica measured 3.8 ms instead of 4.2-4.7 ms (in-process
-# engine 4.0 ms) on the tiny hybrid model; see the README's serving findings.
+# engine 4.0 ms) on the tiny hybrid model; see bench/results/HISTORY.md.
 SERVE_REPLICA_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
 }

@@ -582,7 +582,7 @@ class _Families:
 
 
 def markdown_table() -> str:
-    """The README's metrics table; a test keeps the README equal to this."""
+    """The metrics table of docs/metrics.md; a test keeps the page equal to this."""
     rows = ["| Metric (as Prometheus sees it) | Type | Labels | Recorded by | Meaning |",
             "|---|---|---|---|---|"]
     for d in METRICS:

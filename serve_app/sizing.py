@@ -1,11 +1,11 @@
-"""The README's "Sizing a Mac" table, from the memory plan's own arithmetic.
+"""The "Sizing a Mac" table of docs/mac.md, from the memory plan's own arithmetic.
 
 Two real-world shapes: a Qwen3-8B and a Qwen3.5-27B (a GDN hybrid) at mlx-lm's 4-bit
 quantization (group 64, like mlx-community's ``-4bit`` checkpoints). Their weight bytes
 come from mlx-lm's own model classes, built lazily (no weight is ever computed or
 downloaded) and quantized as ``mlx_lm.convert`` would; their cache bytes from
 ``cache_shape_from_config``. ``python -m serve_app sizing-table`` prints the table and a
-test fails when the README's copy differs.
+test fails when the page's copy differs.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _tokens(n: int, limit: int) -> str:
 
 
 def sizing_table(models: tuple[Shape, ...] | None = None) -> str:
-    """The README table: per Mac, the auto budget, and per model the longest
+    """The docs/mac.md table: per Mac, the auto budget, and per model the longest
     ``context_length`` the plan accepts with ``max_batch_size`` 1 and 8 (the model pinned
     alone, ``hot_budget: auto``, SSD tier on)."""
     models = models or shapes()

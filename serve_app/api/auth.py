@@ -152,7 +152,7 @@ class ApiKeys:
             logger.warning(
                 "serving WITHOUT authentication: anyone who can reach the HTTP port can use "
                 "every model, read /v1/stats and /metrics, and share the prefix cache; set "
-                "%s or ingress.api_keys_file (README: Security)", ENV_VAR)
+                "%s or ingress.api_keys_file (docs/security.md, API keys)", ENV_VAR)
 
 
 _keys = ApiKeys()
