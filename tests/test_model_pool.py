@@ -230,20 +230,24 @@ def drain(chunks) -> tuple[str | None, int]:
 
 def test_pool_metrics(server):
     """Each replica exports its model's pool metrics (its metrics pump, every second)."""
-    pool = stats(server)["pool"]["models"]  # the ingress's counts (no requests now)
-    assert pool[THIRD]["loads"] >= 2 and pool[IDLE]["unloads"]["idle"] >= 1
-    want = {("ray_serve_app_model_loaded", PINNED): 1.0,
-            ("ray_serve_app_model_loads_total", THIRD): pool[THIRD]["loads"],
-            ("ray_serve_app_model_unloads_total", IDLE, "idle"): pool[IDLE]["unloads"]["idle"],
-            ("ray_serve_app_model_unloads_total", THIRD, "capacity"):
-                pool[THIRD]["unloads"]["capacity"],
-            ("ray_serve_app_model_loads_total", PINNED): 0}
     deadline = time.monotonic() + 60
     while True:  # the pumps publish every second, Ray exports every few
+        # The ingress's counts, read again each time: an idle timer may unload a model
+        # between two reads (the last test's requests loaded one).
+        pool = stats(server)["pool"]["models"]
+        assert pool[THIRD]["loads"] >= 2 and pool[IDLE]["unloads"]["idle"] >= 1
+        want = {("ray_serve_app_model_loaded", PINNED): 1.0,
+                ("ray_serve_app_model_loads_total", THIRD): pool[THIRD]["loads"],
+                ("ray_serve_app_model_unloads_total", IDLE, "idle"):
+                    pool[IDLE]["unloads"]["idle"],
+                ("ray_serve_app_model_unloads_total", THIRD, "capacity"):
+                    pool[THIRD]["unloads"]["capacity"],
+                ("ray_serve_app_model_loads_total", PINNED): 0}
         samples = metric_lines(server)
         if all(samples.get(k) == v for k, v in want.items()):
             break
-        assert time.monotonic() < deadline, (want, samples)
+        assert time.monotonic() < deadline, {k: (v, samples.get(k)) for k, v in want.items()
+                                             if samples.get(k) != v}
         time.sleep(1)
     assert 0 < samples[("ray_serve_app_model_load_seconds_total", THIRD)] < 60
 
