@@ -157,6 +157,14 @@ PREFIX_CACHE = (
               "restore failures {{model}}")),
         "Cached data that did not fit the model's layout, and restores that fell back to a "
         "cold prefill. Both should stay at 0."),
+    PanelSpec("Waits for in-flight prefills", "short", (
+        Query(rate("ray_serve_app_prefix_cache_inflight_waits_total", "model"),
+              "waits {{model}}"),
+        Query(rate("ray_serve_app_prefix_cache_inflight_wait_seconds_total", "model"),
+              "seconds waited/s {{model}}")),
+        "Lookups that waited for blocks another request was prefilling, then restored them "
+        "instead of computing them again (requests that arrive together with a new shared "
+        "prefix)."),
     PanelSpec("Cache-store errors", "short", (
         Query(rate("ray_serve_app_prefix_cache_store_errors_total", "model, kind"),
               "{{model}} {{kind}}"),),

@@ -169,6 +169,11 @@ METRICS: tuple[MetricDef, ...] = (
        "model's layout (dropped, never restored)."),
     _c("serve_app_prefix_cache_restore_failures", "replica",
        "Restores that failed while building the cache; the request was prefilled cold."),
+    _c("serve_app_prefix_cache_inflight_waits", "replica",
+       "Lookups that first waited for blocks another request was prefilling (requests that "
+       "arrive together with a new shared prefix compute it once, then restore it)."),
+    _c("serve_app_prefix_cache_inflight_wait_seconds", "replica",
+       "Seconds those lookups waited."),
     _c("serve_app_prefix_cache_store_errors", "replica",
        "Cache-store calls a request waited on (lookup, release) that did not answer in time "
        "(`timeout`), found the store actor dead or restarting (`unavailable`), failed otherwise "
@@ -409,6 +414,8 @@ def replica_samples(model: str, engine: EngineStats, cache: CacheStats,
         Sample("serve_app_prefix_cache_checkpoint_bytes", m, engine.captured_checkpoint_bytes),
         Sample("serve_app_prefix_cache_incompatible_payloads", m, cache.incompatible_payloads),
         Sample("serve_app_prefix_cache_restore_failures", m, cache.restore_failures),
+        Sample("serve_app_prefix_cache_inflight_waits", m, cache.inflight_waits),
+        Sample("serve_app_prefix_cache_inflight_wait_seconds", m, cache.inflight_wait_seconds),
         Sample("serve_app_prefix_cache_ssd_read_bytes", m, cache.ssd_read_bytes),
         Sample("serve_app_prefix_cache_ssd_read_seconds", m, cache.ssd_read_seconds),
         Sample("serve_app_remote_fetch_blocks", m, cache.remote_fetch_blocks),

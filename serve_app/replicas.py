@@ -47,7 +47,7 @@ CACHE_SUMS = (
     "checkpoint_rejects", "incompatible_payloads", "restore_failures", "sidecar_loads",
     "ssd_read_bytes", "ssd_read_seconds", "fetch_seconds", "remote_fetches",
     "remote_fetch_blocks", "remote_fetch_bytes", "remote_fetch_seconds",
-    "remote_fetch_failures", "remote_fetch_skipped",
+    "remote_fetch_failures", "remote_fetch_skipped", "inflight_waits", "inflight_wait_seconds",
 )
 CACHE_SUMS_BY_KEY = ("hit_tokens_by_tier", "checkpoint_loads_by_tier", "misses_by_reason",
                      "store_errors_by_kind", "cache_busts_by_position")

@@ -250,6 +250,12 @@ def lookup(cache: CacheManager, prompt: list[int], **key) -> RequestPlan | None:
     return plan
 
 
+def settled(cache: CacheManager, plan: RequestPlan | None) -> RequestPlan | None:
+    """The request ended: its claims on blocks it did not publish end too."""
+    cache.settle(plan)
+    return plan
+
+
 def serve(cache: CacheManager, prompt: list[int], output: list[int]) -> RequestPlan:
     """Plan a request and capture it as the engine would: prefill, then decode to the end."""
     plan = lookup(cache, prompt)
@@ -342,3 +348,76 @@ def test_the_policy_imports_neither_mlx_nor_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---- requests that arrive together: a new shared prefix is prefilled once --------------
+
+
+def test_a_request_waits_for_the_blocks_another_is_prefilling_then_restores_them():
+    cache, store = manager()
+    prompt = tokens_of(61, 3 * BS + 5)
+
+    async def scenario():
+        first = await cache.plan(prompt)
+        assert first.restore is None and cache.inflight.claimed() == 3
+        second_task = asyncio.create_task(cache.plan(prompt))
+        await asyncio.sleep(0.05)
+        assert not second_task.done()  # waits: the first is computing those blocks
+        first.start(0)
+        publish_all(first, first.captures(len(prompt) - 1, prompt, [], state_valid=True))
+        second = await asyncio.wait_for(second_task, 5)
+        cache.settle(first)
+        cache.settle(second)
+        await cache.release(second.lease)
+        return second
+
+    second = asyncio.run(scenario())
+    assert second.restore_tokens >= 3 * BS  # restored, not computed again
+    assert cache.stats.inflight_waits == 1 and cache.stats.inflight_wait_seconds > 0
+    assert cache.inflight.claimed() == 0 and store.snapshot()["pinned_blocks"] == 0
+
+
+def test_a_claim_that_ends_unpublished_lets_the_waiter_compute():
+    """The first request failed or was cancelled before its prefill: the second one stops
+    waiting at once and computes the blocks itself (it claims them in turn)."""
+    cache, _ = manager()
+    prompt = tokens_of(67, 2 * BS + 3)
+
+    async def scenario():
+        first = await cache.plan(prompt)
+        second_task = asyncio.create_task(cache.plan(prompt))
+        await asyncio.sleep(0.05)
+        assert not second_task.done()
+        cache.settle(first)
+        second = await asyncio.wait_for(second_task, 5)
+        claimed = cache.inflight.claimed()
+        cache.settle(second)
+        return second, claimed
+
+    second, claimed = asyncio.run(scenario())
+    assert second.restore is None and claimed == 2
+    assert cache.inflight.claimed() == 0
+
+
+def test_what_is_cached_is_never_claimed_and_other_prompts_do_not_wait():
+    cache, _ = manager()
+    shared = tokens_of(71, 2 * BS)
+    serve(cache, shared + tokens_of(73, BS + 2), [])
+    settled(cache, lookup(cache, shared + tokens_of(73, BS + 2)))
+
+    async def scenario():
+        # Cached blocks are restored, not claimed: a second prompt sharing only them
+        # does not wait for the first one's new block.
+        first = await cache.plan(shared + tokens_of(79, 2 * BS))
+        # Its one new full block (the last block holds the token left to compute).
+        assert cache.inflight.claimed() == 1
+        other = await asyncio.wait_for(cache.plan(shared + tokens_of(83, 2 * BS)), 1)
+        for plan in (first, other):
+            cache.settle(plan)
+            await cache.release(plan.lease)
+        return first, other
+
+    first, other = asyncio.run(scenario())
+    # (a stored block may be cut to the tokens it shares: a token more or so)
+    assert 2 * BS <= min(first.restore_tokens, other.restore_tokens) < 3 * BS
+    assert cache.stats.inflight_waits == 0 and cache.inflight.claimed() == 0

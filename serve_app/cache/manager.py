@@ -37,6 +37,7 @@ from serve_app.cache.divergence import (
     position_bucket,
 )
 from serve_app.cache.hashing import block_id, chain, model_identity, root_id, salted_root
+from serve_app.cache.inflight import InflightBlocks
 from serve_app.cache.match import Tier
 from serve_app.cache.payload import BlockPayload, CapturedBlock, RestorePlan
 from serve_app.cache.tiers import DiskInfo
@@ -50,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 BlockSink = Callable[[CapturedBlock], None]
 RECENT_CACHE_BUSTS = 8  # shown in /v1/stats
+# The longest a lookup waits for blocks another request is prefilling: past it, the request
+# computes them itself (the other one is stuck behind a full batch, or very long).
+INFLIGHT_WAIT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,9 @@ class CacheStats:
     cache_busts_by_position: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(POSITION_BUCKETS, 0))
     recent_cache_busts: list[dict] = field(default_factory=list)
+    # Lookups that first waited for blocks another request was prefilling, and how long.
+    inflight_waits: int = 0
+    inflight_wait_seconds: float = 0.0
 
     def miss(self, miss: Miss) -> None:
         """A lookup that restored less than it could (counted by its label)."""
@@ -307,6 +314,7 @@ class RequestPlan:
     # Blocks that end past this many tokens of the conversation are not kept in RAM: the
     # conversation is larger than the model's share of the hot tier (None: no limit).
     ram_tokens: int | None = None
+    claim: int | None = None  # its claim on the blocks it computes (``InflightBlocks``)
     # Progress, kept by the plan as the engine reports it:
     restored: int = field(default=0, init=False)  # tokens the request really started from
     captured: int = field(default=0, init=False)  # tokens covered by the blocks captured
@@ -525,6 +533,9 @@ class CacheManager:
         breaker = getattr(client, "breaker", None)  # the store's settings, for nodes too
         self.remote = RemoteFetchPolicy() if breaker is None else RemoteFetchPolicy(
             breaker_failures=breaker.threshold, breaker_cool_down_s=breaker.cool_down_s)
+        # Blocks some request of this replica is prefilling now (a request that needs them
+        # waits for them instead of computing them too).
+        self.inflight = InflightBlocks()
         # A "long" cached prompt, for cache-bust diagnostics: four blocks or more.
         self.divergence = DivergenceTracker(settings.model, 4 * settings.block_size)
         # The model's share of the hot tier (the memory plan's; None: no limit): a
@@ -568,6 +579,9 @@ class CacheManager:
         self._diagnose(root, prompt)
         ids = chain(root, prompt, bs)
         restorable = min(len(ids), (len(prompt) - 1) // bs)
+        await self._wait_for_inflight(ids[:restorable])
+        # Claimed before the lookup, so that a request arriving during it waits too.
+        claim = self.inflight.claim(ids[:restorable])
         stats.lookups += 1
         tic = time.perf_counter()
         req = FetchRequest(self.settings.model, ids[:restorable], self.layout, bs, self._expect,
@@ -581,8 +595,32 @@ class CacheManager:
             stats.remote_fetch_failures += 1
         stats.fetch_seconds += time.perf_counter() - tic
         restore = self._count(found, len(prompt), restorable)
+        restored_blocks = (restore.tokens if restore is not None else 0) // bs
+        self.inflight.unclaim(claim, ids[:restored_blocks])  # cached: nothing to compute
         return RequestPlan(bs, root, ids, restore, self.publish, self.settings.checkpoint_every,
-                           branch_points, found.lease, self.ram_tokens())
+                           branch_points, found.lease, self.ram_tokens(), claim=claim)
+
+    async def _wait_for_inflight(self, block_ids: list[str]) -> None:
+        """Wait while another request prefills blocks of this prompt (``InflightBlocks``):
+        once they are published this request restores them instead of computing them
+        again. Bounded by ``INFLIGHT_WAIT_S``; a claim whose request ends wakes it too."""
+        deadline = time.monotonic() + INFLIGHT_WAIT_S
+        tic = time.perf_counter()
+        waited = False
+        while (block := self.inflight.awaited(block_ids)) is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self.inflight.wait(block, left):
+                break
+            waited = True
+        if waited:
+            self.stats.inflight_waits += 1
+            self.stats.inflight_wait_seconds += time.perf_counter() - tic
+
+    def settle(self, plan: RequestPlan | None) -> None:
+        """A request ended (or never started): the blocks it claimed and did not publish are
+        free for another request to compute."""
+        if plan is not None and plan.claim is not None:
+            self.inflight.unclaim(plan.claim)
 
     def ram_tokens(self) -> int | None:
         """How long a conversation may grow with its blocks kept in RAM: the tokens whose
@@ -702,6 +740,8 @@ class CacheManager:
         a block the publish queue cannot take now is dropped and counted)."""
         if self.client is not None:  # caching off: no plan captures anything
             self.client.publish(self.settings.model, block, self._disk, wait=False)
+        # The store sees it before any later lookup (the client waits for its acks).
+        self.inflight.published(block.block_id)
 
     async def release(self, lease: int | None) -> None:
         """Unpin a plan's restored blocks once the engine has copied them; a store that

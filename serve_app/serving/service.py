@@ -179,9 +179,13 @@ class ModelService:
         try:
             rid = self._submit(prepared, processors, plan, events.put)
         except QueueFullError as exc:
+            self.cache.settle(plan)
             await lease.release()
             yield [_queue_full(str(exc)).to_failure()]
             return
+        except BaseException:
+            self.cache.settle(plan)
+            raise
         request = _RequestStream(self, prepared, rid,
                                  plan.restore_tokens if plan is not None else 0, clock)
         pacer = _Pacer(self.stream_interval)
@@ -198,6 +202,7 @@ class ModelService:
         finally:
             if not request.done:
                 self.engine.cancel(rid)
+            self.cache.settle(plan)
             await lease.close()
             clock.finished()
 
