@@ -40,8 +40,10 @@ def test_requests_arriving_together_prefill_their_shared_prefix_once(server, mod
     with ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(ask, range(4)))
     cached = sorted(r.usage.prompt_tokens_details.cached_tokens for r in replies)
-    assert cached[0] == 0, cached  # one computed the prefix cold...
-    assert all(c > 0 for c in cached[1:]), cached  # ...the others restored it
+    # One computed the document cold (a few template tokens another test cached may be
+    # restored before it), the others restored it.
+    assert cached[0] < 16, cached
+    assert all(c >= chars // 2 for c in cached[1:]), cached
     assert inflight(server, model)[0] - waits_before >= 1
     # Restored or cold, the same answer; and the same as a request alone, restored again.
     texts = {r.choices[0].message.content for r in replies}
