@@ -56,7 +56,6 @@ from serve_app.models.phase import (
 )
 from serve_app.planning import planned
 from serve_app.pool import (
-    CAPACITY_RETRY_AFTER_S,
     UNLOAD_REASONS,
     PoolCapacityError,
     PoolGate,
@@ -73,6 +72,12 @@ from serve_app.profile import (
     parse_profile,
 )
 from serve_app.replicas import Gathered, ReplicaReport, model_view
+from serve_app.serving.errors import (
+    kv_budget_error,
+    model_capacity_error,
+    model_load_failed_error,
+    queue_full_error,
+)
 from serve_app.serving.events import Event
 from serve_app.serving.request import ApiError, Caller, OpenAIRequest
 
@@ -90,29 +95,8 @@ ROUTING_STATS_PERIOD_S = 2.0  # how often Serve polls a replica's record_routing
 # Requests waiting for (or in) a prepare pool, where templating, tokenizing and grammar
 # compiling run, beyond which a replica or the ingress answers 429 before doing any of it.
 MAX_PREPARING = 16
-RETRY_AFTER_S = 1
 UNLOAD_WAIT_S = 5.0  # an unload waits this long for requests closing in the replica
 DEMOTE_WAIT_S = 10.0  # ... and this long for its blocks to reach SSD (then they stay hot)
-
-
-def kv_budget_error(message: str) -> ApiError:
-    """429 ``kv_budget_exceeded``: the request's KV alone is over its model's KV budget in
-    the memory plan (it would never be admitted; a smaller ``max_tokens`` may be)."""
-    return ApiError(429, message, type="rate_limit_error", code="kv_budget_exceeded",
-                    headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def model_capacity_error(message: str) -> ApiError:
-    """503 ``model_capacity`` with Retry-After: the request's model is not loaded and the
-    pool can unload nothing to make room (every loaded model is pinned or busy)."""
-    return ApiError(503, message, type="service_unavailable", code="model_capacity",
-                    headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)})
-
-
-def queue_full_error(message: str) -> ApiError:
-    """429 ``queue_full`` with Retry-After: the model (or its prepare stage) is full."""
-    return ApiError(429, message, type="rate_limit_error", code="queue_full",
-                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 class PrepareStage:
@@ -298,10 +282,8 @@ class ModelReplica:
                 try:
                     await asyncio.to_thread(self._load)
                 except ModelLoadError as exc:
-                    raise ApiError(503, f"model {self.profile.name!r} could not be loaded: "
-                                        f"{exc}", type="service_unavailable",
-                                   code="model_load_failed",
-                                   headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                    raise model_load_failed_error(
+                        f"model {self.profile.name!r} could not be loaded: {exc}") from None
             assert self.service is not None
             return self.service
 
@@ -705,8 +687,7 @@ class Ingress(OpenAIIngress):
         except PoolCapacityError as exc:
             raise model_capacity_error(str(exc)) from None
         except PoolLoadError as exc:
-            raise ApiError(503, str(exc), type="service_unavailable", code="model_load_failed",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise model_load_failed_error(str(exc)) from None
 
     async def _load_model(self, name: str) -> None:
         await self.handles[name].load.remote()

@@ -36,6 +36,8 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from serve_app.serving.errors import CAPACITY_RETRY_AFTER_S
+
 if TYPE_CHECKING:
     from serve_app.memory import MemoryPlan
     from serve_app.profile import Profile
@@ -43,7 +45,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 UNLOAD_REASONS = ("capacity", "idle")  # to make room for another model; its idle_unload_s
-CAPACITY_RETRY_AFTER_S = 5  # a loaded model is busy: retry once a request could end
 IDLE_TICK_S = 1.0  # how often the ingress looks for idle models
 RECONCILE_S = 30.0  # how often it asks the replicas what they hold
 STATUS_TIMEOUT_S = 2.0  # a replica's answer to that, at most

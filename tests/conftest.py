@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import inspect
 import os
+import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -62,3 +65,44 @@ def server(tmp_path_factory, model_home):
         yield proc
     finally:
         proc.stop()
+
+
+# ---- markers: what a test starts, read from its source and its fixtures' --------------
+
+STARTS_SERVER = re.compile(r"ServerProcess|serve_run|ray\.init|local_ray|start_ours|"
+                           r"start_mlx_lm_server|subprocess|Popen|cluster_utils")
+STARTS_CLUSTER = re.compile(r"cluster_utils|\bCluster\(|LocalCluster|local_cluster")
+REAL_MODEL = re.compile(r"smollm2")
+
+
+@cache
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def test_kinds(item: pytest.Item) -> set[str]:
+    """``server``, ``cluster`` and ``slow`` as the test's function and the fixtures it uses
+    say (a fixture that starts a server makes each of its users a server test); else
+    ``unit``."""
+    sources = [_source(getattr(item, "function", None))]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        sources += [_source(d.func) for d in defs]
+    params = getattr(getattr(item, "callspec", None), "id", "")
+    kinds = set()
+    if any(STARTS_SERVER.search(s) for s in sources):
+        kinds.add("server")
+    if any(STARTS_CLUSTER.search(s) for s in sources):
+        kinds |= {"server", "cluster"}
+    if any(REAL_MODEL.search(s) for s in sources) or REAL_MODEL.search(params):
+        kinds.add("slow")
+    return kinds or {"unit"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for kind in sorted(test_kinds(item)):
+            item.add_marker(kind)

@@ -30,10 +30,10 @@ from serve_app.api.anthropic_api import (
     message_collector,
     parse_count_tokens_request,
     parse_messages_request,
-    sse_event,
     to_chat_input,
     usage,
 )
+from serve_app.api.sse import sse_event
 from serve_app.serving.events import Delta, Event, Finish, Start
 from serve_app.serving.request import ApiError
 

@@ -23,10 +23,10 @@ from serve_app.api.responses_api import (
     parse_request,
     renamed,
     response_collector,
-    sse_event,
     to_chat_request,
     validation_error,
 )
+from serve_app.api.sse import sse_event
 from serve_app.serving.events import Delta, Event, Finish, Start, ToolCall
 from serve_app.serving.request import ApiError, ChatCompletionRequest, checked
 

@@ -149,7 +149,6 @@ class _Conversation(BaseModel):
         to_chat_input(self)
 
 
-
 class MessagesRequest(_Conversation):
     """POST /v1/messages."""
 
@@ -170,8 +169,6 @@ class MessagesRequest(_Conversation):
 
 class CountTokensRequest(_Conversation):
     """POST /v1/messages/count_tokens (sampling fields, if sent, are ignored)."""
-
-
 
 
 def parse_messages_request(body: Any) -> MessagesRequest:
@@ -594,12 +591,6 @@ def stop_reason(finish_reason: str, *, stop_sequence: str | None = None,
 
 def count_tokens_response(input_tokens: int) -> dict[str, int]:
     return {"input_tokens": input_tokens}
-
-
-def sse_event(event: dict[str, Any]) -> bytes:
-    """One Anthropic SSE event: the ``event:`` line names the type, as the SDK expects."""
-    data = json.dumps(event, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 class MessageStream:

@@ -31,6 +31,7 @@ from serve_app.api.openai_api import (
     Wire,
     completion_collector,
 )
+from serve_app.api.sse import DONE, data_event, sse_event
 from serve_app.compat import log_dir
 from serve_app.metrics import Recorder
 from serve_app.models.phase import SERVING, ModelPhase
@@ -92,10 +93,6 @@ def _validation_error(exc: ValidationError) -> ApiError:
     first = exc.errors()[0]
     param = ".".join(str(p) for p in clean_loc(first["loc"])) or None
     return ApiError(400, f"{param or 'body'}: {first['msg']}", param=param)
-
-
-def sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -407,7 +404,7 @@ class OpenAIIngress:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
             stream = CompletionStream(wire, parsed.model, include_usage=include_usage)
             return StreamingResponse(
-                self._stream(events, stream, start, parsed.model, sse, end=b"data: [DONE]\n\n"),
+                self._stream(events, stream, start, parsed.model, data_event, end=DONE),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
@@ -488,7 +485,7 @@ class OpenAIIngress:
             if parsed.stream:
                 stream = responses_api.ResponseStream(parsed, **defaults)
                 return StreamingResponse(
-                    self._stream(events, stream, start, parsed.model, responses_api.sse_event),
+                    self._stream(events, stream, start, parsed.model, sse_event),
                     media_type="text/event-stream", headers=SSE_HEADERS)
             collector = responses_api.response_collector(parsed, **defaults)
             await self._collect(events, collector, start, parsed.model, deadline)
@@ -515,7 +512,7 @@ class OpenAIIngress:
             if parsed.stream:
                 stream = anthropic.MessageStream(parsed.model)
                 return StreamingResponse(
-                    self._stream(events, stream, start, parsed.model, anthropic.sse_event),
+                    self._stream(events, stream, start, parsed.model, sse_event),
                     media_type="text/event-stream", headers=SSE_HEADERS)
             collector = anthropic.message_collector(parsed.model)
             await self._collect(events, collector, start, parsed.model, deadline)

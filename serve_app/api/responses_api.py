@@ -532,12 +532,6 @@ def _echo_choice(request: ResponsesRequest) -> str | dict:
     return choice if isinstance(choice, str) else choice.model_dump()
 
 
-def sse_event(event: dict[str, Any]) -> bytes:
-    """One SSE event as OpenAI sends it: an ``event:`` line with the type, then the data."""
-    data = json.dumps(event, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
-
-
 def _failed_code(status: int) -> str:
     """An HTTP status as a ``response.error.code`` the SDK knows."""
     if status == 429:

@@ -23,6 +23,7 @@ from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.metrics import PHASES, Recorder, replica_samples
 from serve_app.profile import ModelProfile, source_kind
 from serve_app.serving.engine import Engine, EngineEvent, QueueFullError
+from serve_app.serving.errors import queue_full_error
 from serve_app.serving.events import Delta, Event, Finish, Start, TokenLogprob, ToolCall
 from serve_app.serving.normalize import RULE_NAMES
 from serve_app.serving.prepare import PreparedRequest, Preparer
@@ -30,8 +31,6 @@ from serve_app.serving.request import ApiError, Caller, ChatCompletionRequest, C
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.stops import StopStringMatcher
 from serve_app.serving.tools import ToolCallStream, function_name
-
-RETRY_AFTER_SECONDS = 1
 
 
 @dataclass
@@ -181,7 +180,7 @@ class ModelService:
         except QueueFullError as exc:
             self.cache.settle(plan)
             await lease.release()
-            yield [_queue_full(str(exc)).to_failure()]
+            yield [queue_full_error(str(exc)).to_failure()]
             return
         except BaseException:
             self.cache.settle(plan)
@@ -212,7 +211,7 @@ class ModelService:
         is at capacity (checked before any cache work), 400 when its grammar does not
         compile (``constraints``, unless the caller built ``processors`` already)."""
         if self.engine.at_capacity():
-            return _queue_full(self.engine.capacity_message()), ()
+            return queue_full_error(self.engine.capacity_message()), ()
         if processors is None:
             try:
                 processors = self.constraints(prepared)
@@ -360,16 +359,6 @@ def forced_names(prepared: PreparedRequest) -> tuple[str, ...] | None:
         name = function.get("name") if isinstance(function, dict) else None
         return (name,) if isinstance(name, str) else ()
     return tuple(n for n in (function_name(t) for t in prepared.tools or ()) if n)
-
-
-def _queue_full(message: str) -> ApiError:
-    return ApiError(
-        429,
-        message,
-        type="rate_limit_error",
-        code="queue_full",
-        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-    )
 
 
 class EventChannel:
