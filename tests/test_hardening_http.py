@@ -308,11 +308,13 @@ def test_replica_killed_mid_request_is_503_then_recovers(young):
     """Runs last among the live tests: it takes the model down and waits for it."""
     server, _ = young
     (pid,) = _replica_pids(server)
-    prompt = uuid.uuid4().hex * (MAX_PROMPT_CHARS // 32 - 2)  # a long, uncached prefill
+    # Long, uncached prefills, one each (two requests of one prompt would not run together:
+    # the second waits for the first's blocks and restores them).
+    prompts = {s: uuid.uuid4().hex * (MAX_PROMPT_CHARS // 32 - 2) for s in (False, True)}
     results: dict[bool, object] = {}
 
     def call(stream: bool) -> None:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "stream": stream}
+        body = {"model": MODEL, "prompt": prompts[stream], "max_tokens": 16, "stream": stream}
         try:
             with httpx.Client(base_url=server.base_url, timeout=120) as client:
                 r = client.post("/v1/completions", json=body)
