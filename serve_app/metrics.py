@@ -42,7 +42,7 @@ MISS_REASONS = ("new_prefix", "diverged", "evicted", "no_checkpoint", "incompati
 WRITE_RESULTS = ("done", "failed", "dropped")
 PHASES = ("prepare", "plan", "queue", "prefill")
 DROP_REASONS = ("publish", "hot_full", "ssd_low_space", "ssd_budget", "ssd_write_budget")
-ROUTING_REASONS = ("prefix", "load_fallback", "no_prefix", "router_error")
+ROUTING_REASONS = ("prefix", "load_fallback", "no_prefix", "unranked", "router_error")
 
 Kind = Literal["counter", "gauge", "histogram"]
 Where = Literal["ingress", "router", "replica", "store"]
@@ -189,6 +189,7 @@ METRICS: tuple[MetricDef, ...] = (
        "Requests routed by the prefix-affinity router, by reason: `prefix` (to the replica with "
        "the least to prefill, whose node holds part of the prompt), `load_fallback` (another "
        "replica, for load), `no_prefix` (no node holds any of the prompt: least loaded), "
+       "`unranked` (no replica has reported its cache layout yet: least loaded), "
        "`router_error` (ranking failed: the least loaded replica; logged once). Each reason "
        "is 0 from the router's start (a model's first request); a model not routed on "
        "prefixes (one replica, or `routing.mode: default`) has no such router: no series.",

@@ -106,6 +106,13 @@ def wait_counts(server, before: dict, check, timeout: float = 60.0) -> dict:
         time.sleep(0.5)
 
 
+def routing_counts(delta: dict) -> str:
+    """The routing, fetch and hit counters that moved, one per line (whole, where a
+    failing assertion would print a dict cut short)."""
+    return "\n".join(f"{name}{dict(labels)} = {v}" for (name, labels), v in sorted(delta.items())
+                     if v and any(w in name for w in ("routing", "remote", "hit_tokens")))
+
+
 def chat(client: OpenAI, messages: list[dict], n: int = 8, **extra):
     return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n,
                                           temperature=0, extra_body=extra or None)
@@ -161,8 +168,7 @@ def test_next_turns_go_to_the_replica_holding_their_prefix(cluster_server):
     delta = wait_counts(cluster_server, before,
                         lambda d: count(d, "routing_decisions", reason="prefix") >= 4
                         and count(d, "prefix_cache_hit_tokens", tier="hot") >= 4 * 48)
-    shown = {k: v for k, v in delta.items() if v and ("routing" in k[0] or "remote" in k[0]
-                                                      or "hit_tokens" in k[0])}
+    shown = routing_counts(delta)
     assert count(delta, "routing_decisions", reason="prefix") == 4, shown
     # (>=: the readiness probe's decision may reach the export after ``before``)
     assert count(delta, "routing_decisions", reason="no_prefix") >= 4, shown
@@ -199,13 +205,12 @@ def test_a_full_replica_is_passed_over_and_the_other_fetches_the_prefix_exactly(
     delta = wait_counts(cluster_server, before,
                         lambda d: count(d, "remote_fetch_blocks") > 0
                         and count(d, "routing_decisions", reason="load_fallback") >= 1)
-    shown = {k: v for k, v in delta.items() if v and ("routing" in k[0] or "remote" in k[0]
-                                                      or "hit_tokens" in k[0])}
+    shown = routing_counts(delta)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.choices[0].message.content == cold.choices[0].message.content
     assert warm.usage.prompt_tokens_details.cached_tokens >= 48, shown
-    assert count(delta, "routing_decisions", reason="prefix") >= 2  # the two streams
-    assert count(delta, "routing_decisions", reason="load_fallback") == 1  # the turn
+    assert count(delta, "routing_decisions", reason="prefix") >= 2, shown  # the two streams
+    assert count(delta, "routing_decisions", reason="load_fallback") == 1, shown  # the turn
     assert count(delta, "remote_fetch_blocks") >= 3
     assert count(delta, "prefix_cache_hit_tokens", tier="remote") >= 48
     assert count(delta, "remote_fetch_failures") == 0

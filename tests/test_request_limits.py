@@ -26,6 +26,7 @@ import pytest
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.cache.hashing import salted_root
+from serve_app.cache.match import Tier
 from serve_app.cluster.routing import REASONS, PrefixAffinityRouter, ReplicaInfo
 from serve_app.metrics import Recorder
 from serve_app.serving.prepare import PreparedRequest
@@ -234,7 +235,41 @@ def _router() -> PrefixAffinityRouter:
     router.follower = SimpleNamespace(prefix_by_node=lambda ids: {})
     router.recorder = Counting()
     router.ongoing, router.decided, router.error_logged = {}, OrderedDict(), False
+    router.layout = None
     return router
+
+
+def _pending(rid: str, prompt: list[int]):
+    prepared = PreparedRequest(prompt=prompt, params=None, stops=[], salt=None)
+    return SimpleNamespace(args=[prepared], metadata=SimpleNamespace(internal_request_id=rid))
+
+
+def test_a_router_ranks_on_a_layout_it_saw_when_serve_has_no_stats_for_a_replica():
+    """Serve hands a router each replica's stats as it last polled them, and a replica
+    it has not polled yet (or whose report was lost) has none: the router ranks on the
+    layout another replica (or an earlier poll) gave, the node Serve placed it on and its
+    own count of requests; before any report it routes to the least loaded (``unranked``)."""
+    router = _router()
+    router.load_cost_tokens = 1  # a request costs less than the prefix saves
+    prompt = list(range(64))
+    bare = [_Replica(replica_id=f"r{i}", node_id=f"n{i}", routing_stats={}) for i in range(2)]
+    router.ongoing = {"r0": 1}
+    chosen = asyncio.run(router.choose_replicas(bare, _pending("a", prompt)))
+    assert [c[0].replica_id for c in chosen] == ["r1", "r0"]
+    assert router.recorder.counts == {("serve_app_routing_decisions", "unranked"): 1}
+
+    info = ReplicaInfo("n1", "root", 16, 4).to_stats()
+    # one replica reports: its layout is kept
+    asyncio.run(router.choose_replicas(
+        [bare[0], _Replica(replica_id="r1", node_id="n1", routing_stats=info)],
+        _pending("b", prompt)))
+    # n0 holds the prompt's blocks; no replica has stats now: r0 is still ranked first,
+    # for its prefix, though it runs a request more than r1.
+    router.follower = SimpleNamespace(prefix_by_node=lambda block_ids: {"n0": [Tier.HOT] * 3})
+    router.recorder = Counting()
+    chosen = asyncio.run(router.choose_replicas(bare, _pending("c", prompt)))
+    assert [c[0].replica_id for c in chosen] == ["r0", "r1"]
+    assert router.recorder.counts == {("serve_app_routing_decisions", "prefix"): 1}
 
 
 def test_a_router_that_raises_falls_back_to_the_least_loaded_replica(caplog):

@@ -129,6 +129,9 @@ class PrefixAffinityRouter(RequestRouter):
         self.ongoing: dict[ReplicaID, int] = {}
         self.decided: OrderedDict[str, None] = OrderedDict()  # requests counted already
         self.error_logged = False
+        # The model's layout as a replica last reported it (the same on all of them): a
+        # router keeps ranking when Serve's copy of a replica's stats is missing or late.
+        self.layout: ReplicaInfo | None = None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -156,23 +159,27 @@ class PrefixAffinityRouter(RequestRouter):
     def _choose(self, candidate_replicas: list[RunningReplica],
                 pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         prepared = _prepared(pending_request)
+        if prepared is None or pending_request is None:  # not a generation
+            return self._least_loaded(candidate_replicas)
         by_key = {r.replica_id: r for r in candidate_replicas}
         reported = {r.replica_id: ReplicaInfo.from_stats(r.routing_stats)
                     for r in candidate_replicas}
-        info = next((i for i in reported.values() if i is not None), None)
-        if prepared is None or info is None or pending_request is None:
-            # not a generation, or no replica reported yet
+        self.layout = next((i for i in reported.values() if i is not None), self.layout)
+        info = self.layout
+        request_id = pending_request.metadata.internal_request_id
+        if info is None:  # no replica of this model has reported its layout yet
+            self._count(request_id, "unranked")
             return self._least_loaded(candidate_replicas)
         bs = info.block_size
         root = salted_root(info.root, prepared.salt, prepared.api_key_digest)
         restorable = (len(prepared.prompt) - 1) // bs
         runs = self.follower.prefix_by_node(chain(root, prepared.prompt[:restorable * bs], bs))
-        candidates = [Candidate(r.replica_id, r.node_id,
+        candidates = [Candidate(r.replica_id, _node_of(r, reported[r.replica_id]),
                                 self._load(r.replica_id, reported[r.replica_id]),
                                 (reported[r.replica_id] or info).max_batch_size)
                       for r in candidate_replicas]
         ranking = rank(candidates, runs, len(prepared.prompt), bs, self.load_cost_tokens)
-        self._count(pending_request.metadata.internal_request_id, ranking.reason(ranking.order[0]))
+        self._count(request_id, ranking.reason(ranking.order[0]))
         return [[by_key[key]] for key in ranking.order]
 
     def _load(self, replica_id: ReplicaID, reported: ReplicaInfo | None) -> int:
@@ -202,6 +209,11 @@ class PrefixAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.ongoing.pop(replica_id, None)
+
+
+def _node_of(replica: RunningReplica, reported: ReplicaInfo | None) -> str:
+    """The node a replica runs on: as it reported, else as Serve placed it."""
+    return reported.node_id if reported is not None else (replica.node_id or "")
 
 
 def _prepared(pending_request: PendingRequest | None) -> PreparedRequest | None:
