@@ -61,7 +61,7 @@ from bench.common import (
     workdir,
 )
 from bench.multiturn import text_of
-from serve_app.embedded import materialize
+from serve_app.models.embedded import materialize
 
 GOAL_TTFT_RATIO = 0.6
 

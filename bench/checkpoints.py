@@ -20,8 +20,8 @@ import mlx_lm
 
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.tiers import TieredStore
-from serve_app.embedded import materialize
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
+from serve_app.models.embedded import materialize
 from serve_app.serving.events import Delta, Finish
 from serve_app.serving.request import CompletionRequest
 from serve_app.serving.service import ModelService

@@ -44,7 +44,7 @@ from bench.common import (
 )
 from bench.devserver import free_port, write_config
 from bench.multiturn import text_of
-from serve_app.embedded import materialize
+from serve_app.models.embedded import materialize
 
 GOAL_TTFT_RATIO = 0.6
 GOAL_CACHED_FRACTION_GAP = 0.02
@@ -114,11 +114,11 @@ def measure_fetch(server: ServerProcess, model: str, tokenizer, model_dir: Path,
     import mlx_lm
 
     from serve_app.cache import codecs
-    from serve_app.cache.actor import DIRECTORY_NAME, NAMESPACE
     from serve_app.cache.client import FetchRequest
     from serve_app.cache.hashing import chain, model_identity, root_id
     from serve_app.cache.layout import probe_layout
-    from serve_app.embedded import default_home
+    from serve_app.models.embedded import default_home
+    from serve_app.store.actor import DIRECTORY_NAME, NAMESPACE
 
     messages = [{"role": "user", "content": text_of(tokens, 4242)}]
     cold = stream_chat(server.base_url, {"model": model, "messages": messages,
@@ -161,7 +161,7 @@ def measure_fetch(server: ServerProcess, model: str, tokenizer, model_dir: Path,
 
 def _fetch_from(req, holder: str) -> dict:
     """On another node: the holder's store exports the chain; check every block."""
-    from serve_app.cache.actor import NAMESPACE
+    from serve_app.store.actor import NAMESPACE
 
     store = ray.get_actor(f"cache-store-{holder}", namespace=NAMESPACE)
     ray.get(store.protocol.remote())  # the handle is warm before timing

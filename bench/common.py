@@ -1,8 +1,8 @@
 """What every benchmark here needs: the servers, one streamed chat request, the checks.
 
 Every bench takes ``--model`` with an embedded model name (``tiny-hybrid``,
-``tiny-hybrid-bf16``, ``tiny-dense``, ...; see ``serve_app.embedded.EMBEDDED_MODELS``), or a
-real one (``smollm2-135m``: ``serve_app.embedded.REAL_MODELS``, ~10 tok/s on a 2-core CPU;
+``tiny-hybrid-bf16``, ``tiny-dense``, ...; see ``serve_app.models.embedded.EMBEDDED_MODELS``), or a
+real one (``smollm2-135m``: ``serve_app.models.embedded.REAL_MODELS``, ~10 tok/s on a 2-core CPU;
 ``bench.serving`` and ``bench.traces`` have settings sized for it).
 The model is materialized once; ``mlx_lm.server --model <dir>`` gets that
 directory and our profile gets ``source: embedded:<name>``, which resolves to the
@@ -35,7 +35,7 @@ from bench.devserver import (  # noqa: F401 (re-exported for the benches)
     free_port,
     write_config,
 )
-from serve_app.embedded import embedded_names
+from serve_app.models.embedded import embedded_names
 
 MODELS = embedded_names()  # the real ones first, then the random-weight ones
 MLX_LM_PROMPT_CACHE_SIZE = 10  # mlx_lm.server --prompt-cache-size default (mlx-lm 0.32)

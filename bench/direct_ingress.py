@@ -33,7 +33,7 @@ from bench.common import (
     workdir,
     write_config,
 )
-from serve_app.embedded import materialize
+from serve_app.models.embedded import materialize
 
 DIRECT_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
 DIRECT_FIRST_PORT = 30000  # RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT's default

@@ -41,7 +41,7 @@ from bench.common import (
     wait_written,
     workdir,
 )
-from serve_app.embedded import materialize
+from serve_app.models.embedded import materialize
 
 WORDS = ("cache block prefix token model layer state replay agent code review test "
          "serve batch decode restore").split()

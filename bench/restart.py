@@ -36,7 +36,7 @@ from bench.common import (
     workdir,
 )
 from bench.multiturn import conversation, replay
-from serve_app.embedded import materialize
+from serve_app.models.embedded import materialize
 
 
 def drop_page_cache(*paths: Path) -> None:

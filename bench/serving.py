@@ -30,7 +30,7 @@ Neither server has ``ignore_eos`` (mlx_lm.server's ``logit_bias`` could imitate 
 ours rejects ``logit_bias``), so both get the same prompts and ``max_tokens`` and the
 outputs (temperature 0) are compared request by request, with token counts.
 
-A real model (``--model smollm2-135m``; ``serve_app.embedded.REAL_MODELS``) is far too slow
+A real model (``--model smollm2-135m``; ``serve_app.models.embedded.REAL_MODELS``) is far too slow
 on a CPU for all that: it runs ``bench/serving_real.py`` instead (the rows users feel: a
 non-streamed 1-token request, 64-token answers, a forced tool call; interleaved A/B rounds).
 
@@ -72,8 +72,8 @@ from bench.common import (
     workdir,
     write_config,
 )
-from serve_app.embedded import REAL_MODELS, materialize
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
+from serve_app.models.embedded import REAL_MODELS, materialize
 
 PROMPT = "Once upon a time, in a land far away, there lived a"
 GOALS = {"single_stream": 0.95, "aggregate": 1.2, "cold_ttft": 1.05,

@@ -183,7 +183,7 @@ def others_frozen(servers: dict[str, ServerProcess], measured: str) -> Iterator[
 
 def start_servers(tmp: Path, model: str, model_dir: Path, plan: RealPlan,
                   template_arm: bool) -> dict[str, ServerProcess]:
-    from serve_app.chat_templates import BUILTIN_TEMPLATES
+    from serve_app.config.chat_templates import BUILTIN_TEMPLATES
 
     servers: dict[str, ServerProcess] = {}
     try:
@@ -338,7 +338,7 @@ def build_result(model: str, model_dir: Path, host: dict, plan: RealPlan,
                      "mlx_lm_server_args": ["--max-tokens", str(plan.max_tokens)],
                      "mlx_lm_server_tools_template_args": [
                          "--max-tokens", str(plan.max_tokens), "--chat-template",
-                         "<serve_app.chat_templates.BUILTIN_TEMPLATES['smollm2-tools']>"],
+                         "<serve_app.config.chat_templates.BUILTIN_TEMPLATES['smollm2-tools']>"],
                      "tool": TOOL},
         "short_requests": {
             "requests": len(plain[OURS]),
@@ -417,7 +417,7 @@ def summary(result: dict) -> str:
 
 def main(model: str, host: dict, quick: bool, rounds: int | None, out: Path | None,
          template_arm: bool = True) -> int:
-    from serve_app.embedded import materialize
+    from serve_app.models.embedded import materialize
 
     plan = make_plan(quick, rounds)
     model_dir = materialize(model)

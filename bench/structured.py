@@ -23,7 +23,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.generate import BatchGenerator, generate_step
 
-from serve_app.embedded import materialize
+from serve_app.models.embedded import materialize
 from serve_app.serving import structured
 from serve_app.serving.structured import compile_response_format
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from serve_app.profile import ProfileError, load_serve_config
+from serve_app.config.profile import ProfileError, load_serve_config
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["gc"]:
-        from serve_app.gc import main as gc_main
+        from serve_app.cli.gc import main as gc_main
 
         return gc_main(argv[1:])
     from serve_app import __version__
@@ -87,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         except ProfileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        from serve_app.launch import serve
+        from serve_app.cli.launch import serve
 
         return serve(args.config, dashboard=args.dashboard)
     if args.command == "materialize":
-        from serve_app.embedded import materialize
+        from serve_app.models.embedded import materialize
         from serve_app.models.smollm2 import MaterializeError, console_progress
 
         try:
@@ -101,16 +101,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "local-cluster":
-        from serve_app.cluster.local import run_local_cluster
+        from serve_app.cli.local_cluster import run_local_cluster
 
         return run_local_cluster(args.nodes, args.ssd_root)
     if args.command == "sizing-table":
-        from serve_app.sizing import sizing_table
+        from serve_app.memory.sizing import sizing_table
 
         print(sizing_table(), end="")
         return 0
     if args.command == "metrics-table":
-        from serve_app.metrics import markdown_table
+        from serve_app.metrics.table import markdown_table
 
         print(markdown_table(), end="")
         return 0
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 def check_memory(config: str, apps: list, hub: bool, mac_gb: int | None = None) -> int:
     """Print each application's memory plan; 2 if one cannot fit (each reason on stderr).
     ``mac_gb``: plan for a Mac of that many GB (as the sizing table does), not this one."""
-    from serve_app.memory import MachineMemory, describe, probe_machine
-    from serve_app.planning import plan_profile
+    from serve_app.memory.plan import MachineMemory, describe, probe_machine
+    from serve_app.memory.planning import plan_profile
 
     machine = probe_machine() if mac_gb is None else MachineMemory(mac_gb << 30)
     refused = False

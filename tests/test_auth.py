@@ -22,8 +22,8 @@ import yaml
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.api import auth
-from serve_app.app import build_app, keyed_profile
-from serve_app.profile import ProfileError, parse_profile
+from serve_app.config.profile import ProfileError, parse_profile
+from serve_app.deploy.app import build_app, keyed_profile
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE = "auth-dense"

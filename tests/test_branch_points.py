@@ -13,8 +13,8 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from serve_app.cache.prefix import branch_points_in_text, find_branch_points
-from serve_app.embedded import materialize
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
+from serve_app.models.embedded import materialize
 from serve_app.serving.prepare import Preparer
 from serve_app.serving.request import Caller, ChatCompletionRequest
 

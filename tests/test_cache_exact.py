@@ -20,8 +20,8 @@ from serve_app.cache.hashing import chain, salted_root
 from serve_app.cache.match import Drop
 from serve_app.cache.payload import Tensor
 from serve_app.cache.tiers import TieredStore
-from serve_app.embedded import materialize
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
+from serve_app.models.embedded import materialize
 from serve_app.serving.events import Delta, Finish, Start
 from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
 from serve_app.serving.service import ModelService

@@ -34,7 +34,7 @@ from serve_app.cache.layout import (
 from serve_app.cache.match import Match, MatchQuery
 from serve_app.cache.payload import BlockPayload, PayloadError, Tensor, from_tensors, to_tensors
 from serve_app.cache.tiers import TieredStore
-from serve_app.embedded import materialize
+from serve_app.models.embedded import materialize
 
 # ---- hashing --------------------------------------------------------------------------
 

@@ -18,8 +18,8 @@ from serve_app.cache.hashing import chain, salted_root
 from serve_app.cache.layout import probe_layout
 from serve_app.cache.manager import CacheSettings, RequestPlan, default_checkpoint_interval
 from serve_app.cache.tiers import TieredStore
-from serve_app.embedded import materialize
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
+from serve_app.models.embedded import materialize
 from serve_app.serving.engine import _Request
 from serve_app.serving.request import CompletionRequest
 from serve_app.serving.sampling import SamplingParams

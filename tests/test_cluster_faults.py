@@ -21,7 +21,13 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from serve_app.cache.actor import (
+from serve_app.cache.client import FetchRequest
+from serve_app.cache.hashing import chain
+from serve_app.cache.layout import KV, ArraySpec, Layout
+from serve_app.cache.match import Match, MatchQuery
+from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
+from serve_app.config.profile import CacheStoreProfile
+from serve_app.store.actor import (
     ACTOR_OPTIONS,
     DIRECTORY_NAME,
     NAMESPACE,
@@ -29,12 +35,6 @@ from serve_app.cache.actor import (
     DirectoryFollower,
     RayCacheClient,
 )
-from serve_app.cache.client import FetchRequest
-from serve_app.cache.hashing import chain
-from serve_app.cache.layout import KV, ArraySpec, Layout
-from serve_app.cache.match import Match, MatchQuery
-from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
-from serve_app.profile import CacheStoreProfile
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 4

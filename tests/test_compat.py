@@ -1,4 +1,4 @@
-"""One test per private seam in ``serve_app.compat``, against the installed mlx-lm and Ray.
+"""One test per private seam in ``serve_app.models.compat``, against the installed mlx-lm and Ray.
 
 An upgrade that moves or changes one of these internals fails its test here,
 by name, before it fails a request.
@@ -12,8 +12,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 
-from serve_app import compat
-from serve_app.embedded import EMBEDDED_MODELS, materialize
+from serve_app.models import compat
+from serve_app.models.embedded import EMBEDDED_MODELS, materialize
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_download_model_takes_the_tokenizers_files_only(hybrid_dir):
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
 def test_token_bytes_are_the_raw_bytes_of_each_token(name, tmp_path):
     """A character split over tokens: each token's bytes are its part of the UTF-8."""
-    from serve_app.embedded import materialize
+    from serve_app.models.embedded import materialize
 
     _, tokenizer = mlx_lm.load(str(materialize(name, tmp_path)))
     table = compat.token_bytes_table(tokenizer)
@@ -126,7 +126,7 @@ def test_wrapped_hf_tokenizer_is_the_hugging_face_tokenizer_inside_mlx_lms(hybri
 
 
 def test_serve_cli_runs_in_process_and_returns_its_exit_status(capsys):
-    """``serve run`` as a click command called in this process (``serve_app.launch``);
+    """``serve run`` as a click command called in this process (``serve_app.cli.launch``);
     its behaviour on a started Ray is tested end to end in ``tests/test_launch.py``."""
     assert compat.run_serve_cli(["--help"]) == 0
     assert "Usage: serve run" in capsys.readouterr().out
@@ -140,7 +140,7 @@ def test_kv_store_round_trips_across_processes_of_one_cluster():
 
     code = (
         "import ray, subprocess, sys\n"
-        "from serve_app import compat\n"
+        "from serve_app.models import compat\n"
         "ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
         "@ray.remote(num_cpus=0)\n"
         "def write():\n"

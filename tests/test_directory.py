@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.cache.directory import BlockDirectory, BlockEvent, EventBatch
+from serve_app.cluster.directory import BlockDirectory, BlockEvent, EventBatch
 
 
 def batch(node: str, seq: int, *events: tuple[str, str | None], epoch: str = "e1",
@@ -93,7 +93,7 @@ def test_a_follower_of_a_replaced_directory_resyncs_instead_of_grafting():
     passed the version a follower of the old one reached: a bare version would get a
     delta of the new log applied onto the old copy (b0 would stay, wrongly). Naming its
     incarnation, the follower gets everything and matches the new directory."""
-    from serve_app.cache.directory import StaleCopy
+    from serve_app.cluster.directory import StaleCopy
 
     old = BlockDirectory()
     copy = BlockDirectory(log_limit=1, incarnation="")
@@ -127,7 +127,7 @@ def test_a_follower_resyncs_with_a_new_directory_actor():
 
     import ray
 
-    from serve_app.cache.actor import DirectoryFollower, get_or_create_directory
+    from serve_app.store.actor import DirectoryFollower, get_or_create_directory
 
     def until(predicate, timeout: float = 30.0):
         deadline = time.monotonic() + timeout
@@ -189,8 +189,8 @@ def test_a_store_actor_feeds_the_directory_and_a_restarted_one_starts_over():
 
     import ray
 
-    from serve_app.cache.actor import CacheStoreActor, RayCacheClient, get_or_create_directory
-    from serve_app.profile import CacheStoreProfile
+    from serve_app.config.profile import CacheStoreProfile
+    from serve_app.store.actor import CacheStoreActor, RayCacheClient, get_or_create_directory
     from tests.test_ssd import bid
     from tests.test_store_faults import block
 
@@ -227,8 +227,8 @@ def test_a_one_node_server_does_not_feed_a_directory_by_default():
 
     import ray
 
-    from serve_app.cache.actor import CacheStoreActor
-    from serve_app.profile import CacheStoreProfile
+    from serve_app.config.profile import CacheStoreProfile
+    from serve_app.store.actor import CacheStoreActor
 
     store = CacheStoreActor.remote(CacheStoreProfile(hot_budget=1 << 24, ssd=False),
                                    feed_interval_s=0.1)

@@ -7,7 +7,7 @@ import hashlib
 import mlx_lm
 import pytest
 
-from serve_app.embedded import EMBEDDED_MODELS, SPECIAL_TOKENS, materialize
+from serve_app.models.embedded import EMBEDDED_MODELS, SPECIAL_TOKENS, materialize
 
 
 def digests(path) -> dict[str, str]:

@@ -7,7 +7,7 @@ import threading
 import mlx_lm
 import pytest
 
-from serve_app.embedded import materialize
+from serve_app.models.embedded import materialize
 from serve_app.serving.engine import Engine, EngineEvent, QueueFullError
 from serve_app.serving.sampling import SamplingParams
 

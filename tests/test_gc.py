@@ -108,7 +108,7 @@ def test_apply_deletes_under_the_store_lock_and_keeps_its_index(tmp_path):
     import threading
     import time
 
-    from serve_app import gc as gc_module
+    from serve_app.cli import gc as gc_module
 
     populate(tmp_path)
     s = SSDStore(tmp_path, 10_000)
@@ -139,7 +139,7 @@ def test_apply_deletes_under_the_store_lock_and_keeps_its_index(tmp_path):
 def test_apply_holds_the_directory_lock(tmp_path):
     """While ``--apply`` runs no server can take the directory; a dry run takes no lock."""
     populate(tmp_path)
-    code = ("import sys, time; from serve_app import gc; from serve_app.cache.ssd import "
+    code = ("import sys, time; from serve_app.cli import gc; from serve_app.cache.ssd import "
             "SSDStore; real = gc.apply\n"
             "def slow(store, doomed):\n    print('APPLYING', flush=True); time.sleep(3)\n"
             "    return real(store, doomed)\n"

@@ -11,8 +11,8 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from serve_app.embedded import materialize
-from serve_app.memory import KV_STEP_TOKENS, MemoryLimits, cache_shape_from_layout
+from serve_app.memory.plan import KV_STEP_TOKENS, MemoryLimits, cache_shape_from_layout
+from serve_app.models.embedded import materialize
 from serve_app.serving.engine import Engine, KVBudgetError
 from serve_app.serving.sampling import SamplingParams
 from tests.test_engine import Collector

@@ -17,7 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from bench.devserver import descendants
-from serve_app.cluster.local import default_ssd_root, private_dir
+from serve_app.cli.local_cluster import default_ssd_root, private_dir
 
 REPO = Path(__file__).resolve().parents[1]
 

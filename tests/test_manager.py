@@ -27,7 +27,7 @@ from serve_app.cache.manager import (
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
 from serve_app.cache.prefix import find_branch_points
 from serve_app.cache.tiers import TieredStore
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
 
 BS = 16
 ROOT = "root"

@@ -17,9 +17,9 @@ import pytest
 from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port, write_config
-from serve_app.memory import KV_STEP_TOKENS, MiB
-from serve_app.planning import plan_profile
-from serve_app.profile import parse_profile
+from serve_app.config.profile import parse_profile
+from serve_app.memory.plan import KV_STEP_TOKENS, MiB
+from serve_app.memory.planning import plan_profile
 
 MODEL = "tiny-admitted"
 HOT = 64 * MiB

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.memory import (
+from serve_app.config.profile import ModelProfile, Profile, ProfileError, load_serve_config
+from serve_app.memory.facts import FactsUnavailable, facts_from_dir, model_facts
+from serve_app.memory.plan import (
     HOT_AUTO_MAX_BYTES,
     HOT_AUTO_MIN_BYTES,
     CacheShape,
@@ -25,8 +27,6 @@ from serve_app.memory import (
     cache_shape_from_layout,
     plan_memory,
 )
-from serve_app.model_facts import FactsUnavailable, facts_from_dir, model_facts
-from serve_app.profile import ModelProfile, Profile, ProfileError, load_serve_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"name": "m", "source": "embedded:tiny-dense"}
@@ -66,7 +66,7 @@ def test_cache_bytes_from_config_match_a_real_mlx_lm_cache(home, name):
     from mlx_lm.models.cache import make_prompt_cache
 
     from serve_app.cache.layout import probe_layout
-    from serve_app.embedded import materialize
+    from serve_app.models.embedded import materialize
 
     path = materialize(name, home)
     facts = facts_from_dir(path)
@@ -89,7 +89,7 @@ def test_weight_bytes_on_disk_are_the_loaded_weights(home, name):
     import mlx_lm
     from mlx.utils import tree_flatten
 
-    from serve_app.embedded import materialize
+    from serve_app.models.embedded import materialize
 
     path = materialize(name, home)
     model, _ = mlx_lm.load(str(path))  # type: ignore[misc]
@@ -104,7 +104,7 @@ def test_nested_qwen35_config_matches_its_mlx_lm_cache():
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from serve_app.compat import model_classes
+    from serve_app.models.compat import model_classes
 
     config = {"model_type": "qwen3_5", "text_config": {
         "model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128,
@@ -148,7 +148,7 @@ def test_a_hub_model_not_in_the_local_cache_is_unknown_without_network(tmp_path,
 
 def test_a_known_hub_checkpoint_is_planned_before_its_download(tmp_path, monkeypatch):
     """The sizing table's mlx-community checkpoints: their shape is known offline."""
-    from serve_app.sizing import QWEN3_8B, quantized_weight_bytes
+    from serve_app.memory.sizing import QWEN3_8B, quantized_weight_bytes
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -365,7 +365,7 @@ def test_check_prints_the_plan_of_a_profile_that_fits(tmp_path, home):
 
 
 def test_the_builder_resolves_an_auto_hot_budget(home, monkeypatch):
-    from serve_app.planning import with_planned_hot_budget
+    from serve_app.memory.planning import with_planned_hot_budget
 
     monkeypatch.setenv("SERVE_APP_HOME", str(home))
     p = profile([TINY], cache_store={"hot_budget": "auto"}, memory={"budget": "2GiB"})
@@ -379,7 +379,7 @@ def test_the_builder_resolves_an_auto_hot_budget(home, monkeypatch):
 
 
 def test_docs_sizing_table_is_the_plans_own():
-    from serve_app.sizing import sizing_table
+    from serve_app.memory.sizing import sizing_table
 
     page = (REPO / "docs" / "mac.md").read_text()
     start = page.index("<!-- sizing-table:start -->\n") + len("<!-- sizing-table:start -->\n")
@@ -391,7 +391,7 @@ def test_docs_sizing_table_is_the_plans_own():
 def test_sizing_shapes_are_the_real_models():
     """The table's two models have the sizes their names promise: ~8.2B and ~26.9B
     parameters at 4.5 bits a weight, Qwen3-8B's 144 KiB of KV a token."""
-    from serve_app.sizing import shapes
+    from serve_app.memory.sizing import shapes
 
     qwen3, qwen35 = shapes()
     assert 4.2 * GiB < qwen3.weights_bytes < 4.4 * GiB  # mlx-community's is 4.62 GB

@@ -14,7 +14,8 @@ from dashboards.generate import DASHBOARDS, build, panel_queries, render
 from serve_app.cache.manager import CacheStats
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.tiers import TieredStore
-from serve_app.metrics import (
+from serve_app.deploy.pool import UNLOAD_REASONS
+from serve_app.metrics.table import (
     DEFS,
     METRICS,
     PHASES,
@@ -29,7 +30,6 @@ from serve_app.metrics import (
     store_samples,
     zero_at_start,
 )
-from serve_app.pool import UNLOAD_REASONS
 from serve_app.serving.engine import EngineStats
 from serve_app.serving.normalize import RULE_NAMES
 from serve_app.serving.request import CompletionRequest

@@ -10,9 +10,9 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from serve_app.app import gather_node_metrics
-from serve_app.cache.actor import CacheStoreActor
-from serve_app.profile import CacheStoreProfile
+from serve_app.config.profile import CacheStoreProfile
+from serve_app.deploy.app import gather_node_metrics
+from serve_app.store.actor import CacheStoreActor
 
 
 @pytest.fixture

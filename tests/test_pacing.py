@@ -16,8 +16,8 @@ import time
 import mlx_lm
 import pytest
 
-from serve_app.embedded import materialize
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
+from serve_app.models.embedded import materialize
 from serve_app.serving.engine import EngineEvent
 from serve_app.serving.events import Delta, Finish
 from serve_app.serving.request import CompletionRequest

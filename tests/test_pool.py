@@ -9,8 +9,8 @@ from unittest import mock
 
 import pytest
 
-from serve_app.memory import CacheShape, MemoryPlan, ModelFootprint
-from serve_app.pool import (
+from serve_app.config.profile import parse_profile
+from serve_app.deploy.pool import (
     Admission,
     ModelPool,
     PoolCapacityError,
@@ -22,7 +22,7 @@ from serve_app.pool import (
     loaded_at_start,
     pool_for,
 )
-from serve_app.profile import parse_profile
+from serve_app.memory.plan import CacheShape, MemoryPlan, ModelFootprint
 
 
 def pool(*models: PoolModel, max_loaded: int | None = None, room: int | None = None,
@@ -467,7 +467,7 @@ def test_reconcile_takes_each_replicas_word_and_leaves_the_silent_ones():
                  max_loaded=2)
         p.start(["a", "c"])
         g = PoolGate(p, r.load, r.unload, r.busy, status=status)
-        with mock.patch("serve_app.pool.STATUS_TIMEOUT_S", 0.05):
+        with mock.patch("serve_app.deploy.pool.STATUS_TIMEOUT_S", 0.05):
             changed = await g.reconcile()
         assert changed == {"a": "unloaded", "b": "loaded"}
         assert [p.status(n) for n in "abcd"] == [Status.UNLOADED, Status.LOADED,

@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port, write_config
-from serve_app.embedded import EMBEDDED_MODELS
+from serve_app.models.embedded import EMBEDDED_MODELS
 
 BS = 16
 VARIANTS = sorted(EMBEDDED_MODELS)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.app import build_app
-from serve_app.profile import ModelProfile, ProfileError, load_serve_config, parse_profile
+from serve_app.config.profile import ModelProfile, ProfileError, load_serve_config, parse_profile
+from serve_app.deploy.app import build_app
 
 REPO = Path(__file__).resolve().parent.parent
 GOOD_MODEL = {"name": "m", "source": "embedded:tiny-dense"}

@@ -23,9 +23,9 @@ import pytest
 from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port, write_config
-from serve_app.chat_templates import SMOLLM2_SYSTEM
-from serve_app.embedded import materialize
-from serve_app.profile import ModelProfile
+from serve_app.config.chat_templates import SMOLLM2_SYSTEM
+from serve_app.config.profile import ModelProfile
+from serve_app.models.embedded import materialize
 from serve_app.serving.tools import tool_support
 
 MODEL = "smollm2-135m"

@@ -16,7 +16,7 @@ import pytest
 from serve_app.cache.client import FetchedChain, FetchRequest, LocalCacheClient, RemotePrefix
 from serve_app.cache.manager import RemoteFetchPolicy
 from serve_app.cache.tiers import TieredStore
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
 from serve_app.serving.request import CompletionRequest
 from serve_app.serving.service import ModelService
 from tests.test_cache_exact import run

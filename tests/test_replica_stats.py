@@ -15,8 +15,7 @@ from dataclasses import fields
 
 import pytest
 
-from serve_app.metrics import MetricsPump, Recorder
-from serve_app.replicas import (
+from serve_app.cluster.replicas import (
     CACHE_ANSWERING,
     CACHE_DERIVED,
     CACHE_SUMS,
@@ -30,6 +29,7 @@ from serve_app.replicas import (
     model_view,
     own_stats,
 )
+from serve_app.metrics.table import MetricsPump, Recorder
 
 
 class Clock:
@@ -164,7 +164,7 @@ def test_missing_replicas_are_said():
 
 def test_every_key_of_a_replicas_engine_and_cache_stats_is_classed(tmp_path):
     """A new counter or setting in EngineStats or CacheStats must be named in
-    serve_app.replicas (summed, maxed, or the answering replica's): read from a real
+    serve_app.cluster.replicas (summed, maxed, or the answering replica's): read from a real
     service's stats."""
     from tests.test_cache_exact import chat, make_services, run
 

@@ -28,7 +28,7 @@ from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.cache.hashing import salted_root
 from serve_app.cache.match import Tier
 from serve_app.cluster.routing import REASONS, PrefixAffinityRouter, ReplicaInfo
-from serve_app.metrics import Recorder
+from serve_app.metrics.table import Recorder
 from serve_app.serving.prepare import PreparedRequest
 from serve_app.serving.request import (
     MAX_CACHE_SALT_CHARS,
@@ -536,7 +536,7 @@ def test_stats_list_both_replicas_of_one_node_and_total_them(limited):
 def test_grammar_limits_are_what_refuses_the_pathological_schema(model_home):
     from mlx_lm.utils import load_tokenizer
 
-    from serve_app.embedded import materialize
+    from serve_app.models.embedded import materialize
 
     tokenizer = load_tokenizer(materialize("tiny-dense", model_home))
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PATHOLOGICAL}}
@@ -552,7 +552,7 @@ def test_grammar_limits_are_what_refuses_the_pathological_schema(model_home):
 def test_the_prepare_stage_admits_a_bounded_number():
     """MAX_PREPARING requests in the stage (waiting or running): the next is refused
     before it is queued; a request leaves when its work ends, or is cancelled unstarted."""
-    from serve_app.app import MAX_PREPARING, PrepareStage
+    from serve_app.deploy.app import MAX_PREPARING, PrepareStage
 
     async def scenario() -> None:
         stage = PrepareStage()

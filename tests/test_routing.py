@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.cache.directory import BlockDirectory, BlockEvent, EventBatch
 from serve_app.cache.hashing import chain, salted_root
+from serve_app.cluster.directory import BlockDirectory, BlockEvent, EventBatch
 from serve_app.cluster.routing import Candidate, ReplicaInfo, prefill_cost, rank
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
 
 BS = 16
 

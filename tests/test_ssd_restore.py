@@ -17,8 +17,8 @@ from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.hashing import chain, salted_root
 from serve_app.cache.ssd import SSDStore, read_file
 from serve_app.cache.tiers import TieredStore
-from serve_app.embedded import materialize
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
+from serve_app.models.embedded import materialize
 from serve_app.serving.request import CompletionRequest
 from serve_app.serving.service import ModelService
 from tests.test_cache_exact import run

@@ -14,9 +14,9 @@ import os
 import numpy as np
 import pytest
 
-from serve_app.cache.actor import make_ssd
 from serve_app.cache.ssd import SSDError, SSDStore, read_file, untrusted_reason
-from serve_app.profile import CacheStoreProfile
+from serve_app.config.profile import CacheStoreProfile
+from serve_app.store.actor import make_ssd
 from tests.test_ssd import MODEL, bid, meta, tensors
 
 
@@ -31,7 +31,7 @@ def test_a_group_or_world_writable_directory_is_refused(tmp_path, caplog, mode, 
     root = tmp_path / "kv"
     root.mkdir()
     root.chmod(mode)
-    with caplog.at_level(logging.ERROR, logger="serve_app.cache.actor"):
+    with caplog.at_level(logging.ERROR, logger="serve_app.store.actor"):
         store, reason = make_ssd(config(root))
     assert store is None
     assert str(root) in reason and f"writable by {who}" in reason
@@ -110,7 +110,7 @@ def test_a_symlinked_version_directory_is_refused_at_start(tmp_path, caplog):
     root = tmp_path / "kv"
     root.mkdir(mode=0o700)
     os.symlink(tmp_path / "elsewhere", root / "v1")
-    with caplog.at_level(logging.ERROR, logger="serve_app.cache.actor"):
+    with caplog.at_level(logging.ERROR, logger="serve_app.store.actor"):
         store, reason = make_ssd(config(root))
     assert store is None and str(root) in reason
     assert not (tmp_path / "elsewhere" / "LOCK").exists()

@@ -10,7 +10,7 @@ import pytest
 from serve_app.cache.ssd import SSDStore, WriteResult
 from serve_app.cache.tiers import TieredStore
 from serve_app.cache.wear import AUTO_FRACTION_PER_HOUR, RollingByteBudget, auto_write_budget
-from serve_app.metrics import DROP_REASONS, store_samples
+from serve_app.metrics.table import DROP_REASONS, store_samples
 from tests.test_ssd import LAYOUT, MODEL, bid, meta, tensors
 from tests.test_tiers import DISK, entry, wait
 

@@ -18,7 +18,11 @@ import numpy as np
 import pytest
 import ray
 
-from serve_app.cache.actor import (
+from serve_app.cache.match import MatchQuery
+from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
+from serve_app.config.profile import CacheStoreProfile
+from serve_app.metrics.table import DROP_REASONS
+from serve_app.store.actor import (
     ACTOR_OPTIONS,
     MAX_UNACKED_PUTS,
     CacheStore,
@@ -26,10 +30,6 @@ from serve_app.cache.actor import (
     RayCacheClient,
     make_ssd,
 )
-from serve_app.cache.match import MatchQuery
-from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
-from serve_app.metrics import DROP_REASONS
-from serve_app.profile import CacheStoreProfile
 from tests.test_ssd import LAYOUT, bid
 from tests.test_tiers import DISK
 
@@ -47,7 +47,7 @@ def test_a_locked_directory_is_refused_not_shared(tmp_path, caplog):
     like a second server would be; it names the directory and the holder's pid."""
     first, reason = make_ssd(ssd_config(tmp_path))
     assert first is not None and reason is None
-    with caplog.at_level(logging.ERROR, logger="serve_app.cache.actor"):
+    with caplog.at_level(logging.ERROR, logger="serve_app.store.actor"):
         second, reason = make_ssd(ssd_config(tmp_path))
     assert second is None
     assert str(tmp_path) in reason and f"process {os.getpid()}" in reason
@@ -202,8 +202,8 @@ def test_a_hot_payload_lost_with_its_owner_is_a_shorter_restore_not_an_error(tmp
     from serve_app.cache.client import LocalCacheClient
     from serve_app.cache.hashing import chain, salted_root
     from serve_app.cache.tiers import TieredStore
-    from serve_app.embedded import materialize
-    from serve_app.profile import ModelProfile
+    from serve_app.config.profile import ModelProfile
+    from serve_app.models.embedded import materialize
     from serve_app.serving.request import CompletionRequest
     from serve_app.serving.service import ModelService
     from tests.test_cache_exact import run
@@ -263,7 +263,7 @@ class NoProtocolStore:
 
 @pytest.mark.parametrize("old_cls", [OldProtocolStore, NoProtocolStore])
 def test_an_outdated_store_actor_is_replaced(local_ray, old_cls):
-    from serve_app.cache.actor import NAMESPACE, get_or_create_actor
+    from serve_app.store.actor import NAMESPACE, get_or_create_actor
 
     name = f"cache-store-{ray.get_runtime_context().get_node_id()}"
     remote = ray.remote(**ACTOR_OPTIONS) if issubclass(old_cls, CacheStore) else ray.remote

@@ -18,12 +18,12 @@ import mlx_lm
 import pytest
 import ray
 
-from serve_app.cache.actor import RayCacheClient, get_or_create_actor
 from serve_app.cache.client import CircuitBreaker
-from serve_app.embedded import materialize
-from serve_app.profile import CacheStoreProfile, ModelProfile
+from serve_app.config.profile import CacheStoreProfile, ModelProfile
+from serve_app.models.embedded import materialize
 from serve_app.serving.request import CompletionRequest
 from serve_app.serving.service import ModelService
+from serve_app.store.actor import RayCacheClient, get_or_create_actor
 from tests.test_cache_exact import run
 
 BS = 16

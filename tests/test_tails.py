@@ -17,8 +17,8 @@ import pytest
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.prefix import common_prefix
 from serve_app.cache.tiers import TieredStore
-from serve_app.embedded import materialize
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
+from serve_app.models.embedded import materialize
 from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.service import EventChannel, ModelService

@@ -15,8 +15,8 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from serve_app.embedded import materialize
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
+from serve_app.models.embedded import materialize
 from serve_app.serving.events import Delta, Event, Finish, ToolCall
 from serve_app.serving.request import ChatCompletionRequest
 from serve_app.serving.service import ModelService

@@ -21,7 +21,7 @@ import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from serve_app.embedded import materialize
+from serve_app.models.embedded import materialize
 from serve_app.serving.structured import StructuredOutputError, compile_tool_choice
 from serve_app.serving.tools import (
     ToolCall,
@@ -200,7 +200,7 @@ def test_profile_keys_reach_mlx_lms_tokenizer(home):
     format mlx-lm reads in it."""
     from mlx_lm.utils import load_tokenizer
 
-    from serve_app.chat_templates import BUILTIN_TEMPLATES, tokenizer_config
+    from serve_app.config.chat_templates import BUILTIN_TEMPLATES, tokenizer_config
 
     path = home / "plain"
     _with_template(home, "plain", PLAIN_TEMPLATE)

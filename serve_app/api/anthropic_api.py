@@ -32,10 +32,10 @@ from pydantic import (
 )
 
 from serve_app.api.openai_api import Collector
+from serve_app.config.validation import clean_loc
 from serve_app.serving.events import Delta, Event, Failure, Finish, Start
 from serve_app.serving.request import MAX_TOKENS, ApiError, checked
 from serve_app.serving.tools import ToolCall
-from serve_app.validation import clean_loc
 
 # Text blocks of one turn (or of the system prompt) are joined with this: the
 # same request must always render the same prompt, or prefix caching misses.

@@ -32,8 +32,9 @@ from serve_app.api.openai_api import (
     completion_collector,
 )
 from serve_app.api.sse import DONE, data_event, sse_event
-from serve_app.compat import log_dir
-from serve_app.metrics import Recorder
+from serve_app.config.validation import clean_loc
+from serve_app.metrics.table import Recorder
+from serve_app.models.compat import log_dir
 from serve_app.models.phase import SERVING, ModelPhase
 from serve_app.serving.events import Delta, Event, Failure, Start
 from serve_app.serving.request import (
@@ -46,7 +47,6 @@ from serve_app.serving.request import (
     check_prompt_size,
     checked,
 )
-from serve_app.validation import clean_loc
 
 logger = logging.getLogger("ray.serve")
 

@@ -48,9 +48,9 @@ from pydantic import (
 )
 
 from serve_app.api.openai_api import Collector
+from serve_app.config.validation import clean_loc
 from serve_app.serving.events import Delta, Event, Failure, Finish, Start, ToolCall
 from serve_app.serving.request import MAX_TOKENS, ApiError, ChatCompletionRequest, checked
-from serve_app.validation import clean_loc
 
 # Tool names as the chat API's FunctionDef takes them.
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"

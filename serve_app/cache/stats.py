@@ -1,6 +1,6 @@
 """What a node's cache store counts, typed as the metrics pump reads it.
 
-Plain dataclasses, no Ray and no arrays: ``serve_app.metrics`` turns a ``StoreStats``
+Plain dataclasses, no Ray and no arrays: ``serve_app.metrics.table`` turns a ``StoreStats``
 into samples by attribute. ``/v1/stats`` shows the fuller dict of
 ``TieredStore.snapshot()`` (its ``staging`` is a ``StagingStats``).
 """

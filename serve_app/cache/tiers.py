@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
 from serve_app.cache import codecs
-from serve_app.cache.directory import BlockEvent
 from serve_app.cache.hashing import block_id
 from serve_app.cache.hot import HotEntry, HotStore
 from serve_app.cache.match import Drop, Match, MatchQuery, Partial, Source, StateAt, Tier
@@ -34,6 +33,7 @@ from serve_app.cache.payload import (
 from serve_app.cache.ssd import DiskEntry, SSDStore, WriteResult, digest_of
 from serve_app.cache.stats import StagingStats, StoreStats, Usage
 from serve_app.cache.tree import PrefixTree, Walk
+from serve_app.cluster.directory import BlockEvent
 
 logger = logging.getLogger(__name__)
 

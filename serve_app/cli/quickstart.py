@@ -2,7 +2,7 @@
 
 The flags become a Serve config (the default profile's settings, one model) that goes
 through the same validation as a file, then is written to the user's cache directory and
-served by the lean start (``serve_app.launch``) exactly as ``serve-app serve FILE.yaml``
+served by the lean start (``serve_app.cli.launch``) exactly as ``serve-app serve FILE.yaml``
 would. A file, not an in-memory application, because ``serve run`` is what gives the
 console, the Ctrl-C handling and the error messages users see for a profile, and because
 the file printed on the console is a profile a user can copy and grow.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from serve_app.embedded import EMBEDDED_PREFIX, default_home, embedded_names
-from serve_app.profile import ProfileError, load_serve_config
+from serve_app.config.profile import ProfileError, load_serve_config
+from serve_app.models.embedded import EMBEDDED_PREFIX, default_home, embedded_names
 
 # Flags -> (where in the profile, the key): an error naming the key names the flag too.
 FLAG_KEYS = {

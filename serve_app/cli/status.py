@@ -12,7 +12,7 @@ import os
 import urllib.error
 import urllib.request
 
-from serve_app.memory import fmt_bytes
+from serve_app.memory.plan import fmt_bytes
 
 KEY_ENV = "SERVE_APP_API_KEY"
 

@@ -26,7 +26,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from serve_app.cache.hashing import chain, salted_root
 from serve_app.cache.match import Tier
-from serve_app.metrics import ROUTING_REASONS, RayRecorder, zero_at_start
+from serve_app.metrics.table import ROUTING_REASONS, RayRecorder, zero_at_start
 from serve_app.serving.prepare import PreparedRequest
 
 logger = logging.getLogger("ray.serve")
@@ -119,7 +119,7 @@ class PrefixAffinityRouter(RequestRouter):
     # declares them as **kwargs, so any named parameters "break" the override.
     def initialize_state(self, model: str = "",  # type: ignore[override]
                          load_cost_tokens: float = 512.0, follow_s: float = 0.25) -> None:
-        from serve_app.cache.actor import DirectoryFollower
+        from serve_app.store.actor import DirectoryFollower
 
         self.model = model
         self.load_cost_tokens = load_cost_tokens

@@ -80,7 +80,7 @@ class PhaseBoard:
 
     def set(self, phase: str, done_bytes: int | None = None, total_bytes: int | None = None,
             reason: str | None = None) -> None:
-        from serve_app.compat import kv_put
+        from serve_app.models.compat import kv_put
 
         since = self.current.since if phase == self.current.phase else time.time()
         self.current = ModelPhase(phase, done_bytes, total_bytes, reason, since)
@@ -90,7 +90,7 @@ class PhaseBoard:
             pass
 
     def clear(self) -> None:
-        from serve_app.compat import kv_delete
+        from serve_app.models.compat import kv_delete
 
         try:
             kv_delete(PHASE_NAMESPACE, self.key)
@@ -103,7 +103,7 @@ PHASE_NAMESPACE = "serve_app_phase"
 
 def read_phases(app: str, model: str) -> list[ModelPhase]:
     """The phases the replicas of ``app``'s ``model`` wrote (empty before any wrote)."""
-    from serve_app.compat import kv_items
+    from serve_app.models.compat import kv_items
 
     out = []
     for raw in kv_items(PHASE_NAMESPACE, f"{app}/{model}/").values():
@@ -133,7 +133,7 @@ def replica_identity(model: str) -> tuple[str, str, str]:
 
 def load_failure_reason(source: str, exc: Exception) -> str:
     """Why a model failed to load, with what to change, from the exception it raised."""
-    from serve_app.compat import log_dir
+    from serve_app.models.compat import log_dir
 
     text = str(exc) or type(exc).__name__
     name = type(exc).__name__

@@ -28,8 +28,8 @@ from mlx_lm.sample_utils import apply_top_p, greedy_sampler, make_sampler
 from serve_app.cache.blocks import build_cache, capture_block
 from serve_app.cache.layout import Layout, probe_layout
 from serve_app.cache.manager import Published, RequestPlan
-from serve_app.compat import batch_row_caches
-from serve_app.memory import CacheShape, MemoryLimits, cache_shape_from_layout
+from serve_app.memory.plan import CacheShape, MemoryLimits, cache_shape_from_layout
+from serve_app.models.compat import batch_row_caches
 from serve_app.serving.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -643,7 +643,7 @@ class Engine:
     def _batch_caches(self, uid: int) -> tuple[list, int]:
         """The running batch's per-layer caches and this request's row in them.
 
-        Reads mlx-lm internals, kept in ``serve_app.compat``: the public
+        Reads mlx-lm internals, kept in ``serve_app.models.compat``: the public
         ``extract_cache`` copies the whole history (quadratic capture).
         """
         return batch_row_caches(self._batch, uid)

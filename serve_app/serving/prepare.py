@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.cache.prefix import branch_points_in_text, common_prefix, find_branch_points
-from serve_app.compat import wrapped_hf_tokenizer
-from serve_app.profile import ModelProfile
+from serve_app.config.profile import ModelProfile
+from serve_app.models.compat import wrapped_hf_tokenizer
 from serve_app.serving.normalize import Normalized, normalize, rules_named
 from serve_app.serving.request import (
     ApiError,

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from serve_app.cache.client import CacheClient
 from serve_app.cache.manager import CacheManager, CacheStats, RequestPlan
-from serve_app.compat import download_model, token_bytes_table
-from serve_app.embedded import EMBEDDED_PREFIX, default_home, materialize
-from serve_app.metrics import PHASES, Recorder, replica_samples
-from serve_app.profile import ModelProfile, source_kind
+from serve_app.config.profile import ModelProfile, source_kind
+from serve_app.metrics.table import PHASES, Recorder, replica_samples
+from serve_app.models.compat import download_model, token_bytes_table
+from serve_app.models.embedded import EMBEDDED_PREFIX, default_home, materialize
 from serve_app.serving.engine import Engine, EngineEvent, QueueFullError
 from serve_app.serving.errors import queue_full_error
 from serve_app.serving.events import Delta, Event, Finish, Start, TokenLogprob, ToolCall
@@ -292,7 +292,7 @@ class ModelService:
 
     def local_stats(self) -> dict:
         """``stats()`` but the cache store's section: nothing remote, so any thread (the
-        replica's report to its store, ``serve_app.replicas``) may call it."""
+        replica's report to its store, ``serve_app.cluster.replicas``) may call it."""
         engine = self.engine.snapshot()
         cache = self.cache_stats.summary()
         tokens = engine.captured_tokens
@@ -578,7 +578,7 @@ class _RequestStream:
         if event.restored is not None:  # the engine took it out of the queue
             self._restored(event.restored, event.at)
         if event.error is not None:
-            from serve_app.compat import log_dir
+            from serve_app.models.compat import log_dir
 
             out.append(ApiError(500, f"{event.error} (the model replica's log under "
                                      f"{log_dir()}/serve has the traceback)",

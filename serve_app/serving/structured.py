@@ -51,12 +51,12 @@ import llguidance
 import llguidance.hf
 import numpy as np
 
-from serve_app.compat import wrapped_hf_tokenizer
+from serve_app.models.compat import wrapped_hf_tokenizer
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from serve_app.compat import JsonCompileOptions
+    from serve_app.models.compat import JsonCompileOptions
     from serve_app.serving.tools import ToolSupport
 
 logger = logging.getLogger(__name__)

@@ -89,7 +89,7 @@ SERVE_REPLICA_ENV = {
 
 
 # Ray's internal settings (``ray.init(_system_config=...)``, names from Ray 2.60's
-# ``ray_config_def.h``) for ``serve_app.launch``: Ray keeps up to one idle worker process
+# ``ray_config_def.h``) for ``serve_app.cli.launch``: Ray keeps up to one idle worker process
 # per CPU for tasks and prestarts one for the driver (``ray::IDLE``, ~80 MiB each); Serve
 # runs every replica, the controller, the proxy and our cache store as actors, each in a
 # process of its own, so a pooled idle worker serves nothing here.
@@ -102,7 +102,7 @@ def run_serve_cli(args: list[str]) -> int:
 
     Relies on ``serve run`` skipping its own ``ray.init`` when Ray is initialized, and
     on its ``KeyboardInterrupt`` ending in ``sys.exit()`` (Ray 2.60): the command, not a
-    copy of its deployment code, is what ``serve_app.launch`` runs.
+    copy of its deployment code, is what ``serve_app.cli.launch`` runs.
     """
     import click
     from ray.serve.scripts import run

@@ -3,7 +3,7 @@
 On a Mac the weights, every running sequence's KV cache, the cache store's hot tier
 and the OS share one pool of unified memory, and a plan that does not fit is found out
 by swapping. This module is the arithmetic only: plain dataclasses and pure functions,
-no Ray and no loaded model (``serve_app/model_facts.py`` finds a model's config and
+no Ray and no loaded model (``serve_app/memory/facts.py`` finds a model's config and
 weight bytes; ``python -m serve_app check`` prints the plan and refuses one that cannot
 fit).
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the profile imports MLX-free modules only; keep this one so too
     from serve_app.cache.layout import Layout
-    from serve_app.profile import ModelProfile, Profile
+    from serve_app.config.profile import ModelProfile, Profile
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 

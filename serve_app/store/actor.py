@@ -40,17 +40,17 @@ from serve_app.cache.client import (
     StoreError,
     store_error_kind,
 )
-from serve_app.cache.directory import BlockDirectory, Changes, EventBatch
 from serve_app.cache.hot import HotEntry
 from serve_app.cache.match import Drop, Match, MatchQuery, Tier
 from serve_app.cache.payload import BlockPayload, CapturedBlock
 from serve_app.cache.ssd import SSDStore, auto_budget, default_cache_dir, untrusted_reason
 from serve_app.cache.tiers import DiskInfo, TieredStore
 from serve_app.cache.wear import auto_write_budget
-from serve_app.memory import hot_budget_bytes
-from serve_app.metrics import MetricsPump, RayRecorder, Sample, store_samples
-from serve_app.profile import CacheStoreProfile
-from serve_app.replicas import ReplicaBoard, ReplicaReport
+from serve_app.cluster.directory import BlockDirectory, Changes, EventBatch
+from serve_app.cluster.replicas import ReplicaBoard, ReplicaReport
+from serve_app.config.profile import CacheStoreProfile
+from serve_app.memory.plan import hot_budget_bytes
+from serve_app.metrics.table import MetricsPump, RayRecorder, Sample, store_samples
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class CacheStore:
 
     def replica_reports(self, model: str) -> list[ReplicaReport]:
         """The last stats of each of ``model``'s replicas on this node, with their age
-        (a replica silent for ``serve_app.replicas.FORGET_AFTER_S`` is forgotten)."""
+        (a replica silent for ``serve_app.cluster.replicas.FORGET_AFTER_S`` is forgotten)."""
         return self.replicas.reports(model)
 
     def protocol(self) -> int:
@@ -842,7 +842,7 @@ class RayCacheClient(CacheClient):
         return out
 
     def report(self, report: ReplicaReport) -> bool:
-        """Send this replica's stats to the store (``serve_app.replicas``); never waits.
+        """Send this replica's stats to the store (``serve_app.cluster.replicas``); never waits.
         One report in flight at most (a stuck store gets no pile of them, but one is
         sent again after ``REPORT_STUCK_S``); none while the breaker is open. False:
         not sent."""

@@ -15,7 +15,8 @@ import io
 from dataclasses import dataclass
 from typing import Any, cast
 
-from serve_app.memory import (
+from serve_app.config.profile import ModelProfile, Profile
+from serve_app.memory.plan import (
     KV_STEP_TOKENS,
     CacheShape,
     MachineMemory,
@@ -25,7 +26,6 @@ from serve_app.memory import (
     footprint,
     plan_memory,
 )
-from serve_app.profile import ModelProfile, Profile
 
 GB = 1 << 30  # "16 GB" Macs have 16 GiB
 MACHINES = (16, 32, 64, 128)
@@ -79,7 +79,7 @@ def quantized_weight_bytes(config: dict, bits: int = 4, group_size: int = 64) ->
     from mlx.utils import tree_flatten
     from mlx_lm.utils import quantize_model
 
-    from serve_app.compat import model_classes
+    from serve_app.models.compat import model_classes
 
     model_cls, args_cls = model_classes(config)
     model = model_cls(args_cls.from_dict(config))

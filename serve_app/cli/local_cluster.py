@@ -16,8 +16,8 @@ import signal
 import threading
 from pathlib import Path
 
-from serve_app.cache.actor import SSD_DIR_ENV
 from serve_app.cache.ssd import make_dirs, untrusted_reason
+from serve_app.store.actor import SSD_DIR_ENV
 
 
 def default_ssd_root() -> Path:

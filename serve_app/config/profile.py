@@ -26,11 +26,11 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from serve_app.chat_templates import check_chat_template, check_tool_call_format
-from serve_app.chat_templates import tokenizer_config as _tokenizer_config
-from serve_app.embedded import EMBEDDED_PREFIX, embedded_names, profile_defaults
+from serve_app.config.chat_templates import check_chat_template, check_tool_call_format
+from serve_app.config.chat_templates import tokenizer_config as _tokenizer_config
+from serve_app.config.validation import clean_loc
+from serve_app.models.embedded import EMBEDDED_PREFIX, embedded_names, profile_defaults
 from serve_app.serving.normalize import RULE_NAMES
-from serve_app.validation import clean_loc
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -109,7 +109,7 @@ class CacheStoreProfile(_Strict):
     """The per-node cache-store actor, shared by every model replica on the node."""
 
     # Bytes, or ``auto``: what the memory plan leaves once the models are loaded, within
-    # 256 MiB-16 GiB (``serve_app/memory.py``).
+    # 256 MiB-16 GiB (``serve_app/memory/plan.py``).
     hot_budget: SizeOrAuto = 1 << 30
     ssd: bool = True
     # Default: ~/.cache/serve_app/kv. "{node_id}" in it becomes the Ray node's id:
@@ -192,7 +192,7 @@ class ModelProfile(_Strict):
     chat_template: str | None = None
     # The tool-call format, instead of the one mlx-lm infers from the template: one of
     # mlx-lm's tool parsers (mlx_lm/tool_parsers: "json_tools", "qwen3_coder", ...).
-    # Embedded models may bring defaults for both (serve_app.embedded.PROFILE_DEFAULTS).
+    # Embedded models may bring defaults for both (serve_app.models.embedded.PROFILE_DEFAULTS).
     tool_call_format: str | None = None
 
     @model_validator(mode="before")
@@ -295,7 +295,7 @@ class IngressProfile(_Strict):
 
 
 class MemoryProfile(_Strict):
-    """The node's memory plan (``serve_app/memory.py``): what models, KV and the hot tier
+    """The node's memory plan (``serve_app/memory/plan.py``): what models, KV and the hot tier
     may take of unified memory together."""
 
     # Bytes, or ``auto``: 75% of physical memory, leaving at least 4 GiB to the OS (on

@@ -1,6 +1,6 @@
 """A model's chat template and tool-call format, when its checkpoint's own will not do.
 
-Two profile keys (``serve_app.profile.ModelProfile``) change what ``mlx_lm.load`` makes of a
+Two profile keys (``serve_app.config.profile.ModelProfile``) change what ``mlx_lm.load`` makes of a
 checkpoint's tokenizer, through mlx-lm's public ``tokenizer_config`` (the keyword arguments
 of ``AutoTokenizer.from_pretrained``: nothing private is set):
 
@@ -13,7 +13,7 @@ of ``AutoTokenizer.from_pretrained``: nothing private is set):
 
 SmolLM2-135M-Instruct's template (from its GGUF) has no tools, so the embedded
 ``smollm2-135m`` models are served with ``smollm2-tools`` and ``json_tools`` unless their
-profile says otherwise (``serve_app.embedded.profile_defaults``).
+profile says otherwise (``serve_app.models.embedded.profile_defaults``).
 
 This module imports neither MLX nor mlx-lm: the ingress and ``serve-app check`` validate
 profiles without them (the parser names are read from mlx-lm's package directory).

@@ -1,6 +1,6 @@
 """A profile's memory plan on this machine: the models' facts (read from disk, the
 Hugging Face cache, or with ``hub`` the hub's listing), this machine's memory, and the
-arithmetic of ``serve_app/memory.py``. Used by ``python -m serve_app check`` and by the
+arithmetic of ``serve_app/memory/plan.py``. Used by ``python -m serve_app check`` and by the
 application builder to resolve ``cache_store.hot_budget: auto``."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from serve_app.memory import MachineMemory, MemoryPlan, plan_memory, probe_machine
-from serve_app.model_facts import profile_footprints
-from serve_app.profile import Profile
+from serve_app.config.profile import Profile
+from serve_app.memory.facts import profile_footprints
+from serve_app.memory.plan import MachineMemory, MemoryPlan, plan_memory, probe_machine
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from serve_app.compat import model_classes
+from serve_app.models.compat import model_classes
 
 EMBEDDED_PREFIX = "embedded:"
 FORMAT_VERSION = 3  # 3: Qwen3 chat template, tool and think tokens
@@ -321,7 +321,7 @@ REAL_MODELS: dict[str, str] = {
 REAL_FORMAT_VERSION = 1
 # Profile keys an embedded model takes unless its profile sets them (even to null).
 # SmolLM2's own template (its GGUF's) has no tools: it is served with ChatML and
-# Hermes-style tools, its default system prompt kept (serve_app/chat_templates.py).
+# Hermes-style tools, its default system prompt kept (serve_app/config/chat_templates.py).
 PROFILE_DEFAULTS: dict[str, dict[str, str]] = {
     name: {"chat_template": "smollm2-tools", "tool_call_format": "json_tools"}
     for name in REAL_MODELS

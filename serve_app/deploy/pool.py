@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 from serve_app.serving.errors import CAPACITY_RETRY_AFTER_S
 
 if TYPE_CHECKING:
-    from serve_app.memory import MemoryPlan
-    from serve_app.profile import Profile
+    from serve_app.config.profile import Profile
+    from serve_app.memory.plan import MemoryPlan
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from serve_app.cache.match import Tier
 from serve_app.cache.stats import Usage
-from serve_app.compat import record_metric_zero
+from serve_app.models.compat import record_metric_zero
 
 if TYPE_CHECKING:  # the engine imports MLX; the store and the ingress load this module
     from serve_app.cache.manager import CacheStats
@@ -119,7 +119,7 @@ METRICS: tuple[MetricDef, ...] = (
        "replica process's resident memory `process_rss` (Linux). `weights`, `kv` and "
        "`kv_budget` are 0 while the model pool has the model unloaded.",
        ("model", "kind")),
-    # ---- the model pool (serve_app/pool.py): what each model's replica did for it
+    # ---- the model pool (serve_app/deploy/pool.py): what each model's replica did for it
     _g("serve_app_model_loaded", "replica",
        "1 while a model is loaded in its replica, 0 while the model pool has it unloaded."),
     _c("serve_app_model_loads", "replica",
@@ -321,7 +321,7 @@ class RayRecorder(Recorder):
 
     def zero(self, name: str, labels: dict[str, str]) -> None:
         # Ray's public ``inc`` refuses 0; recording 0 is how Prometheus clients
-        # initialize a known series (a Ray internal: see serve_app.compat).
+        # initialize a known series (a Ray internal: see serve_app.models.compat).
         try:
             record_metric_zero(self._metrics[name], labels)
         except Exception:  # a Ray without it: the series appears at its first event

@@ -13,8 +13,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from serve_app.memory import CacheShape, ModelFootprint, cache_shape_from_config, footprint
-from serve_app.profile import ModelProfile, source_kind
+from serve_app.config.profile import ModelProfile, source_kind
+from serve_app.memory.plan import CacheShape, ModelFootprint, cache_shape_from_config, footprint
 
 # safetensors dtype names -> the activation dtypes config.json uses
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -127,8 +127,8 @@ def cached_hub_dir(repo: str, revision: str | None) -> Path | None:
 
 def real_model_facts(name: str) -> ModelFacts:
     """An embedded real model's facts before it is downloaded: its known config and size."""
-    from serve_app.embedded import REAL_MODELS
     from serve_app.models import smollm2
+    from serve_app.models.embedded import REAL_MODELS
 
     fmt = REAL_MODELS[name]
     dtype = "float32" if fmt == "q4" else fmt
@@ -141,7 +141,7 @@ def model_facts(model: ModelProfile, home: Path | None = None, hub: bool = False
     """The facts of a profile's model; ``hub``: ask the hub when the local cache lacks it."""
     kind = source_kind(model.source)
     if kind == "embedded":
-        from serve_app.embedded import (
+        from serve_app.models.embedded import (
             EMBEDDED_PREFIX,
             REAL_MODELS,
             default_home,
@@ -158,7 +158,7 @@ def model_facts(model: ModelProfile, home: Path | None = None, hub: bool = False
     local = cached_hub_dir(model.source, model.revision)
     if local is not None:
         return facts_from_dir(local)
-    from serve_app.sizing import KNOWN_REPOS, quantized_weight_bytes
+    from serve_app.memory.sizing import KNOWN_REPOS, quantized_weight_bytes
 
     if model.source in KNOWN_REPOS and model.revision is None:
         config = KNOWN_REPOS[model.source]

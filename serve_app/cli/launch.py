@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ray
 
-from serve_app.compat import LEAN_RAY_SYSTEM_CONFIG, run_serve_cli
+from serve_app.models.compat import LEAN_RAY_SYSTEM_CONFIG, run_serve_cli
 
 SERVE_NAMESPACE = "serve"  # where ``serve run`` puts Serve (ray.serve._private.constants)
 

@@ -1,0 +1,1 @@
+"""Configuration: the YAML profile, its validation, user directories, chat templates."""

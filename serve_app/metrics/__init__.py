@@ -1,0 +1,1 @@
+"""Metrics: the one table, recording them through Ray, the samples of each component."""
