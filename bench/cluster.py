@@ -117,8 +117,8 @@ def measure_fetch(server: ServerProcess, model: str, tokenizer, model_dir: Path,
     from serve_app.cache.client import FetchRequest
     from serve_app.cache.hashing import chain, model_identity, root_id
     from serve_app.cache.layout import probe_layout
-    from serve_app.models.embedded import default_home
-    from serve_app.store.actor import DIRECTORY_NAME, NAMESPACE
+    from serve_app.cluster.directory_service import DIRECTORY_NAME, NAMESPACE
+    from serve_app.config.paths import default_home
 
     messages = [{"role": "user", "content": text_of(tokens, 4242)}]
     cold = stream_chat(server.base_url, {"model": model, "messages": messages,
@@ -161,7 +161,7 @@ def measure_fetch(server: ServerProcess, model: str, tokenizer, model_dir: Path,
 
 def _fetch_from(req, holder: str) -> dict:
     """On another node: the holder's store exports the chain; check every block."""
-    from serve_app.store.actor import NAMESPACE
+    from serve_app.cluster.directory_service import NAMESPACE
 
     store = ray.get_actor(f"cache-store-{holder}", namespace=NAMESPACE)
     ray.get(store.protocol.remote())  # the handle is warm before timing

@@ -35,7 +35,7 @@ from bench.devserver import (  # noqa: F401 (re-exported for the benches)
     free_port,
     write_config,
 )
-from serve_app.models.embedded import embedded_names
+from serve_app.config.catalog import embedded_names
 
 MODELS = embedded_names()  # the real ones first, then the random-weight ones
 MLX_LM_PROMPT_CACHE_SIZE = 10  # mlx_lm.server --prompt-cache-size default (mlx-lm 0.32)

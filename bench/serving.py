@@ -72,8 +72,9 @@ from bench.common import (
     workdir,
     write_config,
 )
+from serve_app.config.catalog import REAL_MODELS
 from serve_app.config.profile import ModelProfile
-from serve_app.models.embedded import REAL_MODELS, materialize
+from serve_app.models.embedded import materialize
 
 PROMPT = "Once upon a time, in a land far away, there lived a"
 GOALS = {"single_stream": 0.95, "aggregate": 1.2, "cold_ttft": 1.05,

@@ -538,7 +538,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON results (default bench/results/traces-<model>.json)")
     args = parser.parse_args(argv)
-    from serve_app.models.embedded import REAL_MODELS
+    from serve_app.config.catalog import REAL_MODELS
 
     is_real = args.model in REAL_MODELS
     if args.quick:

@@ -22,6 +22,7 @@ import yaml
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.api import auth
+from serve_app.config import api_keys
 from serve_app.config.profile import ProfileError, parse_profile
 from serve_app.deploy.app import build_app, keyed_profile
 
@@ -56,7 +57,7 @@ def keyed(tmp_path_factory, model_home):
                           cache_store={"ssd_dir": str(tmp / "kv")},
                           ingress={"num_cpus": 0, "api_keys_file": str(key_file),
                                    "max_request_bytes": MAX_BYTES})
-    env = {"SERVE_APP_HOME": str(model_home), auth.ENV_VAR: f"{KEY_A}, {KEY_B}",
+    env = {"SERVE_APP_HOME": str(model_home), api_keys.ENV_VAR: f"{KEY_A}, {KEY_B}",
            "RAY_metrics_report_interval_ms": "500"}
     proc = ServerProcess.serve_run(config, port, tmp / "serve.log", env=env, api_key=KEY_A)
     try:
@@ -262,7 +263,7 @@ def test_keys_are_never_logged_and_the_start_says_keys_are_on(keyed):
     for secret in (KEY_A, KEY_B, KEY_FILE_KEY, WRONG):
         assert secret not in log and secret not in stats and secret not in metrics
         assert secret[8:] not in log  # nor a part of one
-        assert auth.digest(secret) not in stats
+        assert api_keys.digest(secret) not in stats
 
 
 def _uncommented_authorization(config_text: str) -> dict:
@@ -332,7 +333,7 @@ def test_prometheus_scrapes_metrics_with_the_documented_authorization(keyed, tmp
 
 
 def test_api_keys_compare_every_digest():
-    keys = auth.ApiKeys(auth.digest(k) for k in (KEY_A, KEY_B))
+    keys = auth.ApiKeys(api_keys.digest(k) for k in (KEY_A, KEY_B))
     assert keys.enabled and keys.allows(KEY_A) and keys.allows(KEY_B)
     assert not keys.allows("") and not keys.allows(WRONG) and not keys.allows(KEY_A + "x")
     assert not keys.allows(KEY_A[:-1])
@@ -340,13 +341,13 @@ def test_api_keys_compare_every_digest():
 
 
 def test_keys_from_the_environment():
-    assert auth.keys_from_env({}) == []
-    assert auth.keys_from_env({auth.ENV_VAR: f" {KEY_A} ,,{KEY_B}"}) == [KEY_A, KEY_B]
+    assert api_keys.keys_from_env({}) == []
+    assert api_keys.keys_from_env({api_keys.ENV_VAR: f" {KEY_A} ,,{KEY_B}"}) == [KEY_A, KEY_B]
     for value in ("", " , ,"):  # set, but no key: never serve open by mistake
-        with pytest.raises(auth.ApiKeyError, match="holds no key"):
-            auth.keys_from_env({auth.ENV_VAR: value})
-    with pytest.raises(auth.ApiKeyError, match="key 2 has characters") as info:
-        auth.keys_from_env({auth.ENV_VAR: f"{KEY_A},bad key\u00e9"})
+        with pytest.raises(api_keys.ApiKeyError, match="holds no key"):
+            api_keys.keys_from_env({api_keys.ENV_VAR: value})
+    with pytest.raises(api_keys.ApiKeyError, match="key 2 has characters") as info:
+        api_keys.keys_from_env({api_keys.ENV_VAR: f"{KEY_A},bad key\u00e9"})
     assert "bad" not in str(info.value)  # an error never shows a key
 
 
@@ -365,10 +366,10 @@ def test_the_builder_hands_on_digests_never_keys(tmp_path, monkeypatch):
     key_file = tmp_path / "keys"
     key_file.write_text(KEY_FILE_KEY + "\n")
     key_file.chmod(0o600)
-    monkeypatch.setenv(auth.ENV_VAR, f"{KEY_A},{KEY_B}")
+    monkeypatch.setenv(api_keys.ENV_VAR, f"{KEY_A},{KEY_B}")
     app = build_app({"models": MODELS, "ingress": {"api_keys_file": str(key_file)}})
     profile, handles, digests, plan = app._bound_deployment.init_args
-    assert sorted(digests) == sorted(auth.digest(k) for k in (KEY_A, KEY_B, KEY_FILE_KEY))
+    assert sorted(digests) == sorted(api_keys.digest(k) for k in (KEY_A, KEY_B, KEY_FILE_KEY))
     assert profile.ingress.api_keys_file is None
     assert all(m.cache.isolate_by_api_key for m in profile.models)
     for handle in handles.values():
@@ -377,10 +378,10 @@ def test_the_builder_hands_on_digests_never_keys(tmp_path, monkeypatch):
                 + [h._bound_deployment.init_args for h in handles.values()])
     assert not any(k in text for k in (KEY_A, KEY_B, KEY_FILE_KEY, str(key_file)))
     # Set but empty, or a key file others can read: no deploy (never served open).
-    monkeypatch.setenv(auth.ENV_VAR, " ")
+    monkeypatch.setenv(api_keys.ENV_VAR, " ")
     with pytest.raises(ProfileError, match="holds no key"):
         build_app({"models": MODELS})
-    monkeypatch.delenv(auth.ENV_VAR)
+    monkeypatch.delenv(api_keys.ENV_VAR)
     key_file.chmod(0o644)
     with pytest.raises(ProfileError, match="mode 0644"):
         build_app({"models": MODELS, "ingress": {"api_keys_file": str(key_file)}})
@@ -444,7 +445,7 @@ def test_check_refuses_missing_empty_and_foreign_key_files(tmp_path):
 
 def test_the_middleware_answers_before_reading_the_body():
     """401 for the route's API without one receive(): an unauthenticated body is never read."""
-    auth.configure(auth.ApiKeys([auth.digest(KEY_A)]))
+    auth.configure(auth.ApiKeys([api_keys.digest(KEY_A)]))
     try:
         reached: list[str] = []
 

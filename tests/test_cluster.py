@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
 
 from bench.devserver import ServerProcess, free_port, write_config
+from serve_app.cluster.directory_service import DIRECTORY_NAME, NAMESPACE
 from serve_app.cluster.replicas import CACHE_SUMS, ENGINE_SUMS, FORGET_AFTER_S, REPORT_INTERVAL_S
-from serve_app.store.actor import DIRECTORY_NAME, NAMESPACE
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-hybrid"

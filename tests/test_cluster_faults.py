@@ -26,15 +26,10 @@ from serve_app.cache.hashing import chain
 from serve_app.cache.layout import KV, ArraySpec, Layout
 from serve_app.cache.match import Match, MatchQuery
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
+from serve_app.cluster.directory_service import DIRECTORY_NAME, NAMESPACE, DirectoryFollower
 from serve_app.config.profile import CacheStoreProfile
-from serve_app.store.actor import (
-    ACTOR_OPTIONS,
-    DIRECTORY_NAME,
-    NAMESPACE,
-    CacheStore,
-    DirectoryFollower,
-    RayCacheClient,
-)
+from serve_app.store.actor import ACTOR_OPTIONS, CacheStore
+from serve_app.store.client import RayCacheClient
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 4

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.cluster.directory import BlockDirectory, BlockEvent, EventBatch
+from serve_app.cache.tiers import BlockEvent
+from serve_app.cluster.directory import BlockDirectory, EventBatch
 
 
 def batch(node: str, seq: int, *events: tuple[str, str | None], epoch: str = "e1",
@@ -127,7 +128,7 @@ def test_a_follower_resyncs_with_a_new_directory_actor():
 
     import ray
 
-    from serve_app.store.actor import DirectoryFollower, get_or_create_directory
+    from serve_app.cluster.directory_service import DirectoryFollower, get_or_create_directory
 
     def until(predicate, timeout: float = 30.0):
         deadline = time.monotonic() + timeout
@@ -189,8 +190,10 @@ def test_a_store_actor_feeds_the_directory_and_a_restarted_one_starts_over():
 
     import ray
 
+    from serve_app.cluster.directory_service import get_or_create_directory
     from serve_app.config.profile import CacheStoreProfile
-    from serve_app.store.actor import CacheStoreActor, RayCacheClient, get_or_create_directory
+    from serve_app.store.actor import CacheStoreActor
+    from serve_app.store.client import RayCacheClient
     from tests.test_ssd import bid
     from tests.test_store_faults import block
 

@@ -23,8 +23,9 @@ from serve_app.cache.manager import RequestPlan
 from serve_app.cache.payload import BlockPayload, RestorePlan, Tensor, from_tensors
 from serve_app.cache.ssd import SSDStore, read_file
 from serve_app.cache.tiers import TieredStore
+from serve_app.config.catalog import FORMATS, REAL_MODELS
 from serve_app.config.profile import ModelProfile
-from serve_app.models.embedded import FORMATS, REAL_MODELS, materialize
+from serve_app.models.embedded import materialize
 from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.service import ModelService

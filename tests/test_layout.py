@@ -1,81 +1,113 @@
-"""The package's layers, checked from the source: imports only point down.
+"""The house by concern, checked from the source: packages in layers, imports pointing down.
 
-``api`` (wire formats and HTTP) sits on ``serving`` (prepare, service, engine), which
-sits on ``cache``; ``cluster`` (routing, the local cluster, replica reports) uses
-``serving`` and ``cache``. ``models`` (materializing a real model, its load phases) and
-``cli`` (the user's commands) stay out of the serving path. The modules at the top level
-are the edges every layer may use (the profile, metrics, compat, the embedded models,
-chat templates) or the assembly of them all (``app``, ``__main__``, ``gc``). A module-level
-import against the arrows fails here; imports under ``TYPE_CHECKING`` are annotations only
-and do not count.
+Each package of ``serve_app`` has a rank (``RANKS``); a module may import its own package
+and packages of a lower rank only. ``api`` and ``cluster`` share a rank and do not import
+each other. Imports under ``if TYPE_CHECKING`` are annotations, not dependencies, and do not
+count; imports inside functions do. The package graph has no cycle, the top of the
+package holds at most three modules, and no module is over ``MAX_LINES``.
 """
 
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "serve_app"
-# Each layer and the layers it must not import.
-FORBIDDEN = {
-    "cache": {"serving", "api", "cluster"},
-    "serving": {"api", "cluster"},
-    "api": {"cluster"},
-    "cluster": {"api"},
-    "models": {"cache", "serving", "api", "cluster"},
-    "cli": {"cache", "serving", "api", "cluster"},
+RANKS = {
+    "config": 0,   # the YAML profile and its checks, user directories, the model catalog
+    "models": 1,   # materializing models, the compat seam over mlx-lm's and Ray's internals
+    "cache": 2,    # the prefix cache: hashing, codecs, tiers, the SSD store, the manager
+    "memory": 3,   # what models need and machines have; the plan
+    "metrics": 4,  # the one metrics table, recording, samples
+    "serving": 5,  # preparing requests, the engine, the model service
+    "api": 6,      # wire formats: OpenAI, Anthropic, Responses, the HTTP app
+    "cluster": 6,  # the block directory, prefix routing, replica reports
+    "store": 7,    # the cache-store actor and its client (Ray glue)
+    "deploy": 8,   # Ray Serve deployments: builder, ingress, replicas, model pool
+    "cli": 9,      # the user's commands
+    "": 10,        # serve_app.__main__ and the serve_app.app entry point
 }
-# used by all
-EDGES = {"profile", "metrics", "compat", "embedded", "validation", "replicas", "chat_templates"}
-ASSEMBLY = {"app", "__main__", "gc"}  # they put the layers together: only each other use them
-# The profile is the YAML schema of every layer, checked when it loads: it names the prompt
-# normalization rules the serving layer has, and reads an API keys file as the ingress will.
-ALLOWED = {("profile", "serve_app.serving.normalize"), ("profile", "serve_app.api.auth")}
+TOP_LEVEL = {"__init__.py", "__main__.py", "app.py"}
+MAX_LINES = 600
+MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
-def module_imports(path: Path) -> list[str]:
-    """``serve_app`` modules imported at module level (not under ``if TYPE_CHECKING``)."""
+def package_of(module: str) -> str:
+    """``serve_app.cache.ssd.store`` -> ``cache``; a top-level module -> ``""``."""
+    parts = module.split(".")
+    if len(parts) == 2 and (PACKAGE / f"{parts[1]}.py").exists():
+        return ""
+    return parts[1] if len(parts) > 1 else ""
+
+
+def imports_of(path: Path) -> list[str]:
+    """The ``serve_app`` modules ``path`` imports, not counting ``if TYPE_CHECKING``."""
     tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in tree.body if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     found: list[str] = []
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
             continue
-        for sub in ast.walk(node):
-            if isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
-                if sub.module == "serve_app":
-                    found += [f"serve_app.{a.name}" for a in sub.names]
-                elif sub.module.startswith("serve_app."):
-                    found.append(sub.module)
-            elif isinstance(sub, ast.Import):
-                found += [a.name for a in sub.names if a.name.startswith("serve_app.")]
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "serve_app":
+                found += [f"serve_app.{a.name}" for a in node.names]
+            elif node.module.startswith("serve_app."):
+                found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("serve_app.")]
     return found
 
 
-def layer_of(module: str) -> str:
-    """``serve_app.cache.tiers`` -> ``cache``; a top-level module is its own name."""
-    return module.split(".")[1]
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
 
 
-MODULES = sorted(p for p in PACKAGE.rglob("*.py"))
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {p: set() for p in RANKS}
+    for path in MODULES:
+        source = package_of(module_name(path))
+        graph[source] |= {package_of(m) for m in imports_of(path)} - {source}
+    return graph
 
 
-def test_the_layers_exist():
-    assert {p.parent.name for p in MODULES} >= {"serve_app", "api", "serving", "cache", "cluster"}
+def test_every_package_has_a_rank():
+    packages = {package_of(module_name(p)) for p in MODULES}
+    assert packages == set(RANKS), packages ^ set(RANKS)
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_imports_only_point_down(path: Path):
-    layer = path.parent.name if path.parent != PACKAGE else None
-    for module in module_imports(path):
-        target = layer_of(module)
-        if (path.stem, module) in ALLOWED:
+def test_imports_point_down(path: Path):
+    source = package_of(module_name(path))
+    for module in imports_of(path):
+        target = package_of(module)
+        if target == source or module == "serve_app.__version__":
             continue
-        if target in ASSEMBLY:
-            assert layer is None and path.stem in ASSEMBLY, f"{path.name} imports {module}"
-        if layer is not None:
-            assert target not in FORBIDDEN[layer], f"{layer}/{path.name} imports {module}"
-        elif path.stem in EDGES:
-            assert target in EDGES or target in ("cache", "models"), (
-                f"the edge {path.name} imports {module}: edges sit below the layers")
+        assert RANKS[target] < RANKS[source], (
+            f"{path.relative_to(PACKAGE)} ({source or 'top level'}, rank {RANKS[source]}) "
+            f"imports {module} ({target}, rank {RANKS[target]}): imports point down only")
+
+
+def test_the_packages_form_no_cycle():
+    list(graphlib.TopologicalSorter(package_graph()).static_order())  # raises CycleError
+
+
+def test_the_check_sees_an_upward_import_and_a_cycle(tmp_path):
+    """The checks above can fail: an import of the engine by the cache is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from serve_app.api.http import api\n"
+                   "def f():\n    from serve_app.serving.engine import Engine\n")
+    assert imports_of(bad) == ["serve_app.serving.engine"]
+    assert RANKS[package_of("serve_app.serving.engine")] > RANKS["cache"]
+    with pytest.raises(graphlib.CycleError):
+        cycle = {"cache": {"serving"}, "serving": {"cache"}}
+        list(graphlib.TopologicalSorter(cycle).static_order())
+
+
+def test_at_most_three_modules_at_the_top():
+    top = {p.name for p in PACKAGE.glob("*.py")}
+    assert top <= TOP_LEVEL, top - TOP_LEVEL

@@ -17,7 +17,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from bench.devserver import descendants
-from serve_app.cli.local_cluster import default_ssd_root, private_dir
+from serve_app.cli.local_cluster import private_dir
+from serve_app.config.paths import default_ssd_root
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,6 +14,7 @@ from dashboards.generate import DASHBOARDS, build, panel_queries, render
 from serve_app.cache.manager import CacheStats
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.tiers import TieredStore
+from serve_app.config.normalize_rules import RULE_NAMES
 from serve_app.deploy.pool import UNLOAD_REASONS
 from serve_app.metrics.table import (
     DEFS,
@@ -31,7 +32,6 @@ from serve_app.metrics.table import (
     zero_at_start,
 )
 from serve_app.serving.engine import EngineStats
-from serve_app.serving.normalize import RULE_NAMES
 from serve_app.serving.request import CompletionRequest
 from tests.test_cache_exact import make_services
 from tests.test_tiers import DISK, entry, wait

@@ -10,9 +10,10 @@ from mlx_lm.utils import load_tokenizer
 
 from serve_app.api.anthropic_api import parse_messages_request, to_chat_input
 from serve_app.api.http import chat_request
+from serve_app.config.normalize_rules import RULE_NAMES, RULES
 from serve_app.config.profile import ModelProfile, parse_profile
 from serve_app.models.embedded import materialize
-from serve_app.serving.normalize import RULE_NAMES, RULES, normalize
+from serve_app.serving.normalize import normalize
 from serve_app.serving.prepare import Preparer
 from serve_app.serving.request import ChatCompletionRequest
 

@@ -20,8 +20,9 @@ import yaml
 from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port, write_config
+from serve_app.config.catalog import REAL_MODELS
 from serve_app.models import smollm2
-from serve_app.models.embedded import REAL_MODELS, materialize
+from serve_app.models.embedded import materialize
 from serve_app.models.phase import PHASES
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,7 +23,8 @@ from serve_app.config.profile import CacheStoreProfile, ModelProfile
 from serve_app.models.embedded import materialize
 from serve_app.serving.request import CompletionRequest
 from serve_app.serving.service import ModelService
-from serve_app.store.actor import RayCacheClient, get_or_create_actor
+from serve_app.store.actor import get_or_create_actor
+from serve_app.store.client import RayCacheClient
 from tests.test_cache_exact import run
 
 BS = 16

@@ -3,8 +3,8 @@
 Keys come from ``SERVE_APP_API_KEYS`` (comma-separated) in the environment of the
 process that builds the application, and from the profile's ``ingress.api_keys_file``
 (one key a line, the file mode 0600 and owned by the server's user). The builder
-reads them and hands the ingress only their SHA-256 digests: no key is ever in a
-Serve config, an actor's arguments, a log line or ``/v1/stats``.
+reads them (``serve_app.config.api_keys``) and hands the ingress only their SHA-256
+digests: no key is ever in a Serve config, an actor's arguments, a log line or ``/v1/stats``.
 
 With keys configured, every route but ``/health`` needs ``Authorization: Bearer KEY``
 or ``x-api-key: KEY``; the presented key's digest is compared with every configured
@@ -18,28 +18,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
-import stat
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from starlette.responses import JSONResponse
 
-ENV_VAR = "SERVE_APP_API_KEYS"
+from serve_app.config.api_keys import ENV_VAR
+
 OPEN_PATHS = frozenset({"/health"})
-SHORT_KEY_CHARS = 16  # shorter keys are accepted, with a WARNING
 
 logger = logging.getLogger("ray.serve")
-
-
-class ApiKeyError(ValueError):
-    """Keys that cannot be used (the message never contains a key)."""
-
-
-def digest(key: str) -> str:
-    """A key's digest: what the ingress keeps and what a cache namespace is named by."""
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def presented_key(headers: Mapping[str, str]) -> str:
@@ -48,78 +36,6 @@ def presented_key(headers: Mapping[str, str]) -> str:
     auth = headers.get("authorization", "")
     key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
     return key or headers.get("x-api-key", "").strip()
-
-
-def _checked(keys: Iterable[str], where: str) -> list[str]:
-    out = []
-    for i, key in enumerate(keys, 1):
-        if not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
-            raise ApiKeyError(f"{where}: key {i} has characters a header cannot carry "
-                            "(use printable ASCII without spaces)")
-        out.append(key)
-    return out
-
-
-def keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The keys of ``SERVE_APP_API_KEYS``; [] when unset. Set but holding no key
-    (empty, or only commas) is an error: the operator meant keys, so never serve open."""
-    environ = os.environ if environ is None else environ
-    if ENV_VAR not in environ:
-        return []
-    keys = [k.strip() for k in environ[ENV_VAR].split(",") if k.strip()]
-    if not keys:
-        raise ApiKeyError(f"{ENV_VAR} is set but holds no key; unset it to serve without keys")
-    return _checked(keys, ENV_VAR)
-
-
-def check_key_file(path: str | Path, st: os.stat_result | None = None) -> Path:
-    """A key file the server may trust: a regular file owned by this user, neither
-    group- nor world-accessible (mode 0600 or stricter). Raises ``ApiKeyError`` naming it.
-    ``st``: the stat of the file as opened (so the file checked is the file read)."""
-    path = Path(path).expanduser()
-    if st is None:
-        try:
-            st = path.stat()
-        except OSError as exc:
-            raise ApiKeyError(f"API key file {str(path)!r}: cannot read it: "
-                              f"{exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ApiKeyError(f"API key file {str(path)!r} is not a regular file")
-    if st.st_uid != os.getuid():
-        raise ApiKeyError(f"API key file {str(path)!r} is owned by uid {st.st_uid}, not by "
-                          f"this user (uid {os.getuid()})")
-    if st.st_mode & 0o077:
-        raise ApiKeyError(f"API key file {str(path)!r} has mode "
-                          f"{stat.S_IMODE(st.st_mode):04o}; other users must not read it: "
-                          f"chmod 600 {path}")
-    return path
-
-
-def keys_from_file(path: str | Path) -> list[str]:
-    """The keys of a key file (one a line; blank lines and ``#`` comments skipped),
-    after ``check_key_file`` on the opened file. A file with no key is an error."""
-    path = check_key_file(path)
-    try:
-        with open(path, "rb") as f:
-            check_key_file(path, os.fstat(f.fileno()))
-            lines = f.read().decode().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ApiKeyError(f"API key file {str(path)!r}: cannot read it: {exc}") from None
-    keys = [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
-    if not keys:
-        raise ApiKeyError(f"API key file {str(path)!r} holds no key")
-    return _checked(keys, f"API key file {str(path)!r}")
-
-
-def configured_digests(key_file: str | None,
-                       environ: Mapping[str, str] | None = None) -> list[str]:
-    """Digests of every configured key (environment and file), deduplicated."""
-    keys = keys_from_env(environ) + (keys_from_file(key_file) if key_file else [])
-    if any(len(k) < SHORT_KEY_CHARS for k in keys):
-        logger.warning("an API key is shorter than %d characters: easy to guess; use e.g. "
-                       "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
-                       SHORT_KEY_CHARS)
-    return sorted({digest(k) for k in keys})
 
 
 class ApiKeys:

@@ -32,6 +32,7 @@ from serve_app.api.openai_api import (
     completion_collector,
 )
 from serve_app.api.sse import DONE, data_event, sse_event
+from serve_app.config import api_keys
 from serve_app.config.validation import clean_loc
 from serve_app.metrics.table import Recorder
 from serve_app.models.compat import log_dir
@@ -229,7 +230,7 @@ def caller_of(request: Request) -> Caller:
     """Who is asking, from the headers only (a body can never choose its cache salt):
     the key the auth middleware checked, when keys are configured."""
     key = auth.presented_key(request.headers)
-    return Caller(api_key_digest=auth.digest(key) if key else None)
+    return Caller(api_key_digest=api_keys.digest(key) if key else None)
 
 
 def _unavailable(message: str, code: str) -> ApiError:

@@ -9,7 +9,7 @@ from that block on, a bad checkpoint a walkback. Blocks read from SSD are
 promoted into the hot tier.
 
 ``LocalCacheClient`` keeps a ``TieredStore`` in-process (tests, one process);
-``serve_app.store.actor.RayCacheClient`` talks to the per-node actor.
+``serve_app.store.client.RayCacheClient`` talks to the per-node actor.
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ from serve_app.cache.inflight import InflightBlocks
 from serve_app.cache.match import Tier
 from serve_app.cache.payload import BlockPayload, CapturedBlock, RestorePlan
 from serve_app.cache.tiers import DiskInfo
+from serve_app.config.paths import default_home
 from serve_app.config.profile import ModelProfile
-from serve_app.models.embedded import default_home
 
 if TYPE_CHECKING:
     from serve_app.cache.layout import Layout

@@ -238,9 +238,6 @@ def make_dirs(path: Path) -> None:
             pass
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(os.environ.get("SERVE_APP_CACHE_DIR") or Path(base) / "serve_app" / "kv")
 
 
 def check_id(block_id: str) -> str:

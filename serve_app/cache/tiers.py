@@ -33,7 +33,6 @@ from serve_app.cache.payload import (
 from serve_app.cache.ssd import DiskEntry, SSDStore, WriteResult, digest_of
 from serve_app.cache.stats import StagingStats, StoreStats, Usage
 from serve_app.cache.tree import PrefixTree, Walk
-from serve_app.cluster.directory import BlockEvent
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +41,14 @@ REMEMBER_SKIPPED = 65536  # ids of blocks kept out of RAM, for miss reasons
 GONE = "gone"  # the digest of a file evicted before a lookup could capture it: matches none
 LEASE_TTL_S = 120.0  # a restore copies its blocks in well under this
 MIN_CUT_TOKENS = 1  # the fewest tokens worth cutting a stored block to
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """A node now holds ``block_id`` in ``tier``, or (``tier`` None) no longer holds it."""
+
+    block_id: str
+    tier: str | None
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,8 @@ import threading
 from pathlib import Path
 
 from serve_app.cache.ssd import make_dirs, untrusted_reason
+from serve_app.config.paths import default_ssd_root
 from serve_app.store.actor import SSD_DIR_ENV
-
-
-def default_ssd_root() -> Path:
-    """This user's directory for the nodes' SSD caches (beside the default ``kv``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "serve_app" / "cluster"
 
 
 def private_dir(path: Path) -> Path:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import yaml
 
+from serve_app.config.catalog import EMBEDDED_PREFIX, embedded_names
+from serve_app.config.paths import default_home
 from serve_app.config.profile import ProfileError, load_serve_config
-from serve_app.models.embedded import EMBEDDED_PREFIX, default_home, embedded_names
 
 # Flags -> (where in the profile, the key): an error naming the key names the flag too.
 FLAG_KEYS = {

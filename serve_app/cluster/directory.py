@@ -27,17 +27,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from serve_app.cache.match import Tier
+from serve_app.cache.tiers import BlockEvent
 
 # Credit order when a router compares holders: RAM beats SSD.
 TIER_RANK = {Tier.HOT: 0, Tier.SSD: 1}
-
-
-@dataclass(frozen=True)
-class BlockEvent:
-    """A node now holds ``block_id`` in ``tier``, or (``tier`` None) no longer holds it."""
-
-    block_id: str
-    tier: str | None
 
 
 @dataclass(frozen=True)

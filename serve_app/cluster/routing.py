@@ -119,7 +119,7 @@ class PrefixAffinityRouter(RequestRouter):
     # declares them as **kwargs, so any named parameters "break" the override.
     def initialize_state(self, model: str = "",  # type: ignore[override]
                          load_cost_tokens: float = 512.0, follow_s: float = 0.25) -> None:
-        from serve_app.store.actor import DirectoryFollower
+        from serve_app.cluster.directory_service import DirectoryFollower
 
         self.model = model
         self.load_cost_tokens = load_cost_tokens

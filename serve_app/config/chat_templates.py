@@ -13,7 +13,7 @@ of ``AutoTokenizer.from_pretrained``: nothing private is set):
 
 SmolLM2-135M-Instruct's template (from its GGUF) has no tools, so the embedded
 ``smollm2-135m`` models are served with ``smollm2-tools`` and ``json_tools`` unless their
-profile says otherwise (``serve_app.models.embedded.profile_defaults``).
+profile says otherwise (``serve_app.config.catalog.profile_defaults``).
 
 This module imports neither MLX nor mlx-lm: the ingress and ``serve-app check`` validate
 profiles without them (the parser names are read from mlx-lm's package directory).

@@ -26,11 +26,11 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from serve_app.config.catalog import EMBEDDED_PREFIX, embedded_names, profile_defaults
 from serve_app.config.chat_templates import check_chat_template, check_tool_call_format
 from serve_app.config.chat_templates import tokenizer_config as _tokenizer_config
+from serve_app.config.normalize_rules import RULE_NAMES
 from serve_app.config.validation import clean_loc
-from serve_app.models.embedded import EMBEDDED_PREFIX, embedded_names, profile_defaults
-from serve_app.serving.normalize import RULE_NAMES
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -192,7 +192,7 @@ class ModelProfile(_Strict):
     chat_template: str | None = None
     # The tool-call format, instead of the one mlx-lm infers from the template: one of
     # mlx-lm's tool parsers (mlx_lm/tool_parsers: "json_tools", "qwen3_coder", ...).
-    # Embedded models may bring defaults for both (serve_app.models.embedded.PROFILE_DEFAULTS).
+    # Embedded models may bring defaults for both (serve_app.config.catalog.PROFILE_DEFAULTS).
     tool_call_format: str | None = None
 
     @model_validator(mode="before")
@@ -285,7 +285,7 @@ class IngressProfile(_Strict):
     @classmethod
     def _check_key_file(cls, value: str | None) -> str | None:
         if value is not None:
-            from serve_app.api.auth import keys_from_file
+            from serve_app.config.api_keys import keys_from_file
 
             # Serve's builder runs in a Ray worker, whose working directory is not yours.
             if not Path(value).expanduser().is_absolute():

@@ -28,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.api import auth
 from serve_app.api.http import OpenAIIngress, api
 from serve_app.cluster.replicas import Gathered, ReplicaReport, model_view
+from serve_app.config import api_keys
 from serve_app.config.profile import (
     CacheStoreProfile,
     ModelProfile,
@@ -84,7 +85,7 @@ from serve_app.serving.request import ApiError, Caller, OpenAIRequest
 if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
     from serve_app.serving.prepare import PreparedRequest, Preparer
     from serve_app.serving.service import ModelService
-    from serve_app.store.actor import RayCacheClient
+    from serve_app.store.client import RayCacheClient
 
 logger = logging.getLogger("ray.serve")
 
@@ -137,7 +138,9 @@ class ModelReplica:
                  cache_store: CacheStoreProfile, memory: ModelMemory | None = None,
                  load_at_start: bool = True) -> None:
         from serve_app.cache.client import CircuitBreaker
-        from serve_app.store.actor import DirectoryFollower, RayCacheClient, get_or_create_actor
+        from serve_app.cluster.directory_service import DirectoryFollower
+        from serve_app.store.actor import get_or_create_actor
+        from serve_app.store.client import RayCacheClient
 
         self.profile = profile  # validated by the builder, pickled to this replica as is
         self.model_home = Path(model_home).expanduser() if model_home else None
@@ -548,8 +551,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     # Keys are read here, where the application is built (in the environment of `serve
     # run`'s Ray processes); the ingress gets their digests only.
     try:
-        digests = auth.configured_digests(profile.ingress.api_keys_file)
-    except auth.ApiKeyError as exc:
+        digests = api_keys.configured_digests(profile.ingress.api_keys_file)
+    except api_keys.ApiKeyError as exc:
         raise ProfileError(str(exc)) from None
     profile = keyed_profile(profile, bool(digests))
     # The memory plan: hot_budget: auto -> bytes, each model's KV share and MLX limits.
@@ -899,7 +902,7 @@ class StoreReports:
         self.handles: dict[str, Any] = {}  # node id -> its store actor
 
     async def gather(self, model: str) -> Gathered:
-        from serve_app.store.actor import alive_node_ids
+        from serve_app.cluster.directory_service import alive_node_ids
 
         try:
             nodes = sorted(await asyncio.to_thread(alive_node_ids))
@@ -913,7 +916,7 @@ class StoreReports:
     async def _of_node(self, node_id: str, model: str) -> list[ReplicaReport] | None:
         """The node's reports of ``model``; [] for a node without a store; None: its
         store did not answer."""
-        from serve_app.store.actor import NAMESPACE
+        from serve_app.cluster.directory_service import NAMESPACE
 
         store: Any = self.handles.get(node_id)  # an actor handle
         if store is None:

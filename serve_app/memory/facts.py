@@ -127,8 +127,8 @@ def cached_hub_dir(repo: str, revision: str | None) -> Path | None:
 
 def real_model_facts(name: str) -> ModelFacts:
     """An embedded real model's facts before it is downloaded: its known config and size."""
+    from serve_app.config.catalog import REAL_MODELS
     from serve_app.models import smollm2
-    from serve_app.models.embedded import REAL_MODELS
 
     fmt = REAL_MODELS[name]
     dtype = "float32" if fmt == "q4" else fmt
@@ -141,13 +141,9 @@ def model_facts(model: ModelProfile, home: Path | None = None, hub: bool = False
     """The facts of a profile's model; ``hub``: ask the hub when the local cache lacks it."""
     kind = source_kind(model.source)
     if kind == "embedded":
-        from serve_app.models.embedded import (
-            EMBEDDED_PREFIX,
-            REAL_MODELS,
-            default_home,
-            is_materialized,
-            materialize,
-        )
+        from serve_app.config.catalog import EMBEDDED_PREFIX, REAL_MODELS
+        from serve_app.config.paths import default_home
+        from serve_app.models.embedded import is_materialized, materialize
 
         name = model.source[len(EMBEDDED_PREFIX):]
         if name in REAL_MODELS and not is_materialized(name, home):

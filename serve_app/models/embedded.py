@@ -20,9 +20,16 @@ from typing import Any, cast
 
 import numpy as np
 
+from serve_app.config.catalog import (
+    BASE_NAMES,
+    FORMATS,
+    REAL_MODELS,
+    embedded_names,
+    variant_name,
+)
+from serve_app.config.paths import default_home
 from serve_app.models.compat import model_classes
 
-EMBEDDED_PREFIX = "embedded:"
 FORMAT_VERSION = 3  # 3: Qwen3 chat template, tool and think tokens
 
 # Qwen3's chat template (as in Qwen/Qwen3-8B's tokenizer_config.json): tools as JSON
@@ -130,7 +137,6 @@ EOS_TOKEN = "<|im_end|>"
 # Weight formats, as Mac checkpoints come: fp32 (the base), bf16 and fp16
 # casts, and mlx-lm's own 4-bit affine quantization of the bf16 weights (bf16
 # scales and activations, like mlx-community's 4-bit models).
-FORMATS = ("fp32", "bf16", "fp16", "q4")
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "q4": "bfloat16"}
 Q4_GROUP_SIZE = 32
 
@@ -200,22 +206,16 @@ def _variants() -> dict[str, EmbeddedSpec]:
     out: dict[str, EmbeddedSpec] = {}
     for base in _BASE_MODELS.values():
         for fmt in FORMATS:
-            name = base.name if fmt == "fp32" else f"{base.name}-{fmt}"
+            name = variant_name(base.name, fmt)
             config = {**base.config, "torch_dtype": _DTYPE_NAMES[fmt]}
             out[name] = EmbeddedSpec(name, config, base.seed, fmt)
     return out
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedSpec] = _variants()
+assert set(_BASE_MODELS) == set(BASE_NAMES)  # the catalog names what is built here
 
 
-def default_home() -> Path:
-    """Where materialized models live: $SERVE_APP_HOME or the user cache dir."""
-    env = os.environ.get("SERVE_APP_HOME")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "serve_app"
 
 
 def _byte_vocab() -> dict[str, int]:
@@ -312,34 +312,7 @@ def _build(spec: EmbeddedSpec, path: Path) -> None:
     (path / "EMBEDDED").write_text(f"{spec.name} format={FORMAT_VERSION}\n")
 
 
-# Real models read from a package (serve_app/models/smollm2.py): name -> weight format.
-# ``smollm2-135m`` is the GGUF's own 4-bit, the format that decodes fastest on MLX's CPU
-# backend (10 tok/s here against 5.8 in fp32); the others are it, dequantized.
-REAL_MODELS: dict[str, str] = {
-    "smollm2-135m": "q4", "smollm2-135m-fp32": "float32", "smollm2-135m-bf16": "bfloat16",
-}
 REAL_FORMAT_VERSION = 1
-# Profile keys an embedded model takes unless its profile sets them (even to null).
-# SmolLM2's own template (its GGUF's) has no tools: it is served with ChatML and
-# Hermes-style tools, its default system prompt kept (serve_app/config/chat_templates.py).
-PROFILE_DEFAULTS: dict[str, dict[str, str]] = {
-    name: {"chat_template": "smollm2-tools", "tool_call_format": "json_tools"}
-    for name in REAL_MODELS
-}
-
-
-def profile_defaults(source: str) -> dict[str, str]:
-    """The profile keys ``source`` (``embedded:NAME``) brings by default; {} for others."""
-    if not source.startswith(EMBEDDED_PREFIX):
-        return {}
-    return dict(PROFILE_DEFAULTS.get(source[len(EMBEDDED_PREFIX):], {}))
-
-
-def embedded_names() -> list[str]:
-    """Every embedded model's name: the real ones first, then the random-weight ones."""
-    return list(REAL_MODELS) + sorted(EMBEDDED_MODELS)
-
-
 def is_materialized(name: str, home: Path | None = None) -> bool:
     """Whether ``materialize(name)`` returns at once (nothing to download or build)."""
     return (_target(name, home) / "EMBEDDED").exists()

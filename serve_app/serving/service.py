@@ -18,14 +18,16 @@ from pathlib import Path
 
 from serve_app.cache.client import CacheClient
 from serve_app.cache.manager import CacheManager, CacheStats, RequestPlan
+from serve_app.config.catalog import EMBEDDED_PREFIX
+from serve_app.config.normalize_rules import RULE_NAMES
+from serve_app.config.paths import default_home
 from serve_app.config.profile import ModelProfile, source_kind
 from serve_app.metrics.table import PHASES, Recorder, replica_samples
 from serve_app.models.compat import download_model, token_bytes_table
-from serve_app.models.embedded import EMBEDDED_PREFIX, default_home, materialize
+from serve_app.models.embedded import materialize
 from serve_app.serving.engine import Engine, EngineEvent, QueueFullError
 from serve_app.serving.errors import queue_full_error
 from serve_app.serving.events import Delta, Event, Finish, Start, TokenLogprob, ToolCall
-from serve_app.serving.normalize import RULE_NAMES
 from serve_app.serving.prepare import PreparedRequest, Preparer
 from serve_app.serving.request import ApiError, Caller, ChatCompletionRequest, CompletionRequest
 from serve_app.serving.sampling import SamplingParams
