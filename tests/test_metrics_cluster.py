@@ -11,7 +11,7 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from serve_app.config.profile import CacheStoreProfile
-from serve_app.deploy.app import gather_node_metrics
+from serve_app.deploy.scrape import gather_node_metrics
 from serve_app.store.actor import CacheStoreActor
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import serve_app.deploy.app as app_module
+import serve_app.deploy.scrape as app_module
 
 TEXT = ("# HELP ray_serve_app_prompt_tokens_total Prompt tokens.\n"
         "# TYPE ray_serve_app_prompt_tokens_total counter\n"

@@ -552,7 +552,7 @@ def test_grammar_limits_are_what_refuses_the_pathological_schema(model_home):
 def test_the_prepare_stage_admits_a_bounded_number():
     """MAX_PREPARING requests in the stage (waiting or running): the next is refused
     before it is queued; a request leaves when its work ends, or is cancelled unstarted."""
-    from serve_app.deploy.app import MAX_PREPARING, PrepareStage
+    from serve_app.deploy.stage import MAX_PREPARING, PrepareStage
 
     async def scenario() -> None:
         stage = PrepareStage()

@@ -1,0 +1,336 @@
+"""The ingress deployment: the OpenAI/Anthropic HTTP app (``serve_app.api.http``) bound
+to the model replicas through their handles, with admission before templating, the
+model pool, and the calls to a replica (streamed or in one reply).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.api import auth
+from serve_app.api.http import OpenAIIngress, api
+from serve_app.cluster.replicas import Gathered, model_view
+from serve_app.config.profile import Profile
+from serve_app.deploy.pool import (
+    PoolCapacityError,
+    PoolGate,
+    PoolLoadError,
+    pool_for,
+    pooled,
+)
+from serve_app.deploy.replica import load_preparer
+from serve_app.deploy.scrape import StoreReports, gather_node_metrics
+from serve_app.deploy.stage import PrepareStage
+from serve_app.memory.plan import (
+    MemoryPlan,
+    memory_report,
+)
+from serve_app.metrics.table import (
+    RayRecorder,
+    zero_at_start,
+)
+from serve_app.models.phase import (
+    ModelPhase,
+    model_phase,
+    read_phases,
+    replica_identity,
+)
+from serve_app.serving.errors import (
+    model_capacity_error,
+    model_load_failed_error,
+    queue_full_error,
+)
+from serve_app.serving.events import Event
+from serve_app.serving.request import Caller, OpenAIRequest
+
+if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
+    from serve_app.serving.prepare import PreparedRequest
+
+logger = logging.getLogger("ray.serve")
+
+
+READY_PROBE_TIMEOUT_S = 0.5  # how long /health or a request waits on a model's probe
+
+
+# Applied at import time, in every process that loads this module: the replica
+# re-imports it, so routes must be bound here, not inside the builder.
+@serve.ingress(api)
+class Ingress(OpenAIIngress):
+    """The OpenAI-compatible HTTP front; routes each request to its model's handle."""
+
+    def __init__(self, profile: Profile, handles: dict[str, DeploymentHandle],
+                 api_key_digests: list[str] | None = None,
+                 plan: MemoryPlan | None = None) -> None:
+        # Before anything else: the keys every route but /health checks (or the
+        # WARNING that there are none).
+        auth.configure(auth.ApiKeys(api_key_digests or ()))
+        self.profile = profile  # validated by the builder, pickled to this replica as is
+        self.plan = plan  # the memory plan, made where the application was built
+        self.handles = handles
+        # Models routed on cached prefixes: the router needs each prompt's tokens, so
+        # requests are prepared here (the replica takes them as they are).
+        self.preparers = {m.name: load_preparer(m, self.profile.model_home)
+                          for m in self.profile.models if m.prefix_routing}
+        self.stage = PrepareStage()
+        self.prepare_pool = self.stage.pool
+        # Requests this ingress has admitted to each prefix-routed model and not seen end.
+        self.sent: dict[str, int] = {}
+        self.recorder = RayRecorder("ingress", serve=True)
+        for m in self.profile.models:  # known series exist before the first request
+            zero_at_start(self.recorder, "ingress", m.name)
+        self.ready_models: set[str] = set()
+        self.probes: dict[str, asyncio.Future] = {}
+        # The model pool (serve_app.deploy.pool): loads, unloads, the cap and idle timers.
+        self.gate: PoolGate | None = None
+        if pooled(profile):
+            pool = pool_for(profile, plan)
+            pool.start(pool.initial())
+            self.gate = PoolGate(pool, self._load_model, self._unload_model,
+                                 lambda name: self.sent.get(name, 0),
+                                 status=self._model_status)
+            try:  # Serve runs this constructor on its event loop
+                self.gate.start_idle_checks()
+            except RuntimeError:  # no loop (a test): started by the first request
+                pass
+        # Every node's cache store, where each model replica reports its stats.
+        self.stores = StoreReports(self.profile.cache_store.call_timeout_s)
+        self.app_name = replica_identity("")[0]  # where the replicas write their phases
+
+    async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller):
+        preparer = self.preparers.get(name)
+        streamed = request.stream
+        if preparer is not None:
+            self._admit(name)  # before templating here
+        # Counted from here to its last event: the pool never unloads a model serving it.
+        sent = self._sent(name)
+        try:
+            await self._pool_ready(name)
+            if preparer is None:  # the replica admits, then prepares
+                return sent.watch(self._call(name, request, caller, streamed))
+            prepared = await self.stage.run(preparer.prepare, request, caller)
+        except BaseException:
+            sent.done()
+            raise
+        return sent.watch(self._call(name, prepared, caller, streamed))
+
+    def _sent(self, name: str) -> _Sent:
+        gate = self.gate
+        return _Sent(self.sent, name, None if gate is None else gate.pool.used)
+
+    async def _pool_ready(self, name: str) -> None:
+        """Return once the pool has ``name`` loaded: at once when it is, else after loading
+        it (unloading others first to make room); 503 when it cannot."""
+        if self.gate is None:
+            return
+        try:
+            await self.gate.ready(name)
+        except PoolCapacityError as exc:
+            raise model_capacity_error(str(exc)) from None
+        except PoolLoadError as exc:
+            raise model_load_failed_error(str(exc)) from None
+
+    async def _load_model(self, name: str) -> None:
+        await self.handles[name].load.remote()
+
+    async def _model_status(self, name: str) -> str:
+        return str(await self.handles[name].status.remote())
+
+    async def _unload_model(self, name: str, reason: str) -> bool:
+        return bool(await self.handles[name].unload.remote(reason))
+
+    async def model_phase(self, name: str) -> ModelPhase:
+        """The phases the model's replicas wrote (Ray's KV store, a GCS round trip off the
+        event loop), read with whether one answered the readiness probe."""
+        ready = await self.model_ready(name)
+        try:
+            written = await asyncio.to_thread(read_phases, self.app_name, name)
+        except Exception as exc:  # the GCS is away: what the probe says
+            logger.warning("reading the phase of model %s failed: %r", name, exc)
+            written = []
+        return model_phase(written, ready)
+
+    def model_status(self, name: str, ready: bool) -> str:
+        if not ready:  # its replica is starting (and loads it, when loaded at start)
+            return "loading"
+        return "loaded" if self.gate is None else self.gate.pool.status(name).reported
+
+    def pool_report(self) -> dict | None:
+        gate = self.gate
+        return None if gate is None else gate.pool.report(gate.busy)
+
+    def _call(self, name: str, request: OpenAIRequest | PreparedRequest, caller: Caller,
+              streamed: bool) -> Any:
+        """The replica's event batches: streamed as they come, or, for a request answered
+        in one piece, all of them in one reply (one Ray round trip, not one per batch)."""
+        handle = self.handles[name]
+        if streamed:
+            return handle.options(stream=True).generate.remote(request, caller)
+        return _Batches(handle.generate_all.remote(request, caller))
+
+    async def count_prompt_tokens(self, name: str, request: OpenAIRequest,
+                                  caller: Caller) -> int:
+        preparer = self.preparers.get(name)
+        if preparer is not None:  # the tokenizer is here: the model need not be loaded
+            self._admit(name)
+            return await self.stage.run(preparer.count, request)
+        sent = self._sent(name)  # the replica templates it: its model must be loaded
+        try:
+            await self._pool_ready(name)
+            return await self.handles[name].count_tokens.remote(request, caller)
+        finally:
+            sent.done()
+
+    def _admit(self, name: str) -> None:
+        """429 before templating at the ingress: when this ingress already has as many
+        requests at the model as its replicas take (batch + queue each), or its prepare
+        stage is full. The replica still checks its own engine."""
+        m = self.profile.model(name)
+        capacity = m.num_replicas * (m.max_batch_size + m.max_queued_requests)
+        if self.sent.get(name, 0) >= capacity:
+            raise queue_full_error(f"model {name!r} is at capacity: {self.sent[name]} "
+                                   f"requests in flight ({m.num_replicas} replicas x "
+                                   f"(max_batch_size {m.max_batch_size} + max_queued_requests "
+                                   f"{m.max_queued_requests}))")
+        self.stage.admit(name)
+
+    async def model_ready(self, name: str) -> bool:
+        """Ready once a probe of the model's replica answered; a probe is shared by
+        every caller until it answers, so waiting callers never pile up calls."""
+        if name in self.ready_models:
+            return True
+        probe = self.probes.get(name)
+        if probe is None:
+            probe = self.probes[name] = asyncio.ensure_future(self._probe(name))
+        try:
+            ok = await asyncio.wait_for(asyncio.shield(probe), READY_PROBE_TIMEOUT_S)
+        except TimeoutError:
+            return False
+        finally:
+            if probe.done() and self.probes.get(name) is probe:
+                del self.probes[name]
+        if ok:
+            self.ready_models.add(name)
+        return ok
+
+    async def _probe(self, name: str) -> bool:
+        try:
+            return bool(await self.handles[name].ready.remote())
+        except Exception as exc:  # e.g. the deployment failed: probe again next time
+            logger.warning("readiness probe of model %s failed: %r", name, exc)
+            return False
+
+    def replica_lost(self, name: str, exc: Exception) -> bool:
+        lost = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+        if isinstance(exc, lost):
+            self.ready_models.discard(name)
+            if self.gate is not None:  # its replacement holds what it was built to
+                asyncio.ensure_future(self.gate.reconcile())
+            return True
+        return False
+
+    async def model_stats(self) -> dict:
+        out = {}
+        for name in self.handles:
+            out[name] = await self.one_model_stats(name)
+        return out
+
+    async def one_model_stats(self, name: str) -> dict:
+        """A model's stats: the replica that takes this call (fresh), merged with every
+        other replica's last report, gathered from every node's cache store meanwhile
+        (``serve_app.cluster.replicas.model_view``: the model's totals and its replicas)."""
+        m = self.profile.model(name)
+        expected = m.num_replicas if m is not None else 1
+
+        async def answer() -> dict:
+            return await self.handles[name].stats.remote()
+
+        if expected == 1:  # the one replica answers: nothing to gather
+            return model_view(await answer(), Gathered(), expected)
+        if m is not None and not m.cache.enabled:
+            return model_view(await answer(), Gathered(not_asked=(
+                "this model's prefix cache is off: its replicas have no cache store to "
+                "report to, so only the replica that answered is in the totals")), expected)
+        answered, gathered = await asyncio.gather(answer(), self.stores.gather(name))
+        return model_view(answered, gathered, expected)
+
+    async def metrics_text(self) -> str:
+        return await gather_node_metrics()
+
+    def memory_bytes(self, name: str) -> int | None:
+        if self.plan is None:
+            return None
+        return next((m.total_bytes for m in self.plan.models if m.name == name), None)
+
+    def memory_report(self, models: dict) -> dict | None:
+        if self.plan is None:
+            return None
+        return memory_report(self.plan, self.profile.memory.budget, models)
+
+
+class _Batches:
+    """A replica's whole answer (``generate_all``) read like a stream of event batches,
+    so a non-streamed request goes through the same consumers as a streamed one."""
+
+    def __init__(self, response: Any) -> None:
+        self._response = response
+        self._batches: list | None = None
+
+    def __aiter__(self) -> _Batches:
+        return self
+
+    async def __anext__(self) -> list[Event]:
+        if self._batches is None:
+            self._batches = list(await self._response)
+        if not self._batches:
+            raise StopAsyncIteration
+        return self._batches.pop(0)
+
+    def cancel(self) -> None:
+        self._response.cancel()
+
+
+class _Sent:
+    """One request counted in ``counts[name]`` until its event stream ends, fails or is
+    cancelled (or is collected unread); then ``ended(name)`` (the pool's idle clock)."""
+
+    def __init__(self, counts: dict[str, int], name: str,
+                 ended: Callable[[str], None] | None = None) -> None:
+        self.counts, self.name, self.open, self.ended = counts, name, True, ended
+        self.events: Any = None  # the handle's response generator, set by watch()
+        counts[name] = counts.get(name, 0) + 1
+
+    def watch(self, events: Any) -> _Sent:
+        self.events = events
+        return self
+
+    def done(self) -> None:
+        if self.open:
+            self.open = False
+            self.counts[self.name] -= 1
+            if self.ended is not None:
+                self.ended(self.name)
+
+    def __aiter__(self) -> _Sent:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.events.__anext__()
+        except BaseException:  # the end, an error, or the caller cancelled
+            self.done()
+            raise
+
+    def cancel(self) -> None:
+        self.done()
+        self.events.cancel()
+
+    def __del__(self) -> None:
+        self.done()

@@ -1,0 +1,118 @@
+"""``GET /metrics`` on a cluster: every node's store and replica reports gathered into
+one scrape (``StoreReports``), cached briefly so a busy Prometheus does not multiply
+the calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.request
+from typing import Any
+
+import ray
+
+from serve_app.cluster.replicas import Gathered, ReplicaReport
+from serve_app.metrics.table import merge_exposition
+
+logger = logging.getLogger("ray.serve")
+
+METRICS_FETCH_TIMEOUT_S = 5.0
+METRICS_CACHE_S = 1.5  # /metrics answers from one gather of every node for this long
+
+
+class StoreReports:
+    """The ingress's way to every node's cache-store actor (found by name per alive
+    node, as ``/metrics`` finds every node's export), for the replicas' stats reports.
+    Each call is bounded by ``timeout``: a store that does not answer leaves its
+    node's replicas out (named in ``Gathered.unreachable``), never fails the call."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.handles: dict[str, Any] = {}  # node id -> its store actor
+
+    async def gather(self, model: str) -> Gathered:
+        from serve_app.cluster.directory_service import alive_node_ids
+
+        try:
+            nodes = sorted(await asyncio.to_thread(alive_node_ids))
+        except Exception as exc:  # the GCS busy: this replica's numbers, and why alone
+            return Gathered(not_asked=f"Ray's list of nodes could not be read: {exc!r}")
+        found = await asyncio.gather(*(self._of_node(node_id, model) for node_id in nodes))
+        reports = tuple(r for part in found if part is not None for r in part)
+        return Gathered(reports, tuple(n for n, part in zip(nodes, found, strict=True)
+                                       if part is None))
+
+    async def _of_node(self, node_id: str, model: str) -> list[ReplicaReport] | None:
+        """The node's reports of ``model``; [] for a node without a store; None: its
+        store did not answer."""
+        from serve_app.cluster.directory_service import NAMESPACE
+
+        store: Any = self.handles.get(node_id)  # an actor handle
+        if store is None:
+            try:  # a GCS lookup: off the event loop
+                store = await asyncio.to_thread(ray.get_actor, f"cache-store-{node_id}",
+                                                namespace=NAMESPACE)
+            except ValueError:  # no cached model's replica has run on that node
+                return []
+            self.handles[node_id] = store
+        try:
+            return await asyncio.wait_for(store.replica_reports.remote(model), self.timeout)
+        except Exception as exc:  # dead, frozen, or older code: leave its replicas out
+            logger.warning("replica stats from the cache store of node %s: %r", node_id, exc)
+            self.handles.pop(node_id, None)
+            return None
+
+
+class _ScrapeCache:
+    """The last merged ``/metrics`` text, kept ``METRICS_CACHE_S``; scrapes that arrive
+    while one gathers wait for it instead of calling every node again."""
+
+    def __init__(self) -> None:
+        self.text: str | None = None
+        self.at = 0.0
+        self.pending: asyncio.Future | None = None
+        self.gathers = 0  # fan-outs to every node so far
+
+    async def get(self, max_age: float) -> str:
+        loop = asyncio.get_running_loop()
+        if self.text is not None and loop.time() - self.at < max_age:
+            return self.text
+        pending = self.pending
+        if pending is None or pending.done() or pending.get_loop() is not loop:
+            pending = self.pending = asyncio.ensure_future(self._gather())
+        return await asyncio.shield(pending)
+
+    async def _gather(self) -> str:
+        self.gathers += 1
+        text = await _gather_node_metrics()
+        self.text, self.at = text, asyncio.get_running_loop().time()
+        return text
+
+
+_scrapes = _ScrapeCache()
+
+
+async def gather_node_metrics(max_age: float | None = None) -> str:
+    """serve_app's families from every alive node's Ray metrics export, merged; at most
+    one fan-out to the nodes per ``METRICS_CACHE_S`` however often (or however many at
+    once) Prometheus scrapes."""
+    return await _scrapes.get(METRICS_CACHE_S if max_age is None else max_age)
+
+
+async def _gather_node_metrics() -> str:
+    nodes = await asyncio.to_thread(ray.nodes)
+    urls = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+            for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
+    texts = await asyncio.gather(*(asyncio.to_thread(_fetch, url) for url in urls))
+    # Parsing every node's text is CPU work: not on the ingress's event loop.
+    return await asyncio.to_thread(merge_exposition, [t for t in texts if t])
+
+
+def _fetch(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=METRICS_FETCH_TIMEOUT_S) as response:
+            return response.read().decode()
+    except OSError as exc:  # one node down must not blank the others
+        logger.warning("reading node metrics from %s failed: %s", url, exc)
+        return None
