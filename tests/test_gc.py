@@ -9,7 +9,8 @@ import sys
 
 import numpy as np
 
-from serve_app.cache.ssd import TMP_MARK, SSDStore
+from serve_app.cache.ssd import SSDStore
+from serve_app.cache.ssd_fs import TMP_MARK
 from tests.test_ssd import LAYOUT, bid, meta, tensors
 
 

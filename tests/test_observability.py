@@ -20,7 +20,8 @@ from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port, write_config
 from dashboards.generate import DASHBOARDS, build, concrete, panel_queries
-from serve_app.cache.ssd import FORMAT_VERSION, read_header
+from serve_app.cache.ssd_format import read_header
+from serve_app.cache.ssd_fs import FORMAT_VERSION
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")

@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port, write_config
-from serve_app.cache.ssd import TMP_MARK
+from serve_app.cache.ssd_fs import TMP_MARK
 
 BS = 16
 HYBRID = "restart-hybrid"

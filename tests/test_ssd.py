@@ -11,14 +11,9 @@ import numpy as np
 import pytest
 
 import serve_app.cache.ssd as ssd_module
-from serve_app.cache.ssd import (
-    FORMAT_VERSION,
-    TMP_MARK,
-    SSDError,
-    SSDStore,
-    digest_of,
-    read_header,
-)
+from serve_app.cache.ssd import SSDStore
+from serve_app.cache.ssd_format import SSDError, digest_of, read_header
+from serve_app.cache.ssd_fs import FORMAT_VERSION, TMP_MARK
 
 LAYOUT = hashlib.sha256(b"layout").hexdigest()
 MODEL = hashlib.sha256(b"model").hexdigest()

@@ -15,7 +15,8 @@ import pytest
 
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.hashing import chain, salted_root
-from serve_app.cache.ssd import SSDStore, read_file
+from serve_app.cache.ssd import SSDStore
+from serve_app.cache.ssd_format import read_file
 from serve_app.cache.tiers import TieredStore
 from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize

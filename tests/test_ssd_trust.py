@@ -14,7 +14,9 @@ import os
 import numpy as np
 import pytest
 
-from serve_app.cache.ssd import SSDError, SSDStore, read_file, untrusted_reason
+from serve_app.cache.ssd import SSDStore
+from serve_app.cache.ssd_format import SSDError, read_file
+from serve_app.cache.ssd_fs import untrusted_reason
 from serve_app.config.profile import CacheStoreProfile
 from serve_app.store.actor import make_ssd
 from tests.test_ssd import MODEL, bid, meta, tensors

@@ -11,7 +11,8 @@ import pytest
 from serve_app.cache.hot import HotEntry
 from serve_app.cache.match import Drop, MatchQuery, StateAt
 from serve_app.cache.payload import BlockPayload, Tensor
-from serve_app.cache.ssd import SSDError, SSDStore, digest_of, read_file
+from serve_app.cache.ssd import SSDStore
+from serve_app.cache.ssd_format import SSDError, digest_of, read_file
 from serve_app.cache.tiers import GONE, DiskInfo, TieredStore
 from tests.test_ssd import LAYOUT, MODEL, bid, meta, tensors
 

@@ -32,7 +32,7 @@ from serve_app.cache.payload import (
     from_tensors,
     state_from_names,
 )
-from serve_app.cache.ssd import SSDError, read_file
+from serve_app.cache.ssd_format import SSDError, read_file
 from serve_app.cache.tiers import DiskInfo, TieredStore
 
 if TYPE_CHECKING:  # layout.py imports mlx-lm; this module (and the cache policy) need not

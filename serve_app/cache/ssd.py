@@ -6,26 +6,15 @@ Layout under the cache directory::
     v1/blocks/<id[:2]>/<block id>.safetensors    KV of one block (+ checkpoint if embedded)
     v1/sidecars/<layout[:16]>/<id[:2]>/<block id>.safetensors   recurrent checkpoint
 
-Every file carries its metadata in the safetensors header (format version,
-kind, ids, model identity, layout, block size, token count, created time,
-codec), so the index is rebuilt at start from headers alone, without reading
-a tensor. Writes go to a temporary file, are fsynced, renamed into place and
-the directory fsynced: a reader never sees half a file, and a crash leaves at
-most a temporary file, removed at the next start. Paths are built only from
-hex ids; nothing outside the directory is touched. Files are created 0600 and
-directories 0700: prompts can be recovered from cached KV, so the cache is
-private to its user.
-
-Nothing under the cache directory is trusted blindly. A directory that is not
-owned by this server's user, or that group or others may write to, is refused
-(``untrusted_reason``: another local user could plant blocks whose ids they can
-compute). Every file is opened relative to its directory's descriptor, each
-path component below the cache directory with ``O_NOFOLLOW``: a symlink planted
-anywhere under it is never followed (the open fails and the file is a miss).
-
-A file's ``sha256`` (its checksum, which covers a random write id) names that
-one written file: removals compare it with the indexed entry, so a caller
-holding a stale view never deletes a file written after it looked.
+``SSDStore`` keeps the index (rebuilt at start from headers alone), the budgets and the
+pins. Writes go to a temporary file, are fsynced, renamed into place and the directory
+fsynced: a reader never sees half a file, and a crash leaves at most a temporary file,
+removed at the next start. Files are created 0600 and directories 0700: prompts can be
+recovered from cached KV, so the cache is private to its user. The file format is
+``ssd_format.py``; opening files without following symlinks, and refusing directories
+other users could write to, is ``ssd_fs.py``. A file's ``sha256`` names that one written
+file: removals compare it with the indexed entry, so a caller holding a stale view never
+deletes a file written after it looked.
 
 Plain Python: the cache-store actor wraps it, ``python -m serve_app gc``
 uses it without MLX or a model, and tests drive it directly.
@@ -33,34 +22,43 @@ uses it without MLX or a model, and tests drive it directly.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import errno
-import fcntl
-import hashlib
-import json
 import os
-import re
 import secrets
 import shutil
-import stat
-import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load, save
+from safetensors.numpy import save
 
+from serve_app.cache.ssd_format import (
+    DiskEntry,
+    SSDError,
+    check_id,
+    digest_of,
+    entry_from_file,
+    read_file,
+    tensor_digest,
+)
+from serve_app.cache.ssd_fs import (
+    _CLOEXEC,
+    FORMAT_VERSION,
+    TMP_MARK,
+    _locate,
+    _unlink_at,
+    dir_in_use,
+    lock_dir,
+    lock_holder,
+    open_dir,
+    walk_files,
+)
 from serve_app.cache.stats import Usage
 from serve_app.cache.wear import RollingByteBudget
-
-FORMAT_VERSION = "1"
-_HEX = re.compile(r"^[0-9a-f]{64}$")
-_MAX_HEADER = 16 * 1024 * 1024
-TMP_MARK = ".tmp-"
 
 
 class WriteResult(enum.Enum):
@@ -73,24 +71,6 @@ class WriteResult(enum.Enum):
 
     def __bool__(self) -> bool:
         return self is WriteResult.DONE
-
-
-class SSDError(Exception):
-    """A file that cannot be trusted: wrong header, wrong ids, unreadable."""
-
-
-@dataclass
-class DiskEntry:
-    """One file of the tier, as known from its header."""
-
-    kind: str  # "block" or "sidecar"
-    block_id: str
-    path: Path
-    nbytes: int
-    model: str
-    layout: str
-    last_used: float
-    meta: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,219 +87,6 @@ class SSDStats:
     evicted_bytes: int = 0
     temp_files_removed: int = 0
     foreign_files: int = 0
-
-
-def digest_of(entry: DiskEntry) -> str | None:
-    """What names one written file: its checksum (unique per write, see ``write``)."""
-    return entry.meta.get("sha256")
-
-
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
-
-
-def untrusted_reason(root: Path) -> str | None:
-    """Why the cache directory ``root`` cannot be trusted, or None.
-
-    It must be owned by this process's user and not writable by group or others
-    (else another local user can plant or swap files in it). A missing directory is
-    fine: it is created 0700. The directory itself may be a symlink an operator made
-    (its target is checked); nothing below it is ever followed.
-    """
-    try:
-        st = os.stat(root)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return f"cannot inspect it: {exc}"
-    return _untrusted_stat(st)
-
-
-def _untrusted_stat(st: os.stat_result) -> str | None:
-    if not stat.S_ISDIR(st.st_mode):
-        return "it is not a directory"
-    if st.st_uid != os.geteuid():
-        return (f"it is owned by uid {st.st_uid}, not by this server's user "
-                f"(uid {os.geteuid()})")
-    if st.st_mode & 0o022:
-        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
-                           if st.st_mode & bit)
-        return (f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}; "
-                "chmod go-w it or use another directory)")
-    return None
-
-
-def open_dir(root: Path, parts: Sequence[str] = (), create: bool = False) -> int:
-    """A descriptor of ``root/parts...``: the root is checked (``untrusted_reason``)
-    on the open descriptor, then each component is opened relative to the one
-    before with ``O_NOFOLLOW`` (a symlink fails with ``OSError``), and created 0700
-    when missing if ``create``. The caller closes it."""
-    if create and not os.path.lexists(root):
-        make_dirs(Path(root))
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
-    try:
-        reason = _untrusted_stat(os.fstat(fd))
-        if reason is not None:
-            raise PermissionError(errno.EPERM, f"untrusted cache directory: {reason}", str(root))
-        for name in parts:
-            if name in ("", ".", "..") or "/" in name:
-                raise OSError(errno.EINVAL, "bad path component", name)
-            try:
-                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, 0o700, dir_fd=fd)
-                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = sub
-            _check_owned(fd, name, directory=True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _check_owned(fd: int, name: str, directory: bool) -> None:
-    """Refuse (``PermissionError``) a directory or file below the cache directory that is
-    not this user's, or a directory group or others may write to (one made before the
-    cache directory was locked down, say)."""
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or (directory and st.st_mode & 0o022):
-        raise PermissionError(errno.EPERM, "not this server's user's, or writable by others",
-                              name)
-
-
-def _locate(path: Path) -> tuple[Path, list[str], str]:
-    """(cache directory, directories below it, file name) of a path in the tier: the
-    cache directory is the parent of the last ``v<FORMAT_VERSION>`` component."""
-    parts = Path(path).parts
-    marker = f"v{FORMAT_VERSION}"
-    for i in range(len(parts) - 2, -1, -1):
-        if parts[i] == marker:
-            return Path(*parts[:i]), list(parts[i:-1]), parts[-1]
-    return Path(path).parent, [], Path(path).name
-
-
-@contextlib.contextmanager
-def _parent_fd(path: Path, create: bool = False) -> Iterator[tuple[int, str]]:
-    """The descriptor of a tier path's directory (``open_dir``) and the file's name."""
-    root, dirs, name = _locate(path)
-    fd = open_dir(root, dirs, create)
-    try:
-        yield fd, name
-    finally:
-        os.close(fd)
-
-
-def _open_file(path: Path, flags: int = os.O_RDONLY) -> int:
-    """A file of the tier opened without following a symlink anywhere below the root."""
-    with _parent_fd(path) as (dfd, name):
-        fd = os.open(name, flags | os.O_NOFOLLOW | _CLOEXEC, dir_fd=dfd)
-    try:
-        _check_owned(fd, name, directory=False)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def make_dirs(path: Path) -> None:
-    """Create ``path`` and missing parents 0700 (existing directories are left as they are)."""
-    missing = []
-    while not path.exists() and path != path.parent:
-        missing.append(path)
-        path = path.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
-
-
-
-
-def check_id(block_id: str) -> str:
-    if not _HEX.match(block_id):
-        raise SSDError(f"not a block id: {block_id[:80]!r}")
-    return block_id
-
-
-def read_header(path: Path) -> tuple[dict, dict[str, str]]:
-    """The safetensors header (tensor table, metadata) without reading tensor data."""
-    path = Path(path)
-    with os.fdopen(_open_file(path), "rb") as f:
-        return _parse_header(path, f.read(8), f)
-
-
-def _parse_header(path: Path, raw: bytes, f) -> tuple[dict, dict[str, str]]:
-    if len(raw) != 8:
-        raise SSDError(f"{path.name}: truncated header")
-    (n,) = struct.unpack("<Q", raw)
-    if n > _MAX_HEADER:
-        raise SSDError(f"{path.name}: header of {n} bytes")
-    try:
-        header = json.loads(f.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise SSDError(f"{path.name}: header is not JSON") from None
-    if not isinstance(header, dict):
-        raise SSDError(f"{path.name}: header is not an object")
-    meta = header.pop("__metadata__", None) or {}
-    return header, meta
-
-
-def read_file(path: Path | str, expect: dict[str, str]) -> tuple[dict, dict[str, str]]:
-    """Tensors and metadata of one file; ``SSDError`` if it is not what ``expect`` says.
-
-    Used by replicas too: they read block files directly (same node), so the
-    cache-store actor never copies tensor bytes.
-    """
-    path = Path(path)
-    try:
-        # One open, never through a symlink: the bytes checked are the bytes loaded.
-        with os.fdopen(_open_file(path), "rb") as f:
-            data = f.read()
-        _, meta = _parse_header(path, data[:8], _Bytes(data, 8))
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise SSDError(f"{path.name}: format version {meta.get('format_version')!r}")
-        for key, value in expect.items():
-            if meta.get(key) != value:
-                raise SSDError(f"{path.name}: {key} is {meta.get(key)!r}, expected {value!r}")
-        tensors = load(data)
-        if meta.get("sha256") != tensor_digest(tensors, meta):
-            raise SSDError(f"{path.name}: checksum mismatch")
-    except SSDError:
-        raise
-    except Exception as exc:  # safetensors raises its own error type on truncated files
-        raise SSDError(f"{path.name}: {exc}") from None
-    return tensors, meta
-
-
-def tensor_digest(tensors: dict[str, np.ndarray], meta: dict[str, str]) -> str:
-    """A checksum of a file's metadata, tensor dtypes, shapes and bytes.
-
-    Kept in the file itself: bit rot anywhere is a miss, never a wrong token.
-    """
-    h = hashlib.sha256()
-    h.update(json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = np.ascontiguousarray(tensors[name])
-        h.update(f"{name}|{t.dtype.str}|{t.shape}".encode())
-        h.update(t.tobytes())
-    return h.hexdigest()
-
-
-class _Bytes:
-    """``read(n)`` over bytes already read, from ``offset``."""
-
-    def __init__(self, data: bytes, offset: int) -> None:
-        self.data, self.offset = data, offset
-
-    def read(self, n: int) -> bytes:
-        out = self.data[self.offset : self.offset + n]
-        self.offset += n
-        return out
 
 
 class SSDStore:
@@ -354,50 +121,20 @@ class SSDStore:
     # ---- opening ---------------------------------------------------------------------
 
     def lock_directory(self) -> bool:
-        """Take the directory's lock (a serving process holds it; ``gc`` checks it).
-
-        ``flock`` belongs to an open file description, so a second store in the
-        same process is refused too.
-        """
-        make_dirs(self.root)
-        dfd = open_dir(self.root, [self.base.name], create=True)
-        try:
-            fd = os.open("LOCK", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | _CLOEXEC, 0o600,
-                         dir_fd=dfd)
-        finally:
-            os.close(dfd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        """Take the directory's lock (a serving process holds it; ``gc`` checks it)."""
+        fd = lock_dir(self.root, self.base.name)
+        if fd is None:
             return False
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
         return True
 
     def lock_holder(self) -> str:
         """The pid written in the LOCK file by the process holding it ("?" if unreadable)."""
-        try:
-            with os.fdopen(_open_file(self.base / "LOCK"), "rb") as f:
-                return f.read(32).decode("ascii", "replace").strip() or "?"
-        except OSError:
-            return "?"
+        return lock_holder(self.base)
 
     def directory_in_use(self) -> bool:
         """True if another process holds the lock."""
-        try:
-            fd = _open_file(self.base / "LOCK")
-        except OSError:  # none (or a symlink): no server holds it
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        except OSError:
-            return True
-        finally:
-            os.close(fd)
+        return dir_in_use(self.base)
 
     def open(self, clean: bool = True) -> None:
         """Rebuild the index from file headers; remove temporary files of a crash.
@@ -408,7 +145,7 @@ class SSDStore:
         blocks: dict[str, DiskEntry] = {}
         sidecars: dict[tuple[str, str], DiskEntry] = {}
         self.temp_files: list[Path] = []
-        for path in self._walk():
+        for path in walk_files(self.root, self.base.name):
             if TMP_MARK in path.name:
                 if clean:
                     self._unlink(path)
@@ -417,7 +154,7 @@ class SSDStore:
                     self.temp_files.append(path)
                 continue
             try:
-                entry = self._entry_from_file(path)
+                entry = entry_from_file(path)
             except (SSDError, OSError):
                 self.stats.foreign_files += 1
                 continue
@@ -431,55 +168,6 @@ class SSDStore:
             for entry in [*blocks.values(), *sidecars.values()]:
                 self._index(entry)
         self.ready.set()
-
-    def _walk(self) -> Iterator[Path]:
-        """Every block, sidecar and temporary file, walked by directory descriptors:
-        a symlink anywhere below the cache directory is skipped, never followed."""
-        found: list[Path] = []
-        for top in ("blocks", "sidecars"):
-            try:
-                stack = [(open_dir(self.root, [self.base.name, top]), [self.base.name, top])]
-            except OSError:  # none yet (or a symlink: not ours)
-                continue
-            while stack:
-                fd, parts = stack.pop()
-                try:
-                    with os.scandir(fd) as it:
-                        entries = list(it)
-                    for d in entries:
-                        if d.is_symlink():
-                            continue
-                        if d.is_dir(follow_symlinks=False):
-                            try:
-                                sub = os.open(d.name, _DIR_FLAGS, dir_fd=fd)
-                            except OSError:
-                                continue
-                            try:
-                                _check_owned(sub, d.name, directory=True)
-                            except OSError:  # another user's, or open to others: skipped
-                                os.close(sub)
-                                continue
-                            stack.append((sub, [*parts, d.name]))
-                        elif d.is_file(follow_symlinks=False) and (
-                            d.name.endswith(".safetensors") or TMP_MARK in d.name
-                        ):
-                            found.append(self.root.joinpath(*parts, d.name))
-                finally:
-                    os.close(fd)
-        return iter(found)
-
-    def _entry_from_file(self, path: Path) -> DiskEntry | None:
-        _, meta = read_header(path)
-        if meta.get("format_version") != FORMAT_VERSION:
-            return None
-        kind = meta.get("kind")
-        block_id = check_id(meta.get("block_id", ""))
-        if kind not in ("block", "sidecar") or path.stem != block_id:
-            raise SSDError(f"{path.name}: metadata does not match its name")
-        with _parent_fd(path) as (dfd, name):
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        return DiskEntry(kind, block_id, path, st.st_size, meta.get("model", ""),
-                         meta.get("layout", ""), st.st_mtime, meta)
 
     # ---- paths -------------------------------------------------------------------------
 
@@ -905,24 +593,3 @@ class SSDStore:
             os.close(dfd)
 
 
-def _unlink_at(dfd: int, name: str) -> bool:
-    """Unlink ``name`` (not a directory) in directory ``dfd``; False if it was not there."""
-    try:
-        os.unlink(name, dir_fd=dfd)
-        return True
-    except FileNotFoundError:
-        return False
-    except IsADirectoryError:
-        return False
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.EISDIR, errno.EPERM):
-            return False
-        raise
-
-
-def auto_budget(root: Path, cap_bytes: int = 64 << 30, fraction: float = 0.5) -> int:
-    """``auto``: the smaller of a cap and a fraction of the disk space we could use."""
-    make_dirs(root)
-    free = shutil.disk_usage(root).free
-    used = sum(p.stat().st_size for p in root.rglob("*.safetensors") if not p.is_symlink())
-    return int(min(cap_bytes, fraction * (free + used)))

@@ -30,7 +30,8 @@ from serve_app.cache.payload import (
     state_tensors,
     to_tensors,
 )
-from serve_app.cache.ssd import DiskEntry, SSDStore, WriteResult, digest_of
+from serve_app.cache.ssd import SSDStore, WriteResult
+from serve_app.cache.ssd_format import DiskEntry, digest_of
 from serve_app.cache.stats import StagingStats, StoreStats, Usage
 from serve_app.cache.tree import PrefixTree, Walk
 

@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from serve_app.cache.ssd import SSDStore, untrusted_reason
+from serve_app.cache.ssd import SSDStore
+from serve_app.cache.ssd_fs import untrusted_reason
 from serve_app.config.paths import default_cache_dir
 
 

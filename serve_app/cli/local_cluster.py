@@ -16,7 +16,7 @@ import signal
 import threading
 from pathlib import Path
 
-from serve_app.cache.ssd import make_dirs, untrusted_reason
+from serve_app.cache.ssd_fs import make_dirs, untrusted_reason
 from serve_app.config.paths import default_ssd_root
 from serve_app.store.actor import SSD_DIR_ENV
 

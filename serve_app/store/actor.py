@@ -36,7 +36,8 @@ from serve_app.cache.client import (
 from serve_app.cache.hot import HotEntry
 from serve_app.cache.match import Drop, Match, MatchQuery
 from serve_app.cache.payload import BlockPayload, CapturedBlock
-from serve_app.cache.ssd import SSDStore, auto_budget, untrusted_reason
+from serve_app.cache.ssd import SSDStore
+from serve_app.cache.ssd_fs import auto_budget, untrusted_reason
 from serve_app.cache.tiers import DiskInfo, TieredStore
 from serve_app.cache.wear import auto_write_budget
 from serve_app.cluster.directory import EventBatch
