@@ -8,7 +8,9 @@ import mlx_lm
 import pytest
 
 from serve_app.models.embedded import materialize
-from serve_app.serving.engine import Engine, EngineEvent, QueueFullError
+from serve_app.serving.admission import QueueFullError
+from serve_app.serving.engine import Engine
+from serve_app.serving.engine_events import EngineEvent
 from serve_app.serving.sampling import SamplingParams
 
 

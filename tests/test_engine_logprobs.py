@@ -22,7 +22,8 @@ from mlx_lm.generate import generate_step
 from serve_app.cache.manager import RequestPlan
 from serve_app.cache.payload import CapturedBlock, RestorePlan
 from serve_app.models.embedded import materialize
-from serve_app.serving.engine import Engine, EngineEvent
+from serve_app.serving.engine import Engine
+from serve_app.serving.engine_events import EngineEvent
 from serve_app.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from serve_app.serving.structured import compile_response_format
 

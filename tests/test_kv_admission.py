@@ -13,7 +13,8 @@ import pytest
 
 from serve_app.memory.plan import KV_STEP_TOKENS, MemoryLimits, cache_shape_from_layout
 from serve_app.models.embedded import materialize
-from serve_app.serving.engine import Engine, KVBudgetError
+from serve_app.serving.admission import KVBudgetError
+from serve_app.serving.engine import Engine
 from serve_app.serving.sampling import SamplingParams
 from tests.test_engine import Collector
 
@@ -79,7 +80,7 @@ def test_a_request_over_the_budget_by_itself_is_refused(engine):
     # 4 prompt tokens + 300 generated: two 256-token steps, more than the budget.
     with pytest.raises(KVBudgetError, match="KV budget"):
         engine.submit([1, 2, 3, 4], SamplingParams(max_tokens=300), Collector())
-    assert engine.kv_refusal(4, 300) is not None and engine.kv_refusal(4, 200) is None
+    assert engine.kv.refusal("m", 4, 300) is not None and engine.kv.refusal("m", 4, 200) is None
     assert per_token > 0
     snap = engine.snapshot()
     assert snap.kv_rejected == 1 and snap.in_flight == 0 and snap.submitted == 0

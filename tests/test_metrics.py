@@ -31,7 +31,7 @@ from serve_app.metrics.table import (
     store_samples,
     zero_at_start,
 )
-from serve_app.serving.engine import EngineStats
+from serve_app.serving.engine_events import EngineStats
 from serve_app.serving.request import CompletionRequest
 from tests.test_cache_exact import make_services
 from tests.test_tiers import DISK, entry, wait

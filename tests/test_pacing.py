@@ -18,10 +18,11 @@ import pytest
 
 from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize
-from serve_app.serving.engine import EngineEvent
+from serve_app.serving.engine_events import EngineEvent
 from serve_app.serving.events import Delta, Finish
 from serve_app.serving.request import CompletionRequest
-from serve_app.serving.service import EventChannel, ModelService
+from serve_app.serving.service import ModelService
+from serve_app.serving.stream import EventChannel
 
 INTERVAL_MS = 1000.0
 

@@ -176,7 +176,7 @@ def test_every_key_of_a_replicas_engine_and_cache_stats_is_classed(tmp_path):
         warm.shutdown()
         cold.shutdown()
     from serve_app.cache.manager import CacheStats
-    from serve_app.serving.engine import EngineStats
+    from serve_app.serving.engine_events import EngineStats
 
     engine_keys = set(ENGINE_SUMS) | set(ENGINE_MAX)
     cache_keys = set(CACHE_SUMS) | set(CACHE_SUMS_BY_KEY) | set(CACHE_ANSWERING) | set(

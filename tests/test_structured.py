@@ -19,7 +19,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from bench.structured import SCHEMA
 from serve_app.models.embedded import SPECIAL_TOKENS, materialize
-from serve_app.serving.engine import make_request_sampler
+from serve_app.serving.samplers import make_request_sampler
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.structured import (
     Grammar,

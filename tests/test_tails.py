@@ -21,7 +21,8 @@ from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize
 from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
 from serve_app.serving.sampling import SamplingParams
-from serve_app.serving.service import EventChannel, ModelService
+from serve_app.serving.service import ModelService
+from serve_app.serving.stream import EventChannel
 from tests.test_cache_exact import run
 
 BS = 16

@@ -182,7 +182,7 @@ def test_a_model_without_a_tool_format_refuses_tools(service):
 def test_the_last_text_is_parsed_before_the_stream_finishes(service):
     """Text the decoder releases only at the end (held for a stop string, say) still
     comes out in order, and a call it completes is a call."""
-    from serve_app.serving.service import emit_text
+    from serve_app.serving.stream import emit_text
 
     calls = service.preparer.tool_support.stream()
     out: list[Event] = []

@@ -44,9 +44,7 @@ from serve_app.models.phase import (
     replica_identity,
 )
 from serve_app.serving.errors import (
-    kv_budget_error,
     model_load_failed_error,
-    queue_full_error,
 )
 from serve_app.serving.events import Event
 from serve_app.serving.request import ApiError, Caller, OpenAIRequest
@@ -290,7 +288,7 @@ class ModelReplica:
                     prepared = await self.stage.run(service.prepare, request, caller)
                 # A request whose KV alone is over the model's KV budget: 429 before its
                 # grammar.
-                self._admit_kv(service, prepared)
+                self._admit(service, prepared)
                 # Grammars compile here, off the event loop (cached per schema).
                 processors = await self.stage.run(service.constraints, prepared)
             except ApiError as exc:
@@ -311,23 +309,20 @@ class ModelReplica:
         finally:
             self.active -= 1
 
-    def _admit(self, service: ModelService) -> None:
-        """429 when the engine is full or too many requests wait to be prepared."""
-        engine = service.engine
-        if engine.at_capacity():
-            raise queue_full_error(engine.capacity_message())
-        self.stage.admit(self.profile.name)
+    def _admit(self, service: ModelService, prepared: PreparedRequest | None = None) -> None:
+        """429 when the engine is full (``admission.refusal``), or, for a prepared
+        request, when its KV alone could never fit; then when too many requests wait
+        to be prepared. A request that fits waits in the engine while the running
+        requests' KV leaves no room for it."""
+        from serve_app.serving.admission import refusal
 
-    def _admit_kv(self, service: ModelService, prepared: PreparedRequest) -> None:
-        """429 ``kv_budget_exceeded`` for a request that could never be admitted (the
-        engine would refuse it too, as ``queue_full``); one that fits waits in the engine
-        while the running requests' KV leaves no room for it."""
-        from serve_app.serving.engine import KVBudgetError
-
-        try:
-            service.engine.check_kv(len(prepared.prompt), prepared.params.max_tokens)
-        except KVBudgetError as exc:
-            raise kv_budget_error(str(exc)) from None
+        prompt = None if prepared is None else len(prepared.prompt)
+        refused = refusal(service.engine, prompt,
+                          0 if prepared is None else prepared.params.max_tokens)
+        if refused is not None:
+            raise refused
+        if prepared is None:
+            self.stage.admit(self.profile.name)
 
     def metric_samples(self) -> list:
         """The service's samples and this model's memory (the metrics pump's thread)."""
@@ -355,7 +350,7 @@ class ModelReplica:
             "planned": None if m is None else {
                 "weights_bytes": m.weights_bytes, "kv_bytes": m.kv_bytes,
                 "hot_share_bytes": m.hot_share_bytes, "total_bytes": m.total_bytes},
-            "kv_budget_bytes": engine.kv_budget_bytes if engine is not None else None,
+            "kv_budget_bytes": engine.kv.budget_bytes if engine is not None else None,
             "kv_in_use_bytes": snap.kv_in_use_bytes if snap is not None else 0,
             "kv_waiting": snap.kv_waiting if snap is not None else 0,
             "wired_limit_bytes": limits.wired_bytes if limits is not None else None,

@@ -11,92 +11,32 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.sample_utils import apply_top_p, greedy_sampler, make_sampler
 
 from serve_app.cache.blocks import build_cache, capture_block
 from serve_app.cache.layout import Layout, probe_layout
 from serve_app.cache.manager import Published, RequestPlan
-from serve_app.memory.plan import CacheShape, MemoryLimits, cache_shape_from_layout
+from serve_app.memory.plan import MemoryLimits, cache_shape_from_layout
 from serve_app.models.compat import batch_row_caches
+from serve_app.serving.admission import (
+    KVBudget,
+    KVBudgetError,
+    QueueFullError,
+    capacity_message,
+)
+from serve_app.serving.engine_events import EngineEvent, EngineStats, EventSink
+from serve_app.serving.samplers import make_request_sampler, score_logprobs
 from serve_app.serving.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """The engine already holds as many requests as it was allowed to queue."""
-
-
-class KVBudgetError(QueueFullError):
-    """A request whose KV alone is more than the model's KV budget: it could never be
-    admitted, however long it waited."""
-
-
-@dataclass(frozen=True)
-class EngineEvent:
-    """One thing that happened to a request: a token, its end, or a failure."""
-
-    token: int | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    restored: int | None = None  # set once, at insert: tokens the request started from
-    # With ``SamplingParams.logprobs``: the token's log-probability and the most likely
-    # tokens as (token id, log-probability), most likely first (never -inf: a token a
-    # processor ruled out is no alternative, so there may be fewer than asked).
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    at: float = field(default_factory=time.perf_counter)  # when the engine produced it
-
-
-EventSink = Callable[[EngineEvent], None]
-
-
-@dataclass
-class EngineStats:
-    """Counters a human or a test can read to see what the engine did."""
-
-    submitted: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    rejected: int = 0
-    failed: int = 0
-    in_flight: int = 0
-    decode_steps: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    running_batch_size: int = 0
-    peak_batch_size: int = 0
-    step_seconds: float = 0.0
-    restored_tokens: int = 0
-    restored_bytes: int = 0
-    restore_seconds: float = 0.0
-    restore_failures: int = 0  # restores that did not build: the request prefilled cold
-    captured_blocks: int = 0
-    captured_bytes: int = 0
-    captured_tokens: int = 0
-    captured_checkpoints: int = 0
-    captured_checkpoint_bytes: int = 0  # recurrent state, the cost of a hybrid cache
-    captured_tails: int = 0  # partial blocks captured where conversations branch
-    capture_seconds: float = 0.0
-    # KV admission (``Engine.set_kv_budget``): bytes reserved by the requests in the
-    # batch, requests waiting for KV to be freed now, requests that ever waited, and
-    # requests refused because their KV alone is over the budget.
-    kv_in_use_bytes: int = 0
-    kv_waiting: int = 0
-    kv_waited: int = 0
-    kv_rejected: int = 0
 
 
 @dataclass
@@ -111,31 +51,6 @@ class _Request:
     output: list[int] = field(default_factory=list)
     restored: int = 0  # tokens the request really started from
     kv_bytes: int = 0  # KV reserved while in the batch (admission), released at its end
-
-
-def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
-    """A sampler for one request.
-
-    Greedy requests share mlx-lm's ``greedy_sampler`` object so the batch
-    samples them in one call. A seeded request carries its own PRNG key, so
-    its tokens do not depend on what else is in the batch.
-    """
-    if params.temperature == 0:
-        return greedy_sampler
-    if params.seed is None:
-        return make_sampler(temp=params.temperature, top_p=params.top_p)
-    key = mx.random.key(params.seed)
-    inv_temp = 1.0 / params.temperature
-    top_p = params.top_p
-
-    def sampler(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        if 0 < top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
-
-    return sampler
 
 
 def _deliver(req: _Request, event: EngineEvent) -> None:
@@ -197,8 +112,7 @@ class Engine:
         self._generator: BatchGenerator | None = None
         # KV admission (set_kv_budget): the budget, and requests waiting for KV (engine
         # thread only: admitted in order, so a large request is never passed over).
-        self.kv_budget_bytes: int | None = None
-        self._kv_shape: CacheShape | None = None
+        self.kv = KVBudget()
         self._kv_waiting: deque[_Request] = deque()
         # MLX's memory limits (set_memory_limits), and what the engine thread applied.
         self._limits: MemoryLimits | None = None
@@ -235,44 +149,19 @@ class Engine:
         return rid
 
     def set_kv_budget(self, budget_bytes: int | None) -> None:
-        """Admit requests by KV bytes: a request reserves the KV of its prompt plus its
-        ``max_tokens`` (the model's bytes per token from its probed layout, rounded up to
-        mlx-lm's 256-token steps as the plan rounds them, plus its recurrent state) from
-        when it joins the batch to its end. One that would take the reserved KV past
-        ``budget_bytes`` waits in the engine's queue until running ones free enough; one
-        that is over the budget by itself is refused at ``submit`` (``KVBudgetError``).
-
-        Reserving the most a request can reach, not what it holds now, keeps it simple and
-        safe: an admitted request can always finish, nothing is ever preempted. None: no
-        admission by bytes (the batch size alone bounds the KV).
-        """
+        """Admit requests by KV bytes (``admission.KVBudget``): one that would take the
+        reserved KV past ``budget_bytes`` waits in the engine's queue until running ones
+        free enough; one over the budget by itself is refused at ``submit``
+        (``KVBudgetError``). None: no admission by bytes."""
         layout = self._probed_layout
-        self._kv_shape = cache_shape_from_layout(layout) if layout.supported else None
-        self.kv_budget_bytes = budget_bytes if self._kv_shape is not None else None
+        shape = cache_shape_from_layout(layout) if layout.supported else None
+        self.kv = KVBudget(shape, budget_bytes if shape is not None else None)
         self._commands.put(("wake", None))  # a larger budget may admit waiting requests
-
-    def kv_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
-        """The KV a request reserves (0 without a KV budget)."""
-        shape = self._kv_shape
-        if shape is None or self.kv_budget_bytes is None:
-            return 0
-        return shape.bytes_for(1, prompt_tokens + max_tokens)
-
-    def kv_refusal(self, prompt_tokens: int, max_tokens: int) -> str | None:
-        """Why a request could never be admitted (its KV alone over the budget), or None."""
-        budget = self.kv_budget_bytes
-        need = self.kv_bytes(prompt_tokens, max_tokens)
-        if budget is None or need <= budget:
-            return None
-        return (f"model {self.name!r}: this request needs {need} bytes of KV cache "
-                f"({prompt_tokens} prompt tokens + max_tokens {max_tokens}), more than the "
-                f"model's KV budget of {budget} bytes in the memory plan; lower max_tokens "
-                "or shorten the prompt")
 
     def check_kv(self, prompt_tokens: int, max_tokens: int) -> None:
         """``KVBudgetError`` (counted in ``kv_rejected``) for a request that could never be
         admitted; callers that know the request's size early refuse it before any work."""
-        refusal = self.kv_refusal(prompt_tokens, max_tokens)
+        refusal = self.kv.refusal(self.name, prompt_tokens, max_tokens)
         if refusal is not None:
             with self._lock:
                 self.stats.kv_rejected += 1
@@ -292,11 +181,8 @@ class Engine:
             return full
 
     def capacity_message(self) -> str:
-        return (
-            f"model {self.name!r} is at capacity: {self.stats.in_flight} requests in flight "
-            f"(max_batch_size {self.max_batch_size} + max_queued_requests "
-            f"{self.max_queued_requests})"
-        )
+        return capacity_message(self.name, self.stats.in_flight, self.max_batch_size,
+                                self.max_queued_requests)
 
     def reset_stats(self) -> None:
         """Start every counter from zero (after a warm-up users must not see)."""
@@ -428,7 +314,7 @@ class Engine:
     def _admit(self, req: _Request) -> None:
         """Into the batch if its KV fits beside the running requests' (or nothing runs),
         else to the back of the KV queue (behind any request already waiting)."""
-        req.kv_bytes = self.kv_bytes(len(req.prompt), req.params.max_tokens)
+        req.kv_bytes = self.kv.bytes_for(len(req.prompt), req.params.max_tokens)
         if self._kv_waiting or not self._kv_fits(req):
             self._kv_waiting.append(req)
             with self._lock:
@@ -438,10 +324,7 @@ class Engine:
         self._start(req)
 
     def _kv_fits(self, req: _Request) -> bool:
-        budget = self.kv_budget_bytes
-        if budget is None or not self._requests:  # alone it always runs (submit checked)
-            return True
-        return self.stats.kv_in_use_bytes + req.kv_bytes <= budget
+        return self.kv.fits(self.stats.kv_in_use_bytes, req.kv_bytes, len(self._requests))
 
     def _admit_waiting(self) -> None:
         """Requests waiting for KV, in order, while the first of them fits."""
@@ -588,8 +471,10 @@ class Engine:
             else:  # the recurrent state is at ``covered`` only where a segment ended
                 self._capture(req, req.restored + p.progress[0], None,
                               state_valid=p.end_of_segment)
-        scored = self._score([r for r in responses if r.uid in self._by_uid
-                              and self._by_uid[r.uid].params.logprobs is not None])
+        wanted = [r for r in responses if r.uid in self._by_uid
+                  and self._by_uid[r.uid].params.logprobs is not None]
+        scored = score_logprobs(wanted, [self._by_uid[r.uid].params.logprobs or 0
+                                         for r in wanted])
         for r in responses:
             req = self._by_uid.get(r.uid)
             if req is None:
@@ -605,40 +490,6 @@ class Engine:
             _deliver(req, EngineEvent(token=r.token, logprob=logprob, top_logprobs=top))
             if r.finish_reason is not None:
                 self._finish(req, r.finish_reason)
-
-    def _score(self, responses: list) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
-        """Each response's token log-probability and top alternatives, by uid.
-
-        One MLX graph for the whole step (rows stacked, top-k by argpartition, then only
-        the k sorted) and one evaluation, so requests without logprobs cost nothing and
-        many with logprobs cost one small op, not one per request.
-        """
-        if not responses:
-            return {}
-        rows = mx.stack([r.logprobs for r in responses])  # (n, vocab), after processors
-        tokens = mx.array([[r.token] for r in responses])
-        chosen = mx.take_along_axis(rows, tokens, axis=-1)[:, 0].astype(mx.float32)
-        ks = [self._by_uid[r.uid].params.logprobs or 0 for r in responses]  # all set
-        k = min(max(ks), rows.shape[-1])
-        if k:
-            top = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
-            values = mx.take_along_axis(rows, top, axis=-1)
-            order = mx.argsort(-values, axis=-1)
-            top = mx.take_along_axis(top, order, axis=-1)
-            values = mx.take_along_axis(values, order, axis=-1).astype(mx.float32)
-            mx.eval(chosen, top, values)
-            # (n, k) arrays: lists of lists (mlx types any tolist() as a scalar or list)
-            ids = cast(list[list[int]], top.tolist())
-            lps = cast(list[list[float]], values.tolist())
-        else:
-            mx.eval(chosen)
-            ids, lps = [[] for _ in responses], [[] for _ in responses]
-        chosen_lps = cast(list[float], chosen.tolist())
-        return {
-            r.uid: (lp, tuple((t, v) for t, v in zip(i[:n], p[:n], strict=True)
-                              if v != -math.inf))
-            for r, lp, n, i, p in zip(responses, chosen_lps, ks, ids, lps, strict=True)
-        }
 
     def _batch_caches(self, uid: int) -> tuple[list, int]:
         """The running batch's per-layer caches and this request's row in them.

@@ -1,0 +1,65 @@
+"""What the engine tells its callers: one ``EngineEvent`` per token, end or failure of a
+request (delivered on the engine thread to the request's sink), and ``EngineStats``, the
+counters a human or a test reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """One thing that happened to a request: a token, its end, or a failure."""
+
+    token: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    restored: int | None = None  # set once, at insert: tokens the request started from
+    # With ``SamplingParams.logprobs``: the token's log-probability and the most likely
+    # tokens as (token id, log-probability), most likely first (never -inf: a token a
+    # processor ruled out is no alternative, so there may be fewer than asked).
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    at: float = field(default_factory=time.perf_counter)  # when the engine produced it
+
+
+EventSink = Callable[[EngineEvent], None]
+
+
+@dataclass
+class EngineStats:
+    """Counters a human or a test can read to see what the engine did."""
+
+    submitted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    running_batch_size: int = 0
+    peak_batch_size: int = 0
+    step_seconds: float = 0.0
+    restored_tokens: int = 0
+    restored_bytes: int = 0
+    restore_seconds: float = 0.0
+    restore_failures: int = 0  # restores that did not build: the request prefilled cold
+    captured_blocks: int = 0
+    captured_bytes: int = 0
+    captured_tokens: int = 0
+    captured_checkpoints: int = 0
+    captured_checkpoint_bytes: int = 0  # recurrent state, the cost of a hybrid cache
+    captured_tails: int = 0  # partial blocks captured where conversations branch
+    capture_seconds: float = 0.0
+    # KV admission (``Engine.set_kv_budget``): bytes reserved by the requests in the
+    # batch, requests waiting for KV to be freed now, requests that ever waited, and
+    # requests refused because their KV alone is over the budget.
+    kv_in_use_bytes: int = 0
+    kv_waiting: int = 0
+    kv_waited: int = 0
+    kv_rejected: int = 0
