@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 def check_memory(config: str, apps: list, hub: bool, mac_gb: int | None = None) -> int:
     """Print each application's memory plan; 2 if one cannot fit (each reason on stderr).
     ``mac_gb``: plan for a Mac of that many GB (as the sizing table does), not this one."""
-    from serve_app.memory.plan import MachineMemory, describe, probe_machine
+    from serve_app.memory.machine import MachineMemory, probe_machine
+    from serve_app.memory.plan import describe
     from serve_app.memory.planning import plan_profile
 
     machine = probe_machine() if mac_gb is None else MachineMemory(mac_gb << 30)

@@ -16,7 +16,8 @@ import pytest
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.hashing import chain, salted_root
 from serve_app.cache.layout import probe_layout
-from serve_app.cache.manager import CacheSettings, RequestPlan, default_checkpoint_interval
+from serve_app.cache.request_plan import RequestPlan
+from serve_app.cache.settings import CacheSettings, default_checkpoint_interval
 from serve_app.cache.tiers import TieredStore
 from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize

@@ -20,9 +20,9 @@ from serve_app.cache.blocks import _checked_blocks
 from serve_app.cache.hashing import block_id, chain
 from serve_app.cache.hot import HotEntry
 from serve_app.cache.layout import KV, RECURRENT, ArraySpec, Layout
-from serve_app.cache.manager import RequestPlan
 from serve_app.cache.match import Match, MatchQuery, Partial, Tier
 from serve_app.cache.payload import BlockPayload, PayloadError, RestorePlan, Tensor
+from serve_app.cache.request_plan import RequestPlan
 from serve_app.cache.tiers import TieredStore
 from tests.test_formats import DENSES, Server, close_loaded
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.cache.tiers import BlockEvent
+from serve_app.cache.match import BlockEvent
 from serve_app.cluster.directory import BlockDirectory, EventBatch
 
 

@@ -6,7 +6,7 @@ import logging
 import random
 
 from serve_app.cache.divergence import DivergenceTracker, position_bucket
-from serve_app.cache.manager import CacheStats
+from serve_app.cache.manager_stats import CacheStats
 
 LOGGER = "serve_app.cache.divergence"
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from serve_app.cache.manager import RequestPlan
 from serve_app.cache.payload import CapturedBlock, RestorePlan
+from serve_app.cache.request_plan import RequestPlan
 from serve_app.models.embedded import materialize
 from serve_app.serving.engine import Engine
 from serve_app.serving.engine_events import EngineEvent

@@ -19,8 +19,8 @@ import pytest
 
 from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.hashing import chain, salted_root
-from serve_app.cache.manager import RequestPlan
 from serve_app.cache.payload import BlockPayload, RestorePlan, Tensor, from_tensors
+from serve_app.cache.request_plan import RequestPlan
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_format import read_file
 from serve_app.cache.tiers import TieredStore

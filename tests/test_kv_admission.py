@@ -11,7 +11,8 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from serve_app.memory.plan import KV_STEP_TOKENS, MemoryLimits, cache_shape_from_layout
+from serve_app.memory.plan import MemoryLimits
+from serve_app.memory.shapes import KV_STEP_TOKENS, cache_shape_from_layout
 from serve_app.models.embedded import materialize
 from serve_app.serving.admission import KVBudgetError
 from serve_app.serving.engine import Engine

@@ -17,15 +17,11 @@ import pytest
 
 from serve_app.cache.client import FetchedChain, LocalCacheClient
 from serve_app.cache.hashing import block_id, chain
-from serve_app.cache.manager import (
-    CacheManager,
-    CacheSettings,
-    Capture,
-    RequestPlan,
-    miss_reason,
-)
+from serve_app.cache.manager import CacheManager
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
 from serve_app.cache.prefix import find_branch_points
+from serve_app.cache.request_plan import Capture, RequestPlan, miss_reason
+from serve_app.cache.settings import CacheSettings
 from serve_app.cache.tiers import TieredStore
 from serve_app.config.profile import ModelProfile
 

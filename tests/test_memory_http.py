@@ -18,8 +18,9 @@ from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.config.profile import parse_profile
-from serve_app.memory.plan import KV_STEP_TOKENS, MiB
+from serve_app.memory.plan import MiB
 from serve_app.memory.planning import plan_profile
+from serve_app.memory.shapes import KV_STEP_TOKENS
 
 MODEL = "tiny-admitted"
 HOT = 64 * MiB

@@ -14,19 +14,17 @@ import yaml
 
 from serve_app.config.profile import ModelProfile, Profile, ProfileError, load_serve_config
 from serve_app.memory.facts import FactsUnavailable, facts_from_dir, model_facts
+from serve_app.memory.machine import MachineMemory
 from serve_app.memory.plan import (
     HOT_AUTO_MAX_BYTES,
     HOT_AUTO_MIN_BYTES,
-    CacheShape,
     GiB,
-    MachineMemory,
     MiB,
     ModelFootprint,
     auto_budget,
-    cache_shape_from_config,
-    cache_shape_from_layout,
     plan_memory,
 )
+from serve_app.memory.shapes import CacheShape, cache_shape_from_config, cache_shape_from_layout
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"name": "m", "source": "embedded:tiny-dense"}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dashboards.generate import DASHBOARDS, build, panel_queries, render
-from serve_app.cache.manager import CacheStats
+from serve_app.cache.manager_stats import CacheStats
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.tiers import TieredStore
 from serve_app.config.normalize_rules import RULE_NAMES

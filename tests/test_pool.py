@@ -22,7 +22,8 @@ from serve_app.deploy.pool import (
     loaded_at_start,
     pool_for,
 )
-from serve_app.memory.plan import CacheShape, MemoryPlan, ModelFootprint
+from serve_app.memory.plan import MemoryPlan, ModelFootprint
+from serve_app.memory.shapes import CacheShape
 
 
 def pool(*models: PoolModel, max_loaded: int | None = None, room: int | None = None,

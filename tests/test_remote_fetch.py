@@ -14,7 +14,7 @@ import asyncio
 import pytest
 
 from serve_app.cache.client import FetchedChain, FetchRequest, LocalCacheClient, RemotePrefix
-from serve_app.cache.manager import RemoteFetchPolicy
+from serve_app.cache.remote import RemoteFetchPolicy
 from serve_app.cache.tiers import TieredStore
 from serve_app.config.profile import ModelProfile
 from serve_app.serving.request import CompletionRequest

@@ -175,7 +175,7 @@ def test_every_key_of_a_replicas_engine_and_cache_stats_is_classed(tmp_path):
     finally:
         warm.shutdown()
         cold.shutdown()
-    from serve_app.cache.manager import CacheStats
+    from serve_app.cache.manager_stats import CacheStats
     from serve_app.serving.engine_events import EngineStats
 
     engine_keys = set(ENGINE_SUMS) | set(ENGINE_MAX)

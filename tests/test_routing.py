@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from serve_app.cache.hashing import chain, salted_root
-from serve_app.cache.tiers import BlockEvent
+from serve_app.cache.match import BlockEvent
 from serve_app.cluster.directory import BlockDirectory, EventBatch
 from serve_app.cluster.routing import Candidate, ReplicaInfo, prefill_cost, rank
 from serve_app.config.profile import ModelProfile

@@ -119,3 +119,11 @@ class Match:
         """Tokens each block's payload holds (a cut one holds more than it restores)."""
         full = len(self.ids) - (self.partial is not None)
         return [block_size] * full + ([self.partial.stored] if self.partial else [])
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """A node now holds ``block_id`` in ``tier``, or (``tier`` None) no longer holds it."""
+
+    block_id: str
+    tier: str | None

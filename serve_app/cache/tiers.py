@@ -22,7 +22,16 @@ from typing import Any, NamedTuple
 from serve_app.cache import codecs
 from serve_app.cache.hashing import block_id
 from serve_app.cache.hot import HotEntry, HotStore
-from serve_app.cache.match import Drop, Match, MatchQuery, Partial, Source, StateAt, Tier
+from serve_app.cache.match import (
+    BlockEvent,
+    Drop,
+    Match,
+    MatchQuery,
+    Partial,
+    Source,
+    StateAt,
+    Tier,
+)
 from serve_app.cache.payload import (
     BlockPayload,
     decode_token_ids,
@@ -42,14 +51,6 @@ REMEMBER_SKIPPED = 65536  # ids of blocks kept out of RAM, for miss reasons
 GONE = "gone"  # the digest of a file evicted before a lookup could capture it: matches none
 LEASE_TTL_S = 120.0  # a restore copies its blocks in well under this
 MIN_CUT_TOKENS = 1  # the fewest tokens worth cutting a stored block to
-
-
-@dataclass(frozen=True)
-class BlockEvent:
-    """A node now holds ``block_id`` in ``tier``, or (``tier`` None) no longer holds it."""
-
-    block_id: str
-    tier: str | None
 
 
 @dataclass(frozen=True)

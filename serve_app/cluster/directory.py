@@ -26,8 +26,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from serve_app.cache.match import Tier
-from serve_app.cache.tiers import BlockEvent
+from serve_app.cache.match import BlockEvent, Tier
 
 # Credit order when a router compares holders: RAM beats SSD.
 TIER_RANK = {Tier.HOT: 0, Tier.SSD: 1}

@@ -29,10 +29,7 @@ from serve_app.deploy.pool import (
 from serve_app.deploy.replica import load_preparer
 from serve_app.deploy.scrape import StoreReports, gather_node_metrics
 from serve_app.deploy.stage import PrepareStage
-from serve_app.memory.plan import (
-    MemoryPlan,
-    memory_report,
-)
+from serve_app.memory.plan import MemoryPlan, memory_report
 from serve_app.metrics.table import (
     RayRecorder,
     zero_at_start,

@@ -24,12 +24,8 @@ from serve_app.config.profile import (
 )
 from serve_app.deploy.pool import UNLOAD_REASONS
 from serve_app.deploy.stage import PrepareStage
-from serve_app.memory.plan import (
-    ModelMemory,
-    probe_machine,
-    process_rss_bytes,
-    trim_malloc,
-)
+from serve_app.memory.machine import probe_machine, process_rss_bytes, trim_malloc
+from serve_app.memory.plan import ModelMemory
 from serve_app.metrics.table import (
     MetricsPump,
     RayRecorder,

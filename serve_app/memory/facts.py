@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve_app.config.profile import ModelProfile, source_kind
-from serve_app.memory.plan import CacheShape, ModelFootprint, cache_shape_from_config, footprint
+from serve_app.memory.plan import ModelFootprint, footprint
+from serve_app.memory.shapes import CacheShape, cache_shape_from_config
 
 # safetensors dtype names -> the activation dtypes config.json uses
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}

@@ -15,15 +15,14 @@ of each sequence on hybrid models + its share of the hot tier.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from serve_app.memory.machine import MachineMemory
+from serve_app.memory.shapes import CacheShape
+
 if TYPE_CHECKING:  # the profile imports MLX-free modules only; keep this one so too
-    from serve_app.cache.layout import Layout
     from serve_app.config.profile import ModelProfile, Profile
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -42,34 +41,12 @@ BUDGET_FLOOR_BYTES = 1 * GiB  # a tiny machine or container still gets something
 HOT_AUTO_MIN_BYTES = 256 * MiB
 HOT_AUTO_MAX_BYTES = 16 * GiB
 
-KV_STEP_TOKENS = 256  # mlx-lm's KVCache (and BatchKVCache) allocate in steps of 256 tokens
-
-# Model types whose caches mix attention (KV) and Gated DeltaNet (fixed state) layers,
-# marked as mlx-lm marks them: layer i is linear unless (i + 1) % full_attention_interval
-# == 0 (mlx_lm/models/qwen3_next.py, qwen3_5.py).
-GDN_HYBRID_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes of one element of an activation dtype named as in config.json."""
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown activation dtype {dtype!r}; known: "
-                         f"{', '.join(DTYPE_BYTES)}") from None
-
 
 def hot_budget_bytes(hot_budget: int | str) -> int:
     """The hot tier's bytes for a cache store. ``auto`` is resolved where the application
     is built (``planning.with_planned_hot_budget``); a store given an unresolved one (built
     from a bare ``CacheStoreProfile``) gets the auto minimum rather than guessing."""
     return HOT_AUTO_MIN_BYTES if hot_budget == "auto" else int(hot_budget)
-
-
-def round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
 
 
 def fmt_bytes(n: int | float) -> str:
@@ -87,170 +64,7 @@ def fmt_bytes(n: int | float) -> str:
 # ---- a model's cache -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CacheShape:
-    """What one sequence's cache costs: bytes that grow with each token (keys and values
-    of the attention layers) and bytes fixed per sequence (recurrent state of the linear-
-    attention layers: conv state in the activation dtype, SSM state in float32)."""
-
-    kv_bytes_per_token: int
-    state_bytes_per_sequence: int = 0
-    attention_layers: int = 0
-    recurrent_layers: int = 0
-    dtype: str = ""
-
-    def bytes_for(self, sequences: int, tokens: int, step: int = KV_STEP_TOKENS) -> int:
-        """KV and state of ``sequences`` sequences of ``tokens`` tokens each, with the KV
-        buffers rounded up to mlx-lm's allocation step (``step=1``: the tokens only)."""
-        return sequences * (self.kv_bytes_per_token * round_up(tokens, step)
-                            + self.state_bytes_per_sequence)
-
-
-def _text_config(config: dict) -> dict:
-    """Qwen3.5 (and other multimodal checkpoints) nest the language model's keys."""
-    text = config.get("text_config")
-    return {**config, **text} if isinstance(text, dict) else config
-
-
-def _need(config: dict, key: str) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"config.json: {key}: a positive integer is needed to plan the KV "
-                         f"cache (got {value!r})")
-    return value
-
-
-def config_dtype(config: dict) -> str | None:
-    """The activation dtype config.json names (``torch_dtype``, or ``dtype`` in newer
-    transformers), if any."""
-    text = _text_config(config)
-    for key in ("torch_dtype", "dtype"):
-        value = text.get(key) or config.get(key)
-        if isinstance(value, str) and value in DTYPE_BYTES:
-            return value
-    return None
-
-
-def cache_shape_from_config(config: dict, dtype: str | None = None) -> CacheShape:
-    """A model's cache bytes from its config.json alone (no weights loaded).
-
-    ``dtype`` is the activation dtype (what the weights compute in: the embedding's, or
-    its quantization scales'); default the config's, else bfloat16 as on mlx-community
-    checkpoints. Attention layers keep ``num_key_value_heads x head_dim`` keys and as
-    many values per token. On GDN hybrids (``GDN_HYBRID_TYPES``) each linear layer
-    instead keeps per sequence a conv state ``(kernel - 1) x (2 key_dim + value_dim)`` in
-    the activation dtype and an SSM state ``Hv x Dv x Dk`` in float32
-    (``mlx_lm/models/gated_delta.py``). Other architectures are planned as if every layer
-    were full attention: an upper bound for sliding-window models.
-    """
-    text = _text_config(config)
-    dtype = dtype or config_dtype(config) or "bfloat16"
-    act = dtype_bytes(dtype)
-    layers = _need(text, "num_hidden_layers")
-    heads = _need(text, "num_attention_heads")
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or _need(text, "hidden_size") // heads
-    model_type = str(config.get("model_type", ""))
-    if model_type in GDN_HYBRID_TYPES:
-        interval = text.get("full_attention_interval") or 4
-        recurrent = sum(1 for i in range(layers) if (i + 1) % interval != 0)
-        k_heads, v_heads = (_need(text, "linear_num_key_heads"),
-                            _need(text, "linear_num_value_heads"))
-        k_dim, v_dim = _need(text, "linear_key_head_dim"), _need(text, "linear_value_head_dim")
-        kernel = text.get("linear_conv_kernel_dim") or 4
-        conv = (kernel - 1) * (2 * k_heads * k_dim + v_heads * v_dim) * act
-        ssm = v_heads * v_dim * k_dim * 4  # float32 whatever the activations
-        state = recurrent * (conv + ssm)
-    else:
-        recurrent, state = 0, 0
-    attention = layers - recurrent
-    return CacheShape(kv_bytes_per_token=attention * 2 * kv_heads * head_dim * act,
-                      state_bytes_per_sequence=state, attention_layers=attention,
-                      recurrent_layers=recurrent, dtype=dtype)
-
-
-def cache_shape_from_layout(layout: Layout) -> CacheShape:
-    """The same from a loaded model's probed layout (``serve_app/cache/layout.py``):
-    exact for any architecture the prefix cache supports. A replica can plan with this
-    once its model is loaded."""
-    from serve_app.cache.layout import KV, RECURRENT
-
-    dtypes = {a.dtype for layer, kind in zip(layout.arrays, layout.kinds, strict=True)
-              if kind == KV for a in layer}
-    return CacheShape(kv_bytes_per_token=layout.block_nbytes(1),
-                      state_bytes_per_sequence=layout.state_nbytes(),
-                      attention_layers=layout.kinds.count(KV),
-                      recurrent_layers=layout.kinds.count(RECURRENT),
-                      dtype=",".join(sorted(dtypes)))
-
-
 # ---- the machine -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MachineMemory:
-    """Physical memory, and on Metal the GPU's recommended working set (what MLX can keep
-    wired; None elsewhere)."""
-
-    total_bytes: int
-    gpu_working_set_bytes: int | None = None
-
-    @property
-    def metal(self) -> bool:
-        return self.gpu_working_set_bytes is not None
-
-
-def physical_memory() -> int:
-    """Bytes of physical memory (sysconf; ``sysctl hw.memsize`` on macOS if that fails)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        if sys.platform != "darwin":
-            raise
-    out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True,
-                         check=True, timeout=5)
-    return int(out.stdout.strip())
-
-
-def probe_machine() -> MachineMemory:
-    """This machine's memory; on Apple Silicon asks Metal for its working set."""
-    total = physical_memory()
-    if sys.platform != "darwin":
-        return MachineMemory(total)
-    try:
-        import mlx.core as mx
-
-        if not mx.metal.is_available():
-            return MachineMemory(total)
-        working = mx.device_info().get("max_recommended_working_set_size")
-    except Exception:  # no MLX, or no Metal: the plan is advisory either way
-        return MachineMemory(total)
-    return MachineMemory(total, int(working) if working else None)
-
-
-def trim_malloc() -> None:
-    """glibc's ``malloc_trim(0)``; nothing elsewhere (macOS returns freed pages itself)."""
-    import ctypes
-    import ctypes.util
-
-    if os.uname().sysname != "Linux":
-        return
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):  # a libc without it (musl)
-        pass
-
-
-def process_rss_bytes() -> int | None:
-    """This process's resident memory (Linux ``/proc``; None elsewhere)."""
-    try:
-        with open(f"/proc/{os.getpid()}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def auto_budget(machine: MachineMemory) -> int:

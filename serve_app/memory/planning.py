@@ -10,7 +10,8 @@ from pathlib import Path
 
 from serve_app.config.profile import Profile
 from serve_app.memory.facts import profile_footprints
-from serve_app.memory.plan import MachineMemory, MemoryPlan, plan_memory, probe_machine
+from serve_app.memory.machine import MachineMemory, probe_machine
+from serve_app.memory.plan import MemoryPlan, plan_memory
 
 logger = logging.getLogger(__name__)
 

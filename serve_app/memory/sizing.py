@@ -16,16 +16,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from serve_app.config.profile import ModelProfile, Profile
-from serve_app.memory.plan import (
-    KV_STEP_TOKENS,
-    CacheShape,
-    MachineMemory,
-    ModelFootprint,
-    cache_shape_from_config,
-    fmt_bytes,
-    footprint,
-    plan_memory,
-)
+from serve_app.memory.machine import MachineMemory
+from serve_app.memory.plan import ModelFootprint, fmt_bytes, footprint, plan_memory
+from serve_app.memory.shapes import KV_STEP_TOKENS, CacheShape, cache_shape_from_config
 
 GB = 1 << 30  # "16 GB" Macs have 16 GiB
 MACHINES = (16, 32, 64, 128)

@@ -27,7 +27,7 @@ from serve_app.cache.stats import Usage
 from serve_app.models.compat import record_metric_zero
 
 if TYPE_CHECKING:  # the engine imports MLX; the store and the ingress load this module
-    from serve_app.cache.manager import CacheStats
+    from serve_app.cache.manager_stats import CacheStats
     from serve_app.cache.stats import StoreStats
     from serve_app.serving.engine_events import EngineStats
 

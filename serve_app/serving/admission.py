@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from serve_app.memory.plan import CacheShape
+from serve_app.memory.shapes import CacheShape
 from serve_app.serving.errors import kv_budget_error, queue_full_error
 
 if TYPE_CHECKING:

@@ -23,8 +23,9 @@ from mlx_lm.generate import BatchGenerator
 
 from serve_app.cache.blocks import build_cache, capture_block
 from serve_app.cache.layout import Layout, probe_layout
-from serve_app.cache.manager import Published, RequestPlan
-from serve_app.memory.plan import MemoryLimits, cache_shape_from_layout
+from serve_app.cache.request_plan import Published, RequestPlan
+from serve_app.memory.plan import MemoryLimits
+from serve_app.memory.shapes import cache_shape_from_layout
 from serve_app.models.compat import batch_row_caches
 from serve_app.serving.admission import (
     KVBudget,

@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from serve_app.cache.client import CacheClient
-from serve_app.cache.manager import CacheManager, CacheStats, RequestPlan
+from serve_app.cache.manager import CacheManager
+from serve_app.cache.manager_stats import CacheStats
+from serve_app.cache.request_plan import RequestPlan
 from serve_app.config.catalog import EMBEDDED_PREFIX
 from serve_app.config.normalize_rules import RULE_NAMES
 from serve_app.config.paths import default_home
