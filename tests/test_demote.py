@@ -14,7 +14,8 @@ from serve_app.cache.hot import HotEntry
 from serve_app.cache.match import MatchQuery, StateAt, Tier
 from serve_app.cache.payload import BlockPayload, Tensor
 from serve_app.cache.ssd import SSDStore
-from serve_app.cache.tiers import DiskInfo, TieredStore
+from serve_app.cache.ssd_format import DiskInfo
+from serve_app.cache.tiers import TieredStore
 from tests.test_ssd import LAYOUT, MODEL, bid
 
 EXACT = DiskInfo(MODEL, LAYOUT, 16, "ssd_sidecar", "fp32")

@@ -18,7 +18,8 @@ from serve_app.cache.match import MatchQuery, Partial, Tier
 from serve_app.cache.payload import MAX_TOKEN_IDS, decode_token_ids, encode_token_ids
 from serve_app.cache.prefix import common_prefix
 from serve_app.cache.ssd import SSDStore
-from serve_app.cache.tiers import DiskInfo, TieredStore
+from serve_app.cache.ssd_format import DiskInfo
+from serve_app.cache.tiers import TieredStore
 from serve_app.cache.tree import PrefixTree
 from tests.test_common_prefix import BS, ROOT, diverge, stored, tokens_of
 

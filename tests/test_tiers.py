@@ -12,8 +12,8 @@ from serve_app.cache.hot import HotEntry
 from serve_app.cache.match import Drop, MatchQuery, StateAt
 from serve_app.cache.payload import BlockPayload, Tensor
 from serve_app.cache.ssd import SSDStore
-from serve_app.cache.ssd_format import SSDError, digest_of, read_file
-from serve_app.cache.tiers import GONE, DiskInfo, TieredStore
+from serve_app.cache.ssd_format import DiskInfo, SSDError, digest_of, read_file
+from serve_app.cache.tiers import GONE, TieredStore
 from tests.test_ssd import LAYOUT, MODEL, bid, meta, tensors
 
 DISK = DiskInfo(MODEL, LAYOUT, 16, "ssd_sidecar", "fp32")

@@ -32,8 +32,8 @@ from serve_app.cache.payload import (
     from_tensors,
     state_from_names,
 )
-from serve_app.cache.ssd_format import SSDError, read_file
-from serve_app.cache.tiers import DiskInfo, TieredStore
+from serve_app.cache.ssd_format import DiskInfo, SSDError, read_file
+from serve_app.cache.tiers import TieredStore
 
 if TYPE_CHECKING:  # layout.py imports mlx-lm; this module (and the cache policy) need not
     from serve_app.cache.layout import Layout

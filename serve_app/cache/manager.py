@@ -38,7 +38,7 @@ from serve_app.cache.payload import CapturedBlock, RestorePlan
 from serve_app.cache.remote import RemoteFetchPolicy
 from serve_app.cache.request_plan import Miss, RequestPlan, miss_reason
 from serve_app.cache.settings import CacheSettings, disabled_reason
-from serve_app.cache.tiers import DiskInfo
+from serve_app.cache.ssd_format import DiskInfo
 from serve_app.config.paths import default_home
 from serve_app.config.profile import ModelProfile
 

@@ -147,3 +147,14 @@ def entry_from_file(path: Path) -> DiskEntry | None:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     return DiskEntry(kind, block_id, path, st.st_size, meta.get("model", ""),
                      meta.get("layout", ""), st.st_mtime, meta)
+
+
+@dataclass(frozen=True)
+class DiskInfo:
+    """What the SSD tier records of a block besides its tensors."""
+
+    model: str  # model identity digest
+    layout: str  # layout digest
+    block_size: int
+    storage: str  # "ssd_sidecar" or "embedded"
+    codec: str

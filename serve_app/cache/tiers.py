@@ -40,7 +40,7 @@ from serve_app.cache.payload import (
     to_tensors,
 )
 from serve_app.cache.ssd import SSDStore, WriteResult
-from serve_app.cache.ssd_format import DiskEntry, digest_of
+from serve_app.cache.ssd_format import DiskEntry, DiskInfo, digest_of
 from serve_app.cache.stats import StagingStats, StoreStats, Usage
 from serve_app.cache.tree import PrefixTree, Walk
 
@@ -51,17 +51,6 @@ REMEMBER_SKIPPED = 65536  # ids of blocks kept out of RAM, for miss reasons
 GONE = "gone"  # the digest of a file evicted before a lookup could capture it: matches none
 LEASE_TTL_S = 120.0  # a restore copies its blocks in well under this
 MIN_CUT_TOKENS = 1  # the fewest tokens worth cutting a stored block to
-
-
-@dataclass(frozen=True)
-class DiskInfo:
-    """What the SSD tier records of a block besides its tensors."""
-
-    model: str  # model identity digest
-    layout: str  # layout digest
-    block_size: int
-    storage: str  # "ssd_sidecar" or "embedded"
-    codec: str
 
 
 @dataclass

@@ -28,7 +28,7 @@ from serve_app.cache.client import (
 )
 from serve_app.cache.match import Drop, Match, MatchQuery, Tier
 from serve_app.cache.payload import BlockPayload, CapturedBlock
-from serve_app.cache.tiers import DiskInfo
+from serve_app.cache.ssd_format import DiskInfo
 from serve_app.cluster.directory_service import NAMESPACE, DirectoryFollower
 from serve_app.cluster.replicas import ReplicaReport
 from serve_app.config.profile import CacheStoreProfile
