@@ -196,8 +196,9 @@ def test_a_plan_without_a_sink_only_restores():
 
 def fetched(present: int, restored: int = 0, evicted: bool = False, incompatible: int = 0,
             reason: str | None = None) -> FetchedChain:
-    return FetchedChain(present, present - restored, [], None, evicted,
-                        incompatible=incompatible, incompatible_reason=reason)
+    return FetchedChain(present=present, walkbacks=present - restored, payloads=[], lease=None,
+                        first_missing_evicted=evicted, incompatible=incompatible,
+                        incompatible_reason=reason)
 
 
 def test_miss_reasons():

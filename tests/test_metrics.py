@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dashboards.generate import DASHBOARDS, build, panel_queries, render
 from serve_app.cache.manager_stats import CacheStats
@@ -16,6 +17,7 @@ from serve_app.cache.ssd import SSDStore
 from serve_app.cache.tiers import TieredStore
 from serve_app.config.normalize_rules import RULE_NAMES
 from serve_app.deploy.pool import UNLOAD_REASONS
+from serve_app.metrics.exposition import merge_exposition
 from serve_app.metrics.table import (
     DEFS,
     METRICS,
@@ -25,7 +27,6 @@ from serve_app.metrics.table import (
     Recorder,
     Sample,
     markdown_table,
-    merge_exposition,
     pool_samples,
     replica_samples,
     store_samples,
@@ -257,6 +258,44 @@ def test_nodes_merge_into_one_valid_exposition():
     walkbacks = [line for line in text.splitlines()
                  if line.startswith("ray_serve_app_prefix_cache_walkbacks_total")]
     assert sorted(float(line.split()[-1]) for line in walkbacks) == [1.0, 2.0]
+    if PROMTOOL:
+        done = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(),
+                              capture_output=True, timeout=60)
+        assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+
+
+def test_every_histogram_of_every_model_is_in_the_first_scrape():
+    """Ray exports a histogram once observed: ``/metrics`` fills in each table histogram of
+    each served model at zero (each bucket, count and sum) until then, and leaves an
+    observed series as the node exported it."""
+    ray_labels = 'Component="core_worker",NodeAddress="10.0.0.1",WorkerId="w1"'
+    observed = (
+        "# HELP ray_serve_app_time_to_first_token_seconds TTFT.\n"
+        "# TYPE ray_serve_app_time_to_first_token_seconds histogram\n"
+        + "".join(f'ray_serve_app_time_to_first_token_seconds_bucket{{{ray_labels},'
+                  f'le="{b}",model="a"}} 1.0\n' for b in ("0.5", "+Inf"))
+        + f'ray_serve_app_time_to_first_token_seconds_count{{{ray_labels},model="a"}} 1.0\n'
+        + f'ray_serve_app_time_to_first_token_seconds_sum{{{ray_labels},model="a"}} 0.3\n')
+    text = merge_exposition([observed], models=("a", "b"))
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    histograms = [d for d in METRICS if d.kind == "histogram"]
+    assert histograms
+    for d in histograms:
+        family = families[f"ray_{d.name}"]
+        assert family.type == "histogram"
+        counts = {tuple(sorted(s.labels.items())): s.value for s in family.samples
+                  if s.name.endswith("_count")}
+        phases = PHASES if "phase" in d.labels else (None,)
+        for model in ("a", "b"):
+            for phase in phases:
+                labels = {"model": model, **({"phase": phase} if phase else {})}
+                observed_here = d.name == "serve_app_time_to_first_token_seconds" and model == "a"
+                key = tuple(sorted(({**labels, "node": "10.0.0.1", "worker_id": "w1"}
+                                    if observed_here else labels).items()))
+                assert counts[key] == (1.0 if observed_here else 0.0), (d.name, key, counts)
+        zero = [s for s in family.samples if s.labels.get("model") == "b"
+                and s.name.endswith("_bucket")]
+        assert {s.labels["le"] for s in zero} >= {"+Inf"} and not any(s.value for s in zero)
     if PROMTOOL:
         done = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(),
                               capture_output=True, timeout=60)

@@ -22,6 +22,7 @@ from bench.devserver import ServerProcess, free_port, write_config
 from dashboards.generate import DASHBOARDS, build, concrete, panel_queries
 from serve_app.cache.ssd_format import read_header
 from serve_app.cache.ssd_fs import FORMAT_VERSION
+from serve_app.metrics.table import METRICS
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -212,6 +213,7 @@ def test_metrics_follow_a_workload_across_a_restart(stack):
     start, prom, kv = stack
     first = start()
     ray_service_discovery_is_current()
+    every_metric_is_scraped_before_any_request(prom)
 
     # ---- session 1: two conversations, a few bad requests, a queue-full rejection
     hybrid_messages, hybrid = conversation(first, HYBRID, 3)
@@ -323,6 +325,23 @@ def test_metrics_follow_a_workload_across_a_restart(stack):
                 empty.append(f"{key} / {title}: {expr}")
     assert not empty, "\n".join(empty)
     promtool_check(httpx.get(f"{second.base_url}/metrics", timeout=30).text)
+
+
+def every_metric_is_scraped_before_any_request(prom: Prometheus) -> None:
+    """Each metric of the table has a series in Prometheus from the server's first
+    scrapes, before any request: a panel or an alert on it never sees "no data". The
+    histograms of every model are there at zero (nothing observed yet)."""
+    for d in METRICS:
+        pattern = f"ray_{d.name}" + {"counter": "_total", "gauge": "",
+                                     "histogram": "_count"}[d.kind]
+        deadline = time.monotonic() + 60
+        while not prom.query(f'count({{__name__="{pattern}"}})'):
+            assert time.monotonic() < deadline, f"{pattern}: no series before any request"
+            time.sleep(0.5)
+        if d.kind == "histogram":
+            for model in MODELS:
+                prom.wait_for(f'count({pattern}{{model="{model["name"]}"}}) > bool 0', 1)
+                prom.wait_for(f'sum({pattern}{{model="{model["name"]}"}})', 0)
 
 
 def ray_service_discovery_is_current() -> None:

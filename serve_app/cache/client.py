@@ -109,7 +109,7 @@ class CircuitBreaker:
                 "opened": self.opened}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FetchedChain:
     """Result of a fetch: what is present and the payloads to restore."""
 
@@ -129,6 +129,12 @@ class FetchedChain:
     ssd_seconds: float = 0.0
     store_error: str | None = None  # the store failed (its kind): nothing was looked up
     first_missing_skipped: bool = False  # kept out of RAM, too large (no SSD tier)
+
+    @classmethod
+    def nothing(cls, **why: Any) -> FetchedChain:
+        """No block present (``why``: the counters that say why, or the store's error)."""
+        return cls(present=0, walkbacks=0, payloads=[], lease=None,
+                   first_missing_evicted=False, **why)
 
     @property
     def full_blocks(self) -> int:
@@ -295,12 +301,16 @@ class CacheClient:
             tiers = [s.tier for s in found.sources]
             ssd_bytes = sum(p.nbytes for p, t in zip(payloads, tiers[req.first:], strict=True)
                             if t == Tier.SSD)
-            return FetchedChain(found.present, found.walkbacks, payloads, found.lease,
-                                found.first_missing_evicted, tiers, rejects, incompatible,
-                                reason, found.partial, found.block_tokens(req.block_size),
-                                loads, ssd_bytes, (toc - tic) if ssd_bytes else 0.0,
-                                first_missing_skipped=found.first_missing_skipped)
-        return FetchedChain(0, 0, [], None, False, [], rejects, incompatible, reason)
+            return FetchedChain(
+                present=found.present, walkbacks=found.walkbacks, payloads=payloads,
+                lease=found.lease, first_missing_evicted=found.first_missing_evicted,
+                tiers=tiers, checkpoint_rejects=rejects, incompatible=incompatible,
+                incompatible_reason=reason, partial=found.partial,
+                block_tokens=found.block_tokens(req.block_size), sidecar_loads=loads,
+                ssd_bytes=ssd_bytes, ssd_seconds=(toc - tic) if ssd_bytes else 0.0,
+                first_missing_skipped=found.first_missing_skipped)
+        return FetchedChain.nothing(checkpoint_rejects=rejects, incompatible=incompatible,
+                                    incompatible_reason=reason)
 
     def _release_soon(self, lease: int | None) -> None:
         """Release from a task that may be cancelled: scheduled, not awaited."""

@@ -186,7 +186,7 @@ class CacheManager:
             if kind != "skipped":
                 logger.warning("model %s: cache store lookup failed (%s), prefilling cold: %s",
                                self.settings.model, kind, exc)
-            return FetchedChain(0, 0, [], None, False, store_error=kind)
+            return FetchedChain.nothing(store_error=kind)
 
     def _diagnose(self, root: str, prompt: list[int]) -> None:
         """Cache-bust diagnostics; a fault in them never fails a request."""

@@ -30,10 +30,7 @@ from serve_app.deploy.replica import load_preparer
 from serve_app.deploy.scrape import StoreReports, gather_node_metrics
 from serve_app.deploy.stage import PrepareStage
 from serve_app.memory.plan import MemoryPlan, memory_report
-from serve_app.metrics.table import (
-    RayRecorder,
-    zero_at_start,
-)
+from serve_app.metrics.table import RayRecorder, zero_at_start
 from serve_app.models.phase import (
     ModelPhase,
     model_phase,
@@ -259,7 +256,7 @@ class Ingress(OpenAIIngress):
         return model_view(answered, gathered, expected)
 
     async def metrics_text(self) -> str:
-        return await gather_node_metrics()
+        return await gather_node_metrics(models=tuple(m.name for m in self.profile.models))
 
     def memory_bytes(self, name: str) -> int | None:
         if self.plan is None:

@@ -13,7 +13,7 @@ from typing import Any
 import ray
 
 from serve_app.cluster.replicas import Gathered, ReplicaReport
-from serve_app.metrics.table import merge_exposition
+from serve_app.metrics.exposition import merge_exposition
 
 logger = logging.getLogger("ray.serve")
 
@@ -74,18 +74,18 @@ class _ScrapeCache:
         self.pending: asyncio.Future | None = None
         self.gathers = 0  # fan-outs to every node so far
 
-    async def get(self, max_age: float) -> str:
+    async def get(self, max_age: float, models: tuple[str, ...] = ()) -> str:
         loop = asyncio.get_running_loop()
         if self.text is not None and loop.time() - self.at < max_age:
             return self.text
         pending = self.pending
         if pending is None or pending.done() or pending.get_loop() is not loop:
-            pending = self.pending = asyncio.ensure_future(self._gather())
+            pending = self.pending = asyncio.ensure_future(self._gather(models))
         return await asyncio.shield(pending)
 
-    async def _gather(self) -> str:
+    async def _gather(self, models: tuple[str, ...]) -> str:
         self.gathers += 1
-        text = await _gather_node_metrics()
+        text = await _gather_node_metrics(models)
         self.text, self.at = text, asyncio.get_running_loop().time()
         return text
 
@@ -93,20 +93,21 @@ class _ScrapeCache:
 _scrapes = _ScrapeCache()
 
 
-async def gather_node_metrics(max_age: float | None = None) -> str:
-    """serve_app's families from every alive node's Ray metrics export, merged; at most
-    one fan-out to the nodes per ``METRICS_CACHE_S`` however often (or however many at
-    once) Prometheus scrapes."""
-    return await _scrapes.get(METRICS_CACHE_S if max_age is None else max_age)
+async def gather_node_metrics(max_age: float | None = None,
+                              models: tuple[str, ...] = ()) -> str:
+    """serve_app's families from every alive node's Ray metrics export, merged, with the
+    histograms of ``models`` not observed yet at zero; at most one fan-out to the nodes
+    per ``METRICS_CACHE_S`` however often (or however many at once) Prometheus scrapes."""
+    return await _scrapes.get(METRICS_CACHE_S if max_age is None else max_age, models)
 
 
-async def _gather_node_metrics() -> str:
+async def _gather_node_metrics(models: tuple[str, ...] = ()) -> str:
     nodes = await asyncio.to_thread(ray.nodes)
     urls = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
             for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
     texts = await asyncio.gather(*(asyncio.to_thread(_fetch, url) for url in urls))
     # Parsing every node's text is CPU work: not on the ingress's event loop.
-    return await asyncio.to_thread(merge_exposition, [t for t in texts if t])
+    return await asyncio.to_thread(merge_exposition, [t for t in texts if t], models)
 
 
 def _fetch(url: str) -> str | None:

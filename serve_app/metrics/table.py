@@ -250,6 +250,11 @@ DEFS: dict[str, MetricDef] = {d.name: d for d in METRICS}
 # Labelled counters recorded at events, not pumped from stats (those are sampled at 0
 # from fresh stats): the label sets the recording process exports at 0 when it starts,
 # so a dashboard shows 0 before the first event, not "no data".
+# The label sets beyond ``model`` of each histogram, filled in at zero in ``/metrics``
+# until observed (``metrics/exposition.py``); a histogram not named here has ``model`` only.
+HISTOGRAM_SERIES: dict[str, tuple[dict[str, str], ...]] = {
+    "serve_app_request_phase_seconds": tuple({"phase": p} for p in PHASES),
+}
 ZERO_AT_START: dict[str, tuple[dict[str, str], ...]] = {
     "serve_app_requests": ({"status": "200"},),
     "serve_app_routing_decisions": tuple({"reason": r} for r in ROUTING_REASONS),
@@ -537,53 +542,6 @@ def store_samples(stats: StoreStats, names: dict[str, str]) -> list[Sample]:
 
 
 # ---- /metrics on the API port -------------------------------------------------------------
-
-
-# Ray's own labels on every sample: renamed to Prometheus' snake_case, or dropped
-# where they say nothing a series needs (process kind, versions, empty OTel scope).
-RAY_LABELS = {"NodeAddress": "node", "WorkerId": "worker_id"}
-RAY_LABELS_DROPPED = {"Component", "SessionName", "Version", "otel_scope_name",
-                      "otel_scope_schema_url", "otel_scope_version"}
-
-
-def merge_exposition(texts: Iterable[str], prefix: str = EXPORT_PREFIX + "serve_app_") -> str:
-    """Our metric families out of several nodes' exports, as one valid exposition.
-
-    Each node's text has every family once; two nodes' texts repeat family
-    headers, which Prometheus rejects, so samples are regrouped under one.
-    Ray's CamelCase labels become snake_case (``promtool check metrics``).
-    """
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families: dict[str, Any] = {}
-    for text in texts:
-        ours = "\n".join(line for line in text.splitlines()
-                         if line.startswith(prefix) or line.startswith(("# HELP " + prefix,
-                                                                          "# TYPE " + prefix)))
-        for family in text_string_to_metric_families(ours + "\n"):
-            family.samples = [_relabel(s) for s in family.samples]
-            if family.name in families:
-                families[family.name].samples.extend(family.samples)
-            else:
-                families[family.name] = family
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(families.values()))
-    return generate_latest(registry).decode()
-
-
-def _relabel(sample: Any) -> Any:
-    labels = {RAY_LABELS.get(k, k): v for k, v in sample.labels.items()
-              if k not in RAY_LABELS_DROPPED}
-    return sample._replace(labels=labels)
-
-
-class _Families:
-    def __init__(self, families: Iterable[Any]) -> None:
-        self._families = list(families)
-
-    def collect(self) -> Iterable[Any]:
-        return self._families
 
 
 # ---- documentation ------------------------------------------------------------------------
