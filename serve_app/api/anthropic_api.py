@@ -35,13 +35,18 @@ from serve_app.api.openai_api import Collector
 from serve_app.config.validation import clean_loc
 from serve_app.serving.events import Delta, Event, Failure, Finish, Start
 from serve_app.serving.request import MAX_TOKENS, ApiError, checked
+from serve_app.serving.request import validation_error as request_validation_error
+from serve_app.serving.tool_rules import (
+    ANTHROPIC_MAX_TOOL_NAME,
+    anthropic_name_ok,
+    choice_problem,
+    first_duplicate,
+)
 from serve_app.serving.tools import ToolCall
 
 # Text blocks of one turn (or of the system prompt) are joined with this: the
 # same request must always render the same prompt, or prefix caching misses.
 BLOCK_SEPARATOR = "\n"
-TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-MAX_TOOL_NAME = 128
 
 
 # ---- internal seam types ------------------------------------------------------------
@@ -117,7 +122,7 @@ class Tool(BaseModel):
     """A client tool; server tools (a ``type`` such as ``web_search_20250305``) are refused."""
 
     model_config = ConfigDict(extra="allow")
-    name: Annotated[StrictStr, Field(min_length=1, max_length=MAX_TOOL_NAME)]
+    name: Annotated[StrictStr, Field(min_length=1, max_length=ANTHROPIC_MAX_TOOL_NAME)]
     description: StrictStr | None = None
     input_schema: dict[str, Any] | None = None
     type: StrictStr | None = None
@@ -182,21 +187,18 @@ def parse_count_tokens_request(body: Any) -> CountTokensRequest:
 
 
 def validation_error(exc: ValidationError) -> ApiError:
-    """One pydantic error as a 400 whose message starts with the field path.
+    """The deepest pydantic error as a 400 (``serving.request.validation_error``), with
+    the content block's own tag left out of the path and its tag errors in words."""
+    return request_validation_error(exc, _clean_loc, _explain)
 
-    The deepest error is the one named: for ``content`` (a string or a list of
-    blocks) a bad block must be reported, not "should be a valid string".
-    """
-    errors = exc.errors()
-    worst = max(errors, key=lambda e: len(_clean_loc(e["loc"])))
-    param = ".".join(str(p) for p in _clean_loc(worst["loc"])) or None
-    message = worst["msg"]
+
+def _explain(worst: dict, loc: list) -> tuple[list, str, str | None] | None:
     if worst["type"] == "union_tag_invalid":  # pydantic lists every tag, even refused ones
-        message = (f"content block type {worst['ctx']['tag']!r} is not supported "
-                   "(supported: text, tool_use, tool_result)")
-    elif worst["type"] == "union_tag_not_found":
-        message = "content block has no 'type'"
-    return ApiError(400, f"{param or 'body'}: {message}", param=param)
+        return loc, (f"content block type {worst['ctx']['tag']!r} is not supported "
+                     "(supported: text, tool_use, tool_result)"), None
+    if worst["type"] == "union_tag_not_found":
+        return loc, "content block has no 'type'", None
+    return None
 
 
 _BLOCK_TAGS = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
@@ -466,20 +468,19 @@ def _tool_result_text(block: ToolResultBlock, where: str, *, check: bool = True)
 
 def _convert_tools(tools: list[Tool]) -> tuple[FunctionTool, ...]:
     out = []
-    names: set[str] = set()
+    duplicate = first_duplicate(t.name for t in tools)
     for i, t in enumerate(tools):
         where = f"tools.{i}"
         if t.type not in (None, "custom"):
             raise ApiError(400, f"{where}.type: server tool {t.type!r} is not supported by this "
                            "server; only client tools (name, description, input_schema)",
                            param=f"{where}.type", code="unsupported_tool")
-        if not set(t.name) <= TOOL_NAME_CHARS:
+        if not anthropic_name_ok(t.name):
             raise ApiError(400, f"{where}.name: tool names may contain only letters, digits, "
                            f"'_' and '-' (got {t.name!r})", param=f"{where}.name")
-        if t.name in names:
+        if duplicate is not None and duplicate[0] == i:
             raise ApiError(400, f"{where}.name: tool name {t.name!r} is used twice",
                            param=f"{where}.name")
-        names.add(t.name)
         if t.input_schema is None:
             raise ApiError(400, f"{where}.input_schema: Field required",
                            param=f"{where}.input_schema")
@@ -498,7 +499,8 @@ def _convert_tool_choice(
     parallel = not choice.disable_parallel_tool_use
     if choice.type == "none":
         return ToolChoice("none"), parallel
-    if not tools:
+    names = {t.name for t in tools}
+    if choice_problem(True, None, names) == "needs_tools":  # (auto too: Anthropic's rule)
         raise ApiError(400, f"tool_choice: type {choice.type!r} needs tools", param="tool_choice")
     if choice.type == "auto":
         return ToolChoice("auto"), parallel
@@ -507,7 +509,7 @@ def _convert_tool_choice(
     if not choice.name:
         raise ApiError(400, "tool_choice.name: required when type is 'tool'",
                        param="tool_choice.name")
-    if choice.name not in {t.name for t in tools}:
+    if choice_problem(True, choice.name, names) == "unknown_name":
         raise ApiError(400, f"tool_choice.name: no tool named {choice.name!r} in tools",
                        param="tool_choice.name")
     return ToolChoice("function", choice.name), parallel

@@ -18,7 +18,6 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.api import anthropic_api as anthropic
@@ -33,7 +32,6 @@ from serve_app.api.openai_api import (
 )
 from serve_app.api.sse import DONE, data_event, sse_event
 from serve_app.config import api_keys
-from serve_app.config.validation import clean_loc
 from serve_app.metrics.table import Recorder
 from serve_app.models.compat import log_dir
 from serve_app.models.phase import SERVING, ModelPhase
@@ -47,6 +45,7 @@ from serve_app.serving.request import (
     check_message_count,
     check_prompt_size,
     checked,
+    validation_error,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -88,12 +87,6 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     err = ApiError(exc.status_code, str(exc.detail), type=kind)
     return JSONResponse(err.body(), status_code=exc.status_code)
-
-
-def _validation_error(exc: ValidationError) -> ApiError:
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in clean_loc(first["loc"])) or None
-    return ApiError(400, f"{param or 'body'}: {first['msg']}", param=param)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -398,7 +391,7 @@ class OpenAIIngress:
             self.recorder.inc("serve_app_requests", 1, labels)
 
     async def _answer(self, request: Request, wire: Wire, cls, labels: dict[str, str]):
-        parsed = await self._body(request, lambda body: checked(cls, body, _validation_error))
+        parsed = await self._body(request, lambda body: checked(cls, body, validation_error))
         deadline = self._deadline()
         events, start = await self._open(parsed, caller_of(request), labels, deadline)
         if parsed.stream:
@@ -640,7 +633,7 @@ def chat_request(chat: anthropic.ChatInput, model: str, stream: bool) -> ChatCom
         "parallel_tool_calls": chat.parallel_tool_calls if chat.tools else None,
         "continue_final_message": chat.continue_final,
     }
-    parsed = checked(ChatCompletionRequest, body, _validation_error)
+    parsed = checked(ChatCompletionRequest, body, validation_error)
     # A cache_control marker on message i: the prefix through it deserves a checkpoint.
     # Anthropic allows four markers; each costs a rendering of the conversation.
     points = sorted({i + 1 for i in chat.cache_control_points})

@@ -51,9 +51,10 @@ from serve_app.api.openai_api import Collector
 from serve_app.config.validation import clean_loc
 from serve_app.serving.events import Delta, Event, Failure, Finish, Start, ToolCall
 from serve_app.serving.request import MAX_TOKENS, ApiError, ChatCompletionRequest, checked
+from serve_app.serving.request import validation_error as request_validation_error
+from serve_app.serving.tool_rules import TOOL_NAME_PATTERN, choice_problem
 
 # Tool names as the chat API's FunctionDef takes them.
-TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 SUPPORTED_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 SUPPORTED_PARTS = ("input_text", "output_text", "refusal")
 
@@ -230,14 +231,15 @@ def _clean(loc: tuple) -> list:
 
 
 def validation_error(exc: ValidationError) -> ApiError:
-    """The deepest pydantic error as a 400 whose message starts with the field path (a
-    bad content part must be named, not "input should be a valid string")."""
-    errors = exc.errors()
-    worst = max(errors, key=lambda e: len(_clean(e["loc"])))
-    loc = _clean(worst["loc"])
-    message, code = worst["msg"], None
+    """The deepest pydantic error as a 400 (``serving.request.validation_error``), its path
+    as OpenAI writes it (``input[3].content[0].type``) and its tag errors in words."""
+    return request_validation_error(exc, _clean, _explain, param_of)
+
+
+def _explain(worst: dict, loc: list) -> tuple[list, str, str | None] | None:
     if worst["type"] == "union_tag_invalid":
         tag = worst["ctx"]["tag"]
+        message = worst["msg"]
         if len(loc) >= 2 and loc[-2] in ("content", "output"):
             message = (f"content part type {tag!r} is not supported (supported: "
                        f"{', '.join(SUPPORTED_PARTS)})")
@@ -246,12 +248,10 @@ def validation_error(exc: ValidationError) -> ApiError:
                        f"{', '.join(SUPPORTED_ITEMS)})")
         elif loc[-1:] == ["format"]:
             message = f"format type {tag!r} is not supported (text, json_object, json_schema)"
-        loc = [*loc, "type"]
-        code = "unsupported_value"
-    elif worst["type"] == "union_tag_not_found":
-        loc, message = [*loc, "type"], "missing 'type'"
-    param = param_of(loc)
-    return ApiError(400, f"{param or 'body'}: {message}", param=param, code=code)
+        return [*loc, "type"], message, "unsupported_value"
+    if worst["type"] == "union_tag_not_found":
+        return [*loc, "type"], "missing 'type'", None
+    return None
 
 
 # ---- conversion ---------------------------------------------------------------------------
@@ -350,13 +350,15 @@ def _tool_choice(request: ResponsesRequest, tools: list[dict] | None) -> str | d
     names = {t["function"]["name"] for t in tools or ()}
     if choice is None or choice == "auto" or choice == "none":
         return choice
-    if not names:
+    named = None if choice == "required" else choice.name
+    problem = choice_problem(True, named, names)
+    if problem == "needs_tools":
         raise _refuse("tool_choice", f"{_choice_text(choice)} needs tools")
+    if problem == "unknown_name":
+        raise _refuse("tool_choice.name", f"no function named {named!r} in tools")
     if choice == "required":
         return choice
-    if choice.name not in names:
-        raise _refuse("tool_choice.name", f"no function named {choice.name!r} in tools")
-    return {"type": "function", "function": {"name": choice.name}}
+    return {"type": "function", "function": {"name": named}}
 
 
 def _choice_text(choice: str | NamedFunction) -> str:

@@ -27,8 +27,10 @@ from pydantic import (
     ValidationError,
 )
 
+from serve_app.config.validation import clean_loc
 from serve_app.serving.events import Failure
 from serve_app.serving.sampling import MAX_TOP_LOGPROBS
+from serve_app.serving.tool_rules import TOOL_NAME_PATTERN, choice_problem, first_duplicate
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,7 @@ class ToolCallIn(BaseModel):
 
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="allow")
-    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+    name: Annotated[StrictStr, Field(pattern=TOOL_NAME_PATTERN)]
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
@@ -277,13 +279,15 @@ class ChatCompletionRequest(_Request):
             raise ApiError(400, "top_logprobs requires logprobs to be true",
                            param="top_logprobs")
         names = [t.function.name for t in self.tools or ()]
-        if len(set(names)) != len(names):
+        if first_duplicate(names) is not None:
             raise ApiError(400, "tools: function names must be unique", param="tools")
         choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ApiError(400, f"tool_choice names function {choice.function.name!r}, which "
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        problem = choice_problem(named is not None or choice == "required", named, names)
+        if problem == "unknown_name" or (problem == "needs_tools" and named is not None):
+            raise ApiError(400, f"tool_choice names function {named!r}, which "
                                 "is not among the request's tools", param="tool_choice")
-        if choice == "required" and not names:
+        if problem == "needs_tools":
             raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
         if self.response_format is not None and self.wants_tools():
             forced = choice == "required" or isinstance(choice, NamedToolChoice)
@@ -397,6 +401,32 @@ def check_message_count(count: int, limit: int, param: str = "messages") -> None
     if count > limit:
         raise ApiError(400, f"{param} has {count} items, over this model's limit of {limit} "
                             "(max_messages)", param=param, code="too_many_messages")
+
+
+# What an API says of a pydantic error it words itself: the field path, the message and
+# the error code to use instead, or None for pydantic's own.
+Explain = Callable[[dict, list], "tuple[list, str, str | None] | None"]
+
+
+def dotted(loc: list | tuple) -> str | None:
+    """A field path as ``messages.0.content``."""
+    return ".".join(str(p) for p in loc) or None
+
+
+def validation_error(exc: ValidationError, clean: Callable[[tuple], list] = clean_loc,
+                     explain: Explain | None = None,
+                     param_of: Callable[[list], str | None] = dotted) -> ApiError:
+    """A request body's pydantic error as the API's 400, for every API: the deepest error
+    is the one named (a bad content part, not "input should be a valid string"), its
+    message starting with the field path (``clean``: as the API names fields, ``param_of``:
+    as it writes paths); ``explain`` words the errors pydantic words poorly."""
+    worst = max(exc.errors(), key=lambda e: len(clean(e["loc"])))
+    loc, message, code = clean(worst["loc"]), worst["msg"], None
+    said = explain(dict(worst), loc) if explain is not None else None
+    if said is not None:
+        loc, message, code = said
+    param = param_of(loc)
+    return ApiError(400, f"{param or 'body'}: {message}", param=param, code=code)
 
 
 def checked(cls: type[R], body: Any, error: Callable[[ValidationError], ApiError]) -> R:
