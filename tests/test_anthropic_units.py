@@ -19,7 +19,6 @@ from anthropic.types.shared import ErrorResponse
 from pydantic import TypeAdapter
 
 from serve_app.api.anthropic_api import (
-    ChatInput,
     MessageStream,
     ToolCall,
     accumulate,
@@ -28,10 +27,13 @@ from serve_app.api.anthropic_api import (
     error_reply,
     error_type,
     message_collector,
+    usage,
+)
+from serve_app.api.anthropic_request import (
+    ChatInput,
     parse_count_tokens_request,
     parse_messages_request,
     to_chat_input,
-    usage,
 )
 from serve_app.api.sse import sse_event
 from serve_app.serving.events import Delta, Event, Finish, Start
@@ -357,7 +359,7 @@ def test_non_object_body_is_400():
 
 
 def test_check_supported_raises_the_same_400():
-    from serve_app.api.anthropic_api import MessagesRequest
+    from serve_app.api.anthropic_request import MessagesRequest
 
     parsed = MessagesRequest.model_validate(base_request(messages=user(IMAGE)))
     with pytest.raises(ApiError, match="image content blocks are not supported"):

@@ -21,7 +21,7 @@ import mlx_lm
 import pytest
 
 from bench.devserver import ServerProcess, descendants, free_port, write_config
-from serve_app.api.http import MAX_JSON_DEPTH, parse_json
+from serve_app.api.body import MAX_JSON_DEPTH, parse_json
 from serve_app.config.profile import ModelProfile, parse_profile
 from serve_app.models.embedded import materialize
 from serve_app.serving.request import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from serve_app.api.anthropic_api import parse_messages_request, to_chat_input
+from serve_app.api.anthropic_request import parse_messages_request, to_chat_input
 from serve_app.api.http import chat_request
 from serve_app.config.normalize_rules import RULE_NAMES, RULES
 from serve_app.config.profile import ModelProfile, parse_profile

@@ -17,12 +17,10 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from serve_app.api.responses_api import (
-    ResponseStream,
-    accumulate,
+from serve_app.api.responses_api import ResponseStream, accumulate, response_collector
+from serve_app.api.responses_request import (
     parse_request,
     renamed,
-    response_collector,
     to_chat_request,
     validation_error,
 )

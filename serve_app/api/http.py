@@ -1,27 +1,26 @@
 """The OpenAI-compatible HTTP API (FastAPI).
 
 Routes are methods of ``OpenAIIngress`` so Ray Serve can host the class; how a
-request reaches a model (``stream_events``) is left to the subclass. Every
+request reaches a model is its backend's (``serve_app.api.backend.ModelBackend``). Every
 error leaves as OpenAI's ``{"error": {...}}`` body with the right status.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.api import anthropic_api as anthropic
-from serve_app.api import auth, responses_api
+from serve_app.api import anthropic_request, auth, responses_api, responses_request
+from serve_app.api.backend import ModelBackend
+from serve_app.api.body import parsed_body
 from serve_app.api.openai_api import (
     CHAT,
     COMPLETION,
@@ -34,7 +33,7 @@ from serve_app.api.sse import DONE, data_event, sse_event
 from serve_app.config import api_keys
 from serve_app.metrics.table import Recorder
 from serve_app.models.compat import log_dir
-from serve_app.models.phase import SERVING, ModelPhase
+from serve_app.models.phase import SERVING
 from serve_app.serving.events import Delta, Event, Failure, Start
 from serve_app.serving.request import (
     ApiError,
@@ -54,10 +53,6 @@ api = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
 # API keys (serve_app/api/auth.py): checked before any route runs or any body is read.
 api.add_middleware(auth.ApiKeyMiddleware)
 
-# JSON deeper than this is refused before validation: no request needs it, and
-# nesting costs recursion in every layer that walks the body.
-MAX_JSON_DEPTH = 64
-INLINE_PARSE_BYTES = 256 * 1024  # larger bodies are parsed off the event loop
 NOT_READY_RETRY_AFTER_S = 2
 MAX_CACHE_POINTS = 4  # Anthropic's own limit on cache_control markers
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -89,134 +84,6 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(err.body(), status_code=exc.status_code)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or 413 as soon as it is known to exceed ``limit`` bytes.
-
-    Content-Length is checked before reading; a chunked body is counted while
-    it streams in, so an oversized upload is never held in memory.
-    """
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise _too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"request body is larger than {limit} bytes "
-                         "(ingress.max_request_bytes)", code="request_too_large")
-
-
-def json_depth_over(value: Any, limit: int) -> bool:
-    """Whether parsed JSON nests containers deeper than ``limit``; no recursion."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return False
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_BRACKET_STEP = np.zeros(256, np.int32)
-_BRACKET_STEP[list(b"[{")] = 1
-_BRACKET_STEP[list(b"]}")] = -1
-
-
-def raw_json_depth(raw: bytes) -> int:
-    """How deep valid UTF-8 JSON text nests containers, from its bytes: strings dropped
-    by a regex, brackets summed by numpy. Walking the parsed body instead costs ~1 us a
-    container: seconds for 16 MiB of ``[],[],...``."""
-    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    if not brackets:
-        return 0
-    return int(np.cumsum(_BRACKET_STEP[np.frombuffer(brackets, np.uint8)]).max())
-
-
-def parse_json(raw: bytes, precheck: Callable[[Any], None] | None = None) -> Any:
-    """A request body as JSON; 400 for invalid or too deeply nested JSON, for integers
-    too long to convert (Python's 4300-digit limit), NaN / Infinity (not JSON), and for
-    strings with a lone surrogate (valid JSON escapes, but not encodable text).
-    ``precheck`` sees the body first, before any walk of it (a count of its messages)."""
-    too_deep = ApiError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels",
-                        code="json_too_deep")
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:  # the C parser gives up near the interpreter's recursion limit
-        raise too_deep from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the digit limit
-        raise ApiError(400, f"request body is not valid JSON: {str(exc)[:300]}") from None
-    if precheck is not None:
-        precheck(body)
-    if _SURROGATE_ESCAPE.search(raw):  # rare: only then walk the body
-        where = unencodable_string(body)
-        if where is not None:
-            raise ApiError(400, f"{where or 'body'}: must be valid Unicode text (a lone "
-                                "surrogate escape cannot be encoded as UTF-8)",
-                           param=where or None, code="invalid_unicode")
-    # Nesting needs an opening bracket per level: few brackets, no walk.
-    brackets = raw.count(b"[") + raw.count(b"{")
-    if brackets > MAX_JSON_DEPTH and isinstance(body, (dict, list)):
-        utf8 = b"\0" not in raw[:4]  # json.loads also takes UTF-16 and UTF-32
-        if (raw_json_depth(raw) if utf8 else 0) > MAX_JSON_DEPTH or (
-                not utf8 and json_depth_over(body, MAX_JSON_DEPTH)):
-            raise too_deep
-    return body
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def unencodable_string(value: Any) -> str | None:
-    """The path (``messages[0].content``) of the first string, key or value, that UTF-8
-    cannot encode; None when every string can. No recursion."""
-    stack: list[tuple[Any, str]] = [(value, "")]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, str):
-            if not _encodable(node):
-                return path
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                where = f"{path}.{k}" if path else k
-                if not _encodable(k):
-                    return path
-                stack.append((v, where))
-        elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
-    return None
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-async def parsed_body(request: Request, max_bytes: int, parse: Callable[[Any], T],
-                      precheck: Callable[[Any], None] | None = None) -> T:
-    """The body as JSON, validated by ``parse`` once, here: the replica gets the object,
-    not the raw JSON. A large body is parsed and validated on a worker thread: the
-    ingress's event loop also carries every other request's stream."""
-    raw = await read_body(request, max_bytes)
-    if len(raw) > INLINE_PARSE_BYTES:
-        return await asyncio.to_thread(lambda: parse(parse_json(raw, precheck)))
-    return parse(parse_json(raw, precheck))
 
 
 def caller_of(request: Request) -> Caller:
@@ -252,33 +119,13 @@ def replica_lost_error(name: str) -> ApiError:
 
 
 class OpenAIIngress:
-    """Routes; subclasses say how to reach models (``stream_events``)."""
+    """The routes. Every way to a model goes through ``backend``, one typed interface
+    (``serve_app.api.backend.ModelBackend``): the deployment passes the Ray one."""
 
-    profile: Any
-    recorder: Recorder = Recorder()
-
-    async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller) -> Any:
-        """The model's event batches (lists of ``serve_app.serving.events``) for ``request``
-        (an async iterator)."""
-        raise NotImplementedError
-
-    async def model_stats(self) -> dict:
-        raise NotImplementedError
-
-    async def metrics_text(self) -> str:
-        raise NotImplementedError
-
-    async def model_ready(self, name: str) -> bool:
-        """Whether ``name`` has a replica that is loaded and warmed; must answer fast."""
-        return True
-
-    def replica_lost(self, name: str, exc: Exception) -> bool:
-        """Whether ``exc`` means the model's replica went away (then: 503, re-check)."""
-        return False
-
-    async def model_phase(self, name: str) -> ModelPhase:
-        """What ``name``'s replicas are doing (``serve_app.models.phase``); must answer fast."""
-        return ModelPhase("ready" if await self.model_ready(name) else "starting")
+    def __init__(self, backend: ModelBackend) -> None:
+        self.backend = backend
+        self.profile = backend.profile
+        self.recorder: Recorder = backend.recorder
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
@@ -286,7 +133,7 @@ class OpenAIIngress:
         503 with each model's phase before (downloading with its bytes, loading, warming)
         and when one failed (with the reason)."""
         names = [m.name for m in self.profile.models]
-        phases = await asyncio.gather(*(self.model_phase(n) for n in names))
+        phases = await asyncio.gather(*(self.backend.model_phase(n) for n in names))
         models = {n: p.public() for n, p in zip(names, phases, strict=True)}
         failed = [n for n, p in zip(names, phases, strict=True) if p.phase == "failed"]
         waiting = [n for n, p in zip(names, phases, strict=True)
@@ -301,33 +148,16 @@ class OpenAIIngress:
         body = {**err.body(), "status": "failed" if failed else "starting", "models": models}
         return JSONResponse(body, status_code=err.status, headers=err.headers)
 
-    def memory_bytes(self, name: str) -> int | None:
-        """A model's planned footprint (weights, KV of a full batch at full context, its
-        share of the hot tier); None where there is no plan or it is unknown."""
-        return None
-
-    def memory_report(self, models: dict) -> dict | None:
-        """``/v1/stats``' ``memory`` section from the models' stats (None: no plan)."""
-        return None
-
-    def model_status(self, name: str, ready: bool) -> str:
-        """``/v1/models``' ``status`` of a model whose replica is ``ready`` (answered the
-        readiness probe) or not: ``loaded``, ``loading`` or ``unloaded`` (the pool's)."""
-        return "loaded" if ready else "loading"
-
-    def pool_report(self) -> dict | None:
-        """``/v1/stats``' ``pool`` section (None: no model pool)."""
-        return None
-
     async def _model_entry(self, m: Any) -> dict:
         """A model in ``/v1/models``: its ``status`` (``model_status``) and
         ``memory_bytes``, its planned footprint."""
-        ready, phase = await asyncio.gather(self.model_ready(m.name), self.model_phase(m.name))
+        ready, phase = await asyncio.gather(self.backend.model_ready(m.name),
+                                            self.backend.model_phase(m.name))
         return {"id": m.name, "object": "model", "created": 0, "owned_by": "serve_app",
                 "context_length": m.context_length,
-                "status": self.model_status(m.name, ready),
+                "status": self.backend.model_status(m.name, ready),
                 **phase.public(),
-                "memory_bytes": self.memory_bytes(m.name)}
+                "memory_bytes": self.backend.memory_bytes(m.name)}
 
     @api.get("/v1/models")
     async def models(self) -> dict:
@@ -344,9 +174,9 @@ class OpenAIIngress:
 
     @api.get("/v1/stats")
     async def stats(self) -> dict:
-        models = await self.model_stats()
-        return {"models": models, "memory": self.memory_report(models),
-                "pool": self.pool_report()}
+        models = await self.backend.model_stats()
+        return {"models": models, "memory": self.backend.memory_report(models),
+                "pool": self.backend.pool_report()}
 
     @api.get("/")
     async def root(self) -> dict:
@@ -358,7 +188,7 @@ class OpenAIIngress:
         except PackageNotFoundError:
             release = None
         names = [m.name for m in self.profile.models]
-        phases = await asyncio.gather(*(self.model_phase(n) for n in names))
+        phases = await asyncio.gather(*(self.backend.model_phase(n) for n in names))
         return {"name": "serve_app", "version": release,
                 "models": {n: p.public() for n, p in zip(names, phases, strict=True)},
                 "endpoints": ["/health", "/v1/models", "/v1/chat/completions",
@@ -367,7 +197,8 @@ class OpenAIIngress:
 
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        return PlainTextResponse(await self.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(await self.backend.metrics_text(),
+                                 media_type=CONTENT_TYPE_LATEST)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -418,12 +249,12 @@ class OpenAIIngress:
         m = self.model_of(parsed.model)
         labels["model"] = m.name
         check_prompt_size(parsed, m.prompt_char_limit(), m.context_length, m.max_messages)
-        if not await self.model_ready(m.name):
+        if not await self.backend.model_ready(m.name):
             raise not_ready_error([m.name])
         events = None
         try:
             async with asyncio.timeout_at(deadline):
-                events = await self.stream_events(m.name, parsed, caller)
+                events = await self.backend.stream_events(m.name, parsed, caller)
                 return events, await self._first(events, m.name)
         except TimeoutError:
             if events is not None:
@@ -439,7 +270,7 @@ class OpenAIIngress:
                                 "been restarted); retry, and if it repeats see the replica's "
                                 f"log under {log_dir()}/serve", type="server_error") from None
         except Exception as exc:
-            if not self.replica_lost(name, exc):
+            if not self.backend.replica_lost(name, exc):
                 raise
             raise replica_lost_error(name) from None
         head = first[0] if len(first) == 1 else None
@@ -466,15 +297,15 @@ class OpenAIIngress:
         """OpenAI Responses, stateless: the equivalent chat request, Responses shapes."""
         labels = {"model": "unknown", "status": "500"}
         try:
-            parsed = await self._body(request, responses_api.parse_request, "input")
+            parsed = await self._body(request, responses_request.parse_request, "input")
             m = self.model_of(parsed.model)
             defaults = {"temperature": m.sampling.temperature, "top_p": m.sampling.top_p}
             deadline = self._deadline()
             try:
-                events, start = await self._open(responses_api.to_chat_request(parsed),
+                events, start = await self._open(responses_request.to_chat_request(parsed),
                                                  caller_of(request), labels, deadline)
             except ApiError as exc:  # named as the Responses request has it
-                raise responses_api.renamed(exc) from None
+                raise responses_request.renamed(exc) from None
             labels["status"] = "200"
             if parsed.stream:
                 stream = responses_api.ResponseStream(parsed, **defaults)
@@ -497,8 +328,8 @@ class OpenAIIngress:
         """Anthropic Messages: the same generation, Anthropic's shapes and errors."""
         labels = {"model": "unknown", "status": "500"}
         try:
-            parsed = await self._body(request, anthropic.parse_messages_request)
-            chat = anthropic.to_chat_input(parsed)
+            parsed = await self._body(request, anthropic_request.parse_messages_request)
+            chat = anthropic_request.to_chat_input(parsed)
             deadline = self._deadline()
             events, start = await self._open(chat_request(chat, parsed.model, parsed.stream),
                                              caller_of(request), labels, deadline)
@@ -516,7 +347,7 @@ class OpenAIIngress:
             return _anthropic_error(exc)
         except Exception as exc:  # still Anthropic's shape for a client of that API
             logger.exception("/v1/messages failed")
-            if self.replica_lost(labels["model"], exc):
+            if self.backend.replica_lost(labels["model"], exc):
                 return _anthropic_error(replica_lost_error(labels["model"]))
             return _anthropic_error(internal_error())
         finally:
@@ -526,25 +357,21 @@ class OpenAIIngress:
     async def count_tokens(self, request: Request):
         """The prompt's tokens as the model would see them (its chat template and tools)."""
         try:
-            parsed = await self._body(request, anthropic.parse_count_tokens_request)
-            chat = chat_request(anthropic.to_chat_input(parsed), parsed.model, False)
+            parsed = await self._body(request, anthropic_request.parse_count_tokens_request)
+            chat = chat_request(anthropic_request.to_chat_input(parsed), parsed.model, False)
             m = self.model_of(parsed.model)
             check_prompt_size(chat, m.prompt_char_limit(), m.context_length, m.max_messages)
-            if not await self.model_ready(m.name):
+            if not await self.backend.model_ready(m.name):
                 raise not_ready_error([m.name])
             timeout = self.profile.ingress.request_timeout_s
             try:
                 n = await asyncio.wait_for(
-                    self.count_prompt_tokens(m.name, chat, caller_of(request)), timeout)
+                    self.backend.count_prompt_tokens(m.name, chat, caller_of(request)), timeout)
             except TimeoutError:
                 raise timeout_error(m.name, timeout) from None
             return JSONResponse(anthropic.count_tokens_response(n))
         except ApiError as exc:
             return _anthropic_error(exc)
-
-    async def count_prompt_tokens(self, name: str, request: ChatCompletionRequest,
-                                  caller: Caller) -> int:
-        raise NotImplementedError
 
     async def _body(self, request: Request, parse: Callable[[Any], T],
                     items: str = "messages") -> T:
@@ -618,12 +445,13 @@ class OpenAIIngress:
                 raise
             raise timeout_error(model, self.profile.ingress.request_timeout_s) from None
         except Exception as exc:
-            if not self.replica_lost(model, exc):
+            if not self.backend.replica_lost(model, exc):
                 raise
             yield replica_lost_error(model).to_failure()
 
 
-def chat_request(chat: anthropic.ChatInput, model: str, stream: bool) -> ChatCompletionRequest:
+def chat_request(chat: anthropic_request.ChatInput, model: str,
+                 stream: bool) -> ChatCompletionRequest:
     """A Messages request as the chat request every model replica takes."""
     body: dict[str, Any] = {
         "model": model, "messages": chat.template_messages(), "stream": stream,

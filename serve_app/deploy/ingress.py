@@ -30,7 +30,7 @@ from serve_app.deploy.replica import load_preparer
 from serve_app.deploy.scrape import StoreReports, gather_node_metrics
 from serve_app.deploy.stage import PrepareStage
 from serve_app.memory.plan import MemoryPlan, memory_report
-from serve_app.metrics.table import RayRecorder, zero_at_start
+from serve_app.metrics.table import RayRecorder, Recorder, zero_at_start
 from serve_app.models.phase import (
     ModelPhase,
     model_phase,
@@ -58,7 +58,8 @@ READY_PROBE_TIMEOUT_S = 0.5  # how long /health or a request waits on a model's 
 # re-imports it, so routes must be bound here, not inside the builder.
 @serve.ingress(api)
 class Ingress(OpenAIIngress):
-    """The OpenAI-compatible HTTP front; routes each request to its model's handle."""
+    """The OpenAI-compatible HTTP front (the routes of ``OpenAIIngress``) on the models'
+    Ray Serve handles (``RayModels``)."""
 
     def __init__(self, profile: Profile, handles: dict[str, DeploymentHandle],
                  api_key_digests: list[str] | None = None,
@@ -66,6 +67,16 @@ class Ingress(OpenAIIngress):
         # Before anything else: the keys every route but /health checks (or the
         # WARNING that there are none).
         auth.configure(auth.ApiKeys(api_key_digests or ()))
+        super().__init__(RayModels(profile, handles, plan))
+
+
+class RayModels:
+    """The ingress's way to its models (``serve_app.api.backend.ModelBackend``): each
+    model's deployment handle, admission before templating, preparation for prefix-routed
+    models, the model pool, readiness probes, and the stats and metrics of every node."""
+
+    def __init__(self, profile: Profile, handles: dict[str, DeploymentHandle],
+                 plan: MemoryPlan | None = None) -> None:
         self.profile = profile  # validated by the builder, pickled to this replica as is
         self.plan = plan  # the memory plan, made where the application was built
         self.handles = handles
@@ -77,7 +88,7 @@ class Ingress(OpenAIIngress):
         self.prepare_pool = self.stage.pool
         # Requests this ingress has admitted to each prefix-routed model and not seen end.
         self.sent: dict[str, int] = {}
-        self.recorder = RayRecorder("ingress", serve=True)
+        self.recorder: Recorder = RayRecorder("ingress", serve=True)
         for m in self.profile.models:  # known series exist before the first request
             zero_at_start(self.recorder, "ingress", m.name)
         self.ready_models: set[str] = set()
@@ -187,6 +198,7 @@ class Ingress(OpenAIIngress):
         requests at the model as its replicas take (batch + queue each), or its prepare
         stage is full. The replica still checks its own engine."""
         m = self.profile.model(name)
+        assert m is not None  # the routes answer 404 for a model not in the profile
         capacity = m.num_replicas * (m.max_batch_size + m.max_queued_requests)
         if self.sent.get(name, 0) >= capacity:
             raise queue_full_error(f"model {name!r} is at capacity: {self.sent[name]} "

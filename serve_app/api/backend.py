@@ -1,0 +1,73 @@
+"""How the HTTP API reaches models: the one typed interface its routes call.
+
+``OpenAIIngress`` (``api/http.py``) parses, authenticates and answers; everything that
+needs a model (its events, its readiness and phase, its stats, the memory plan, the
+pool) goes through a ``ModelBackend``. The deployment's is ``deploy/ingress.RayModels``
+(Ray Serve handles, the model pool, prefix routing); a request never goes back and forth
+between the two through subclass hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from serve_app.config.profile import Profile
+    from serve_app.metrics.table import Recorder
+    from serve_app.models.phase import ModelPhase
+    from serve_app.serving.events import Event
+    from serve_app.serving.request import Caller, ChatCompletionRequest, OpenAIRequest
+
+
+class ModelBackend(Protocol):
+    """What the routes ask of the models they serve."""
+
+    profile: Profile  # the validated profile: the models, the ingress's limits
+    recorder: Recorder  # where the routes count requests
+
+    async def stream_events(self, name: str, request: OpenAIRequest,
+                            caller: Caller) -> AsyncIterator[list[Event]]:
+        """The model's event batches for ``request`` (its replica's, as they come)."""
+        ...
+
+    async def count_prompt_tokens(self, name: str, request: ChatCompletionRequest,
+                                  caller: Caller) -> int:
+        """Prompt tokens of ``request`` templated as it would be served (no generation)."""
+        ...
+
+    async def model_ready(self, name: str) -> bool:
+        """Whether ``name`` has a replica that is loaded and warmed; must answer fast."""
+        ...
+
+    async def model_phase(self, name: str) -> ModelPhase:
+        """What ``name``'s replicas are doing (``serve_app.models.phase``); fast."""
+        ...
+
+    def replica_lost(self, name: str, exc: Exception) -> bool:
+        """Whether ``exc`` means the model's replica went away (then: 503, re-check)."""
+        ...
+
+    def model_status(self, name: str, ready: bool) -> str:
+        """``/v1/models``' ``status``: ``loaded``, ``loading`` or ``unloaded`` (the pool's)."""
+        ...
+
+    def memory_bytes(self, name: str) -> int | None:
+        """A model's planned footprint; None where there is no plan or it is unknown."""
+        ...
+
+    def memory_report(self, models: dict) -> dict | None:
+        """``/v1/stats``' ``memory`` section from the models' stats (None: no plan)."""
+        ...
+
+    def pool_report(self) -> dict | None:
+        """``/v1/stats``' ``pool`` section (None: no model pool)."""
+        ...
+
+    async def model_stats(self) -> dict:
+        """``/v1/stats``' ``models``: each model's totals over its replicas."""
+        ...
+
+    async def metrics_text(self) -> str:
+        """``/metrics``: every node's export of our families, merged."""
+        ...
