@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import re
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,18 @@ def test_the_check_sees_an_upward_import_and_a_cycle(tmp_path):
 def test_at_most_three_modules_at_the_top():
     top = {p.name for p in PACKAGE.glob("*.py")}
     assert top <= TOP_LEVEL, top - TOP_LEVEL
+
+
+def test_the_architecture_page_names_every_module_once():
+    """docs/architecture.md has one line per module (``- `path` — what it is``): a module
+    added, moved or removed is a page to update."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    listed = re.findall(r"^- `([\w/]+\.py)` — ", page, re.M)
+    modules = sorted(str(p.relative_to(PACKAGE)) for p in MODULES if p.name != "__init__.py")
+    assert sorted(listed) == modules, (set(listed) ^ set(modules))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_is_over_the_line_limit(path: Path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)}: {lines} lines; split it by job"

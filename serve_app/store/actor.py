@@ -1,4 +1,5 @@
-"""Ray glue for the cache store: one actor per node, and the replica's client.
+"""The cache-store actor: one per node, owning its tiers (the replica's client of it is
+``store/client.py``).
 
 The actor owns the tiers' state (hot index, staging, SSD index and writes);
 payload bytes sit in Ray's shared-memory object store. A replica ``ray.put``s
