@@ -45,6 +45,7 @@ from bench.common import (
 from bench.devserver import free_port, write_config
 from bench.multiturn import text_of
 from serve_app.models.embedded import materialize
+from serve_app.store.actor import store_name
 
 GOAL_TTFT_RATIO = 0.6
 GOAL_CACHED_FRACTION_GAP = 0.02
@@ -163,7 +164,7 @@ def _fetch_from(req, holder: str) -> dict:
     """On another node: the holder's store exports the chain; check every block."""
     from serve_app.cluster.directory_service import NAMESPACE
 
-    store = ray.get_actor(f"cache-store-{holder}", namespace=NAMESPACE)
+    store = ray.get_actor(store_name(holder), namespace=NAMESPACE)
     ray.get(store.protocol.remote())  # the handle is warm before timing
     tic = time.perf_counter()
     found = ray.get(store.export.remote(req))

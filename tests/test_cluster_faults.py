@@ -28,7 +28,7 @@ from serve_app.cache.match import Match, MatchQuery
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
 from serve_app.cluster.directory_service import DIRECTORY_NAME, NAMESPACE, DirectoryFollower
 from serve_app.config.profile import CacheStoreProfile
-from serve_app.store.actor import ACTOR_OPTIONS, CacheStore
+from serve_app.store.actor import ACTOR_OPTIONS, CacheStore, store_name
 from serve_app.store.client import RayCacheClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def cluster():
 def store_on(node_id: str, cls=CacheStore):
     """The node's store actor, named as replicas find it, feeding the directory."""
     return ray.remote(**ACTOR_OPTIONS)(cls).options(
-        name=f"cache-store-{node_id}", namespace=NAMESPACE, lifetime="detached",
+        name=store_name(node_id), namespace=NAMESPACE, lifetime="detached",
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(CacheStoreProfile(hot_budget=1 << 26, ssd=False, directory="on"),
              feed_interval_s=0.2)

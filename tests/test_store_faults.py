@@ -22,7 +22,7 @@ from serve_app.cache.match import MatchQuery
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
 from serve_app.config.profile import CacheStoreProfile
 from serve_app.metrics.table import DROP_REASONS
-from serve_app.store.actor import ACTOR_OPTIONS, CacheStore, CacheStoreActor, make_ssd
+from serve_app.store.actor import ACTOR_OPTIONS, CacheStore, CacheStoreActor, make_ssd, store_name
 from serve_app.store.client import MAX_UNACKED_PUTS, RayCacheClient
 from tests.test_ssd import LAYOUT, bid
 from tests.test_tiers import DISK
@@ -260,7 +260,7 @@ def test_an_outdated_store_actor_is_replaced(local_ray, old_cls):
     from serve_app.cluster.directory_service import NAMESPACE
     from serve_app.store.actor import get_or_create_actor
 
-    name = f"cache-store-{ray.get_runtime_context().get_node_id()}"
+    name = store_name(ray.get_runtime_context().get_node_id())
     remote = ray.remote(**ACTOR_OPTIONS) if issubclass(old_cls, CacheStore) else ray.remote
     old = remote(old_cls).options(
         name=name, namespace=NAMESPACE, lifetime="detached").remote(NO_SSD)

@@ -14,6 +14,7 @@ import ray
 
 from serve_app.cluster.replicas import Gathered, ReplicaReport
 from serve_app.metrics.exposition import merge_exposition
+from serve_app.store.actor import store_name
 
 logger = logging.getLogger("ray.serve")
 
@@ -51,7 +52,7 @@ class StoreReports:
         store: Any = self.handles.get(node_id)  # an actor handle
         if store is None:
             try:  # a GCS lookup: off the event loop
-                store = await asyncio.to_thread(ray.get_actor, f"cache-store-{node_id}",
+                store = await asyncio.to_thread(ray.get_actor, store_name(node_id),
                                                 namespace=NAMESPACE)
             except ValueError:  # no cached model's replica has run on that node
                 return []

@@ -318,6 +318,11 @@ class DirectoryFeed:
                 directory, full = None, True
 
 
+def store_name(node_id: str) -> str:
+    """The Ray name of ``node_id``'s cache-store actor (in ``NAMESPACE``)."""
+    return f"cache-store-{node_id}"
+
+
 def get_or_create_actor(config: CacheStoreProfile, timeout: float = 120.0):
     """The cache-store actor of this node, created by the first replica that asks.
 
@@ -333,7 +338,7 @@ def get_or_create_actor(config: CacheStoreProfile, timeout: float = 120.0):
         # Ray types the handle as ``ActorHandle[T] | type[T]``, whose methods' .remote()
         # it types only under @ray.method: a plain handle here.
         actor: Any = CacheStoreActor.options(
-            name=f"cache-store-{node_id}",
+            name=store_name(node_id),
             namespace=NAMESPACE,
             lifetime="detached",
             get_if_exists=True,

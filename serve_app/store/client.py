@@ -32,7 +32,7 @@ from serve_app.cache.ssd_format import DiskInfo
 from serve_app.cluster.directory_service import NAMESPACE, DirectoryFollower
 from serve_app.cluster.replicas import ReplicaReport
 from serve_app.config.profile import CacheStoreProfile
-from serve_app.store.actor import resolve_hot
+from serve_app.store.actor import resolve_hot, store_name
 
 logger = logging.getLogger(__name__)
 
@@ -355,7 +355,7 @@ class RayCacheClient(CacheClient):
             store: Any = self._stores.get(node_id)  # an actor handle
             if store is None:  # a GCS lookup: off the event loop, once per node
                 store = await loop.run_in_executor(None, lambda: ray.get_actor(
-                    f"cache-store-{node_id}", namespace=NAMESPACE))
+                    store_name(node_id), namespace=NAMESPACE))
                 self._stores[node_id] = store
             return await asyncio.wait_for(store.export.remote(req), timeout)
         except Exception as exc:  # the node died, its store is gone, or it answered late
