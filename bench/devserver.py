@@ -159,6 +159,12 @@ class ServerProcess:
         self.proc.wait(timeout=30)
         self._log.close()
 
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         """SIGINT (serve shuts down cleanly), then SIGKILL whatever is left, by pid."""
         if self.proc.poll() is None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.devserver import ServerProcess, free_port, write_config
+from tests.servers import running
 
 DENSE = "tiny-dense"
 HYBRID = "tiny-hybrid"
@@ -59,12 +60,9 @@ def server(tmp_path_factory, model_home):
     config = write_config(tmp / "serve.yaml", port, TEST_MODELS,
                           cache_store={"ssd_dir": str(tmp / "kv")})
     env = {"SERVE_APP_HOME": str(model_home)}
-    proc = ServerProcess.serve_run(config, port, tmp / "serve.log", env=env)
-    try:
-        proc.wait_ready([m["name"] for m in TEST_MODELS])
+    with running(ServerProcess.serve_run(config, port, tmp / "serve.log", env=env),
+                 [m["name"] for m in TEST_MODELS]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 # ---- markers: what a test starts, read from its source and its fixtures' --------------

@@ -25,6 +25,7 @@ from serve_app.api import auth
 from serve_app.config import api_keys
 from serve_app.config.profile import ProfileError, parse_profile
 from serve_app.deploy.app import build_app, keyed_profile
+from tests.servers import running
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE = "auth-dense"
@@ -59,12 +60,9 @@ def keyed(tmp_path_factory, model_home):
                                    "max_request_bytes": MAX_BYTES})
     env = {"SERVE_APP_HOME": str(model_home), api_keys.ENV_VAR: f"{KEY_A}, {KEY_B}",
            "RAY_metrics_report_interval_ms": "500"}
-    proc = ServerProcess.serve_run(config, port, tmp / "serve.log", env=env, api_key=KEY_A)
-    try:
-        proc.wait_ready([m["name"] for m in MODELS])
+    with running(ServerProcess.serve_run(config, port, tmp / "serve.log", env=env, api_key=KEY_A),
+                 [m["name"] for m in MODELS]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def raw(server: ServerProcess, method: str, path: str, key: str | None = None,

@@ -13,6 +13,7 @@ from openai import OpenAI
 
 import serve_app
 from bench.devserver import ServerProcess, free_port
+from tests.servers import running
 
 SERVE_APP = str(Path(sys.executable).with_name("serve-app"))
 
@@ -54,8 +55,7 @@ def test_serve_an_embedded_model_without_a_yaml_file(tmp_path, model_home):
     server = ServerProcess([SERVE_APP, "serve", "embedded:smollm2-135m", "--port", str(port),
                             "--ssd-dir", str(tmp_path / "kv"), "--max-batch-size", "4"],
                            port, tmp_path / "serve.log", env={"SERVE_APP_HOME": str(model_home)})
-    try:
-        server.wait_ready(["smollm2-135m"], timeout=300)
+    with running(server, ["smollm2-135m"], timeout=300):
         client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(
             model="smollm2-135m", max_tokens=12, temperature=0,
@@ -69,5 +69,3 @@ def test_serve_an_embedded_model_without_a_yaml_file(tmp_path, model_home):
         assert done.returncode == 0, done.stderr
         assert "smollm2-135m: ready (context 8192)" in done.stdout
         assert "prefix cache:" in done.stdout and "memory plan:" in done.stdout
-    finally:
-        server.stop()

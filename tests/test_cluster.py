@@ -28,8 +28,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
 
 from bench.devserver import ServerProcess, free_port, write_config
+from serve_app.cache.manager_stats import CacheStats
+from serve_app.cache.merge import fields_of_kind
 from serve_app.cluster.directory_service import DIRECTORY_NAME, NAMESPACE
-from serve_app.cluster.replicas import CACHE_SUMS, ENGINE_SUMS, FORGET_AFTER_S, REPORT_INTERVAL_S
+from serve_app.cluster.replicas import FORGET_AFTER_S, REPORT_INTERVAL_S
+from serve_app.serving.engine_events import EngineStats
+from tests.servers import running
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-hybrid"
@@ -45,7 +49,6 @@ def cluster_server(tmp_path_factory, model_home):
         "num_cpus": 2, "resources": {SLOT: 1}, "include_dashboard": False,
         "_system_config": {"metrics_report_interval_ms": 500}})
     cluster.add_node(num_cpus=2, resources={SLOT: 1})
-    proc = None
     try:
         ray.init(address=cluster.address, logging_level="ERROR")
         cluster.wait_for_nodes()
@@ -61,11 +64,9 @@ def cluster_server(tmp_path_factory, model_home):
         serve_bin = str(Path(sys.executable).with_name("serve"))
         proc = ServerProcess([serve_bin, "run", "--address", cluster.address, str(config)],
                              port, tmp / "serve.log", env={"SERVE_APP_HOME": str(model_home)})
-        proc.wait_ready([MODEL], timeout=400)
-        yield proc
+        with running(proc, [MODEL], timeout=400):
+            yield proc
     finally:
-        if proc is not None:
-            proc.stop()
         ray.shutdown()
         cluster.shutdown()
 
@@ -316,9 +317,9 @@ def test_stats_list_every_replica_and_total_them(cluster_server):
     assert after["cache"]["hit_tokens"] - before["cache"]["hit_tokens"] == sum(cached)
     # ... and the totals are the sum of the replicas listed, counter by counter.
     listed = [r["stats"] for r in after["replicas"]]
-    for key in ENGINE_SUMS:
+    for key in fields_of_kind(EngineStats, "sum"):
         assert after["engine"][key] == pytest.approx(sum(s["engine"][key] for s in listed)), key
-    for key in CACHE_SUMS:
+    for key in fields_of_kind(CacheStats, "sum"):
         assert after["cache"][key] == pytest.approx(sum(s["cache"][key] for s in listed)), key
     tiers = {t for s in listed for t in s["cache"]["hit_tokens_by_tier"]}
     assert after["cache"]["hit_tokens_by_tier"] == {

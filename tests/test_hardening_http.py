@@ -31,6 +31,7 @@ from serve_app.serving.request import (
     CompletionRequest,
 )
 from serve_app.serving.service import ModelService
+from tests.servers import running
 
 MODEL = "tiny-hybrid"
 CONTEXT = 4096
@@ -100,7 +101,7 @@ def young(tmp_path_factory, model_home):
     server = ServerProcess.serve_run(config, port, tmp / "serve.log",
                                      env={"SERVE_APP_HOME": str(model_home)})
     seen: list[dict] = []
-    try:
+    with running(server):
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not _listening(port):
             if server.proc.poll() is not None or time.monotonic() > deadline:
@@ -117,8 +118,6 @@ def young(tmp_path_factory, model_home):
             seen.append(_observe(client, "complete"))
         server.wait_ready([MODEL], timeout=30)  # records the pids to stop
         yield server, seen
-    finally:
-        server.stop()
 
 
 def post(server, path: str, **kw) -> httpx.Response:

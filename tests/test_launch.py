@@ -18,6 +18,7 @@ import pytest
 from openai import OpenAI
 
 from bench.devserver import ServerProcess, descendants, free_port, write_config
+from tests.servers import running
 
 MODEL = "tiny-dense"
 
@@ -41,11 +42,8 @@ def lean(tmp_path_factory, model_home):
         "max_tokens": 32}], cache_store={"ssd_dir": str(tmp / "kv")})
     server = ServerProcess([sys.executable, "-m", "serve_app", "serve", str(config)], port,
                            tmp / "serve.log", env={"SERVE_APP_HOME": str(model_home)})
-    try:
-        server.wait_ready([MODEL])
+    with running(server, [MODEL]):
         yield server
-    finally:
-        server.stop()
 
 
 def test_it_serves_with_metrics_and_without_the_dashboards_processes(lean):
@@ -83,8 +81,7 @@ def test_an_interrupt_stops_everything_it_started(tmp_path, model_home):
         "max_tokens": 8, "cache": {"enabled": False}}])
     server = ServerProcess([sys.executable, "-m", "serve_app", "serve", str(config)], port,
                            tmp_path / "serve.log", env={"SERVE_APP_HOME": str(model_home)})
-    try:
-        server.wait_ready([MODEL])
+    with running(server, [MODEL]):
         pids = descendants(server.proc.pid)
         assert pids
         server.proc.send_signal(2)  # SIGINT: what Ctrl-C sends
@@ -93,8 +90,6 @@ def test_an_interrupt_stops_everything_it_started(tmp_path, model_home):
         while alive := [p for p in pids if _alive(p)]:
             assert time.monotonic() < deadline, command_lines(alive)
             time.sleep(0.5)
-    finally:
-        server.stop()
 
 
 def _alive(pid: int) -> bool:

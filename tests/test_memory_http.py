@@ -21,6 +21,7 @@ from serve_app.config.profile import parse_profile
 from serve_app.memory.plan import MiB
 from serve_app.memory.planning import plan_profile
 from serve_app.memory.shapes import KV_STEP_TOKENS
+from tests.servers import running
 
 MODEL = "tiny-admitted"
 HOT = 64 * MiB
@@ -51,13 +52,10 @@ def server(tmp_path_factory, model_home, budget):
     config = write_config(tmp / "serve.yaml", port, MODELS,
                           cache_store={"hot_budget": HOT, "ssd": False},
                           memory={"budget": budget})
-    proc = ServerProcess.serve_run(config, port, tmp / "serve.log",
-                                   env={"SERVE_APP_HOME": str(model_home)})
-    try:
-        proc.wait_ready([MODEL])
+    with running(ServerProcess.serve_run(config, port, tmp / "serve.log",
+                                   env={"SERVE_APP_HOME": str(model_home)}),
+                 [MODEL]) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

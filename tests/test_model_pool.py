@@ -23,6 +23,7 @@ import pytest
 from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port, write_config
+from tests.servers import running
 
 PINNED = "pool-pinned"  # tiny-dense, never unloaded
 IDLE = "pool-idle"  # tiny-hybrid, unloaded after IDLE_S without requests
@@ -48,12 +49,9 @@ def server(tmp_path_factory, model_home) -> Iterator[ServerProcess]:
                           memory={"max_loaded_models": 2})
     proc = ServerProcess.serve_run(config, port, tmp / "serve.log",
                                    env={"SERVE_APP_HOME": str(model_home)})
-    try:
+    with running(proc, [m["name"] for m in MODELS], generate=False):
         # Through /v1/stats: a completion would load the third model.
-        proc.wait_ready([m["name"] for m in MODELS], generate=False)
         yield proc
-    finally:
-        proc.stop()
 
 
 def client(server: ServerProcess) -> OpenAI:

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,7 @@ from dashboards.generate import DASHBOARDS, build, concrete, panel_queries
 from serve_app.cache.ssd_format import read_header
 from serve_app.cache.ssd_fs import FORMAT_VERSION
 from serve_app.metrics.table import METRICS
+from tests.servers import running
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -109,23 +111,22 @@ class Prometheus:
 def stack(tmp_path, model_home):
     port = free_port()
     prometheus = Prometheus(tmp_path, port)
-    servers: list[ServerProcess] = []
+    started: list[ServerProcess] = []
+    with ExitStack() as servers:
+        servers.callback(prometheus.stop)
 
-    def start() -> ServerProcess:
-        n = len(servers)
-        config = write_config(tmp_path / f"serve{n}.yaml", port, MODELS,
-                              cache_store={"ssd_dir": str(tmp_path / "kv")})
-        server = ServerProcess.serve_run(config, port, tmp_path / f"serve{n}.log",
-                                         env={"SERVE_APP_HOME": str(model_home), **SERVER_ENV})
-        servers.append(server)
-        server.wait_ready([m["name"] for m in MODELS], generate=False)
-        return server
+        def start() -> ServerProcess:
+            n = len(started)
+            config = write_config(tmp_path / f"serve{n}.yaml", port, MODELS,
+                                  cache_store={"ssd_dir": str(tmp_path / "kv")})
+            server = ServerProcess.serve_run(config, port, tmp_path / f"serve{n}.log",
+                                             env={"SERVE_APP_HOME": str(model_home),
+                                                  **SERVER_ENV})
+            started.append(server)
+            return servers.enter_context(
+                running(server, [m["name"] for m in MODELS], generate=False))
 
-    yield start, prometheus, tmp_path / "kv"
-    for server in servers:
-        if server.proc.poll() is None:
-            server.stop()
-    prometheus.stop()
+        yield start, prometheus, tmp_path / "kv"
 
 
 def chat(server: ServerProcess, model: str, messages: list[dict]):

@@ -16,6 +16,7 @@ from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.models.embedded import EMBEDDED_MODELS
+from tests.servers import running
 
 BS = 16
 VARIANTS = sorted(EMBEDDED_MODELS)
@@ -31,13 +32,10 @@ def server(tmp_path_factory, model_home) -> Iterator[ServerProcess]:
     config = write_config(tmp / "serve.yaml", port, MODELS,
                           cache_store={"ssd_dir": str(tmp / "kv")},
                           memory={"max_loaded_models": 1})
-    proc = ServerProcess.serve_run(config, port, tmp / "serve.log",
-                                   env={"SERVE_APP_HOME": str(model_home)})
-    try:
-        proc.wait_ready([m["name"] for m in MODELS], generate=False)
+    with running(ServerProcess.serve_run(config, port, tmp / "serve.log",
+                                   env={"SERVE_APP_HOME": str(model_home)}),
+                 [m["name"] for m in MODELS], generate=False) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def conversation(name: str) -> list[dict]:

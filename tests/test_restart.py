@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -11,6 +12,7 @@ from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.cache.ssd_fs import TMP_MARK
+from tests.servers import running
 
 BS = 16
 HYBRID = "restart-hybrid"
@@ -27,22 +29,20 @@ MODELS = [
 @pytest.fixture
 def start(tmp_path, model_home):
     kv = tmp_path / "kv"
-    servers: list[ServerProcess] = []
+    started: list[ServerProcess] = []
+    with ExitStack() as servers:
 
-    def go() -> ServerProcess:
-        port = free_port()
-        config = write_config(tmp_path / f"serve{len(servers)}.yaml", port, MODELS,
-                              cache_store={"ssd_dir": str(kv)})
-        server = ServerProcess.serve_run(config, port, tmp_path / f"serve{len(servers)}.log",
-                                         env={"SERVE_APP_HOME": str(model_home)})
-        servers.append(server)
-        server.wait_ready([m["name"] for m in MODELS])
-        return server
+        def go() -> ServerProcess:
+            port = free_port()
+            n = len(started)
+            config = write_config(tmp_path / f"serve{n}.yaml", port, MODELS,
+                                  cache_store={"ssd_dir": str(kv)})
+            server = ServerProcess.serve_run(config, port, tmp_path / f"serve{n}.log",
+                                             env={"SERVE_APP_HOME": str(model_home)})
+            started.append(server)
+            return servers.enter_context(running(server, [m["name"] for m in MODELS]))
 
-    yield go, kv
-    for server in servers:
-        if server.proc.poll() is None:
-            server.stop()
+        yield go, kv
 
 
 def client(server: ServerProcess) -> OpenAI:

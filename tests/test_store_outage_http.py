@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from bench.devserver import ServerProcess, free_port, write_config
+from tests.servers import running
 
 MODEL = "tiny-dense"
 BS = 16
@@ -33,11 +34,8 @@ def server(tmp_path_factory, model_home):
                                        "breaker_failures": 2, "breaker_cool_down_s": 2.0})
     proc = ServerProcess.serve_run(config, port, tmp / "serve.log",
                                    env={"SERVE_APP_HOME": str(model_home)})
-    try:
-        proc.wait_ready([MODEL])
+    with running(proc, [MODEL]):
         yield proc
-    finally:
-        proc.stop()
 
 
 def prompt(seed: int) -> list[int]:

@@ -56,16 +56,9 @@ class ModelBackend(Protocol):
         """A model's planned footprint; None where there is no plan or it is unknown."""
         ...
 
-    def memory_report(self, models: dict) -> dict | None:
-        """``/v1/stats``' ``memory`` section from the models' stats (None: no plan)."""
-        ...
-
-    def pool_report(self) -> dict | None:
-        """``/v1/stats``' ``pool`` section (None: no model pool)."""
-        ...
-
-    async def model_stats(self) -> dict:
-        """``/v1/stats``' ``models``: each model's totals over its replicas."""
+    async def stats(self) -> dict:
+        """``/v1/stats``: each model's totals over its replicas, the memory plan and what
+        each node's replicas hold, the model pool."""
         ...
 
     async def metrics_text(self) -> str:

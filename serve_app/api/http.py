@@ -174,9 +174,7 @@ class OpenAIIngress:
 
     @api.get("/v1/stats")
     async def stats(self) -> dict:
-        models = await self.backend.model_stats()
-        return {"models": models, "memory": self.backend.memory_report(models),
-                "pool": self.backend.pool_report()}
+        return await self.backend.stats()
 
     @api.get("/")
     async def root(self) -> dict:

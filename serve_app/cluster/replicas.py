@@ -8,7 +8,9 @@ send in flight at most); the store keeps the latest report of each replica on a
 ``ReplicaBoard`` and forgets one silent for ``FORGET_AFTER_S`` (it stopped). The
 ingress asks every node's store for a model's reports, puts the replica that answered
 the call first (its numbers fresh) and merges them (``model_view``): a ``replicas``
-list, the model's totals, and whether every configured replica is among them.
+list, the model's totals (each field as it declares: ``serve_app.cache.merge``), and
+whether every configured replica is among them. Reports are typed (``ReplicaStats``)
+until ``ModelView.to_json``.
 
 Pure: no Ray, no MLX (the store actor and the ingress import it).
 """
@@ -17,54 +19,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
+
+from serve_app.memory.plan import NodeMemory
+from serve_app.serving.replica_stats import ReplicaStats, totals
 
 REPORT_INTERVAL_S = 1.0  # a replica reports this often (its metrics pump's period)
 FORGET_AFTER_S = 5 * REPORT_INTERVAL_S  # a replica silent this long has stopped
-
-# How a model's totals combine its replicas' sections. Every key is named: a counter is
-# summed, a gauge only where the sum means something for the model, a setting or a
-# replica's own measurement is never summed (the answering replica's value is shown, each
-# replica's in ``replicas``). A key named nowhere is the answering replica's too, and a
-# unit test fails until it is named (tests/test_replica_stats.py).
-ENGINE_SUMS = (
-    # counters
-    "submitted", "finished", "cancelled", "rejected", "failed", "decode_steps",
-    "generated_tokens", "prompt_tokens", "step_seconds", "restored_tokens",
-    "restored_bytes", "restore_seconds", "restore_failures", "captured_blocks",
-    "captured_bytes", "captured_tokens", "captured_checkpoints",
-    "captured_checkpoint_bytes", "captured_tails", "capture_seconds", "kv_waited",
-    "kv_rejected",
-    # gauges whose sum is the model's: requests in flight, in running batches, now; KV
-    # reserved by running requests and requests waiting for KV (each replica's own budget)
-    "in_flight", "running_batch_size", "kv_in_use_bytes", "kv_waiting",
-)
-ENGINE_MAX = ("peak_batch_size",)  # the largest batch one replica ran (batches never merge)
-CACHE_SUMS = (
-    "lookups", "hit_tokens", "missed_tokens", "walkbacks", "trim_hits", "trim_hit_tokens",
-    "checkpoint_rejects", "incompatible_payloads", "restore_failures", "sidecar_loads",
-    "ssd_read_bytes", "ssd_read_seconds", "fetch_seconds", "remote_fetches",
-    "remote_fetch_blocks", "remote_fetch_bytes", "remote_fetch_seconds",
-    "remote_fetch_failures", "remote_fetch_skipped", "inflight_waits", "inflight_wait_seconds",
-)
-CACHE_SUMS_BY_KEY = ("hit_tokens_by_tier", "checkpoint_loads_by_tier", "misses_by_reason",
-                     "store_errors_by_kind", "cache_busts_by_position")
-# Settings (the same on every replica), the last text a replica saw, and what a replica
-# measured for itself (fetch bandwidth and prefill rate, per other node's breaker).
-CACHE_ANSWERING = ("enabled", "disabled_reason", "block_size", "checkpoint_interval",
-                   "last_miss_reason", "last_store_error", "recent_cache_busts",
-                   "remote_fetch_policy")
-CACHE_DERIVED = ("hit_rate", "checkpoint_bytes_per_1k_tokens")  # recomputed from the sums
-# Sections of a replica's stats that are its own (summed into the totals); ``model``,
-# ``replica`` (the answering replica's process) and ``cache_store`` (its node's store
-# and its own client of it) stay the answering replica's.
-TOTALLED = ("engine", "cache", "phases", "normalization")
-# The parts of ``cache_store`` that belong to a replica, not to its node's store: they
-# travel in its report (the store's own stats are one per node, not per replica).
-OWN_STORE_KEYS = ("publisher", "breaker", "directory")
-
 
 @dataclass(frozen=True)
 class ReplicaReport:
@@ -73,9 +36,7 @@ class ReplicaReport:
     model: str
     node_id: str
     pid: int
-    # Its sections (``TOTALLED``, ``replica`` and ``cache_store``'s ``OWN_STORE_KEYS``),
-    # as ``ModelReplica.report_stats`` builds them.
-    stats: dict[str, Any]
+    stats: ReplicaStats  # as ``ModelReplica.report_stats`` builds it (its own sections)
     age_s: float = 0.0  # how old the numbers were when read back (the board's clock)
 
     @property
@@ -133,47 +94,64 @@ class ReplicaEntry:
     pid: int
     age_s: float  # 0 for the answering replica; else the age of its last report
     answered: bool  # this replica answered the call (its numbers are the freshest)
-    stats: dict[str, Any]
+    stats: ReplicaStats
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "pid": self.pid, "age_s": self.age_s,
+                "answered": self.answered, "stats": self.stats.to_json()}
 
 
-def own_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
-    """A replica's own sections of its full stats: what it reports to its store."""
-    out = {k: stats[k] for k in (*TOTALLED, "replica") if k in stats}
-    store = stats.get("cache_store")
-    if store is not None:
-        out["cache_store"] = {k: store[k] for k in OWN_STORE_KEYS if k in store}
-    return out
+@dataclass(frozen=True)
+class ModelView:
+    """A model's ``/v1/stats``: the answering replica's stats, the totals over every
+    replica listed, the replicas, and whether every configured replica is among them."""
+
+    answered: ReplicaStats
+    totals: ReplicaStats
+    replicas: tuple[ReplicaEntry, ...]
+    expected: int
+    note: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The answering replica's sections with the totals' ``engine``, ``cache``,
+        ``phases`` and ``normalization``; ``model``, ``replica`` and ``cache_store`` stay
+        the answering replica's."""
+        out = self.answered.to_json()
+        totals = self.totals.to_json()
+        for key in ("engine", "cache", "phases", "normalization"):
+            if key in totals:
+                out[key] = totals[key]
+        out["replicas"] = [e.to_json() for e in self.replicas]
+        out["replicas_expected"] = self.expected
+        out["replicas_complete"] = len(self.replicas) >= self.expected
+        out["replicas_note"] = self.note
+        return out
+
+    def memory(self) -> list[NodeMemory]:
+        """Each listed replica's memory section, for ``/v1/stats``' ``memory``."""
+        return [NodeMemory(self.answered.model, e.pid, e.node_id, e.stats.replica.memory)
+                for e in self.replicas
+                if e.stats.replica is not None and e.stats.replica.memory is not None]
 
 
-def model_view(answered: dict[str, Any], gathered: Gathered, expected: int) -> dict[str, Any]:
-    """A model's ``/v1/stats``: ``answered`` (the stats of the replica that took the call)
-    merged with the other replicas' reports.
-
-    The sections in ``TOTALLED`` become the model's totals over every replica listed;
-    ``model``, ``replica`` and ``cache_store`` stay the answering replica's. Added:
-    ``replicas`` (the answering one first, then by node and pid), ``replicas_expected``
-    (the configured count), ``replicas_complete`` (as many replicas as configured are
-    in the totals) and ``replicas_note`` (why not, when not).
-    """
-    replica = answered.get("replica") or {}
-    mine = ReplicaEntry(str(replica.get("node_id", "")), int(replica.get("pid", 0)), 0.0,
-                        True, own_stats(answered))
+def model_view(answered: ReplicaStats, gathered: Gathered, expected: int) -> ModelView:
+    """A model's view: ``answered`` (the stats of the replica that took the call) merged
+    with the other replicas' reports, the answering one first, then by node and pid (a
+    replica's own older report is dropped: what it just answered is fresher)."""
+    process = answered.replica
+    mine = ReplicaEntry(process.node_id if process else "", process.pid if process else 0,
+                        0.0, True, answered.own())
     others: dict[tuple[str, int], ReplicaReport] = {}
     for r in gathered.reports:
         key = (r.node_id, r.pid)
         if key == (mine.node_id, mine.pid):
-            continue  # its last report is older than what it just answered
+            continue
         if key not in others or r.age_s < others[key].age_s:
             others[key] = r
-    entries = [mine, *(ReplicaEntry(r.node_id, r.pid, r.age_s, False, r.stats)
-                       for _, r in sorted(others.items()))]
-    out = dict(answered)
-    out.update(totals([e.stats for e in entries]))
-    out["replicas"] = [asdict(e) for e in entries]
-    out["replicas_expected"] = expected
-    out["replicas_complete"] = len(entries) >= expected
-    out["replicas_note"] = _note(len(entries), expected, gathered)
-    return out
+    entries = (mine, *(ReplicaEntry(r.node_id, r.pid, r.age_s, False, r.stats)
+                       for _, r in sorted(others.items())))
+    return ModelView(answered, totals([e.stats for e in entries]), entries, expected,
+                     _note(len(entries), expected, gathered))
 
 
 def _note(seen: int, expected: int, gathered: Gathered) -> str | None:
@@ -187,90 +165,3 @@ def _note(seen: int, expected: int, gathered: Gathered) -> str | None:
                 "not answer in time")
     return (f"{why}: a replica reports every {REPORT_INTERVAL_S:g} s once it is ready "
             "(one may be starting, or gone)")
-
-
-def totals(replicas: list[dict[str, Any]]) -> dict[str, Any]:
-    """The model's totals of the ``TOTALLED`` sections of its replicas' stats (the
-    answering replica first: its values stand where nothing is summed)."""
-    if not replicas:
-        return {}
-    first = replicas[0]
-    out: dict[str, Any] = {}
-    if "engine" in first:
-        out["engine"] = _engine([r.get("engine") or {} for r in replicas])
-    if "cache" in first:
-        engine = out.get("engine") or first.get("engine") or {}
-        out["cache"] = _cache([r.get("cache") or {} for r in replicas], engine)
-    if "phases" in first:
-        out["phases"] = _phases([r.get("phases") or {} for r in replicas])
-    if "normalization" in first:
-        sections = [r.get("normalization") or {} for r in replicas]
-        out["normalization"] = {**sections[0], "requests_by_rule": _sum_by_key(
-            s.get("requests_by_rule") or {} for s in sections)}
-    return out
-
-
-def _engine(sections: list[dict[str, Any]]) -> dict[str, Any]:
-    out = dict(sections[0])
-    for key in ENGINE_SUMS:
-        if key in out:
-            out[key] = _sum(s.get(key) for s in sections)
-    for key in ENGINE_MAX:
-        if key in out:
-            out[key] = max(s.get(key) or 0 for s in sections)
-    return out
-
-
-def _cache(sections: list[dict[str, Any]], engine: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(sections[0])
-    for key in CACHE_SUMS:
-        if key in out:
-            out[key] = _sum(s.get(key) for s in sections)
-    for key in CACHE_SUMS_BY_KEY:
-        if key in out:
-            out[key] = _sum_by_key(s.get(key) or {} for s in sections)
-    if "hit_rate" in out:
-        seen = (out.get("hit_tokens") or 0) + (out.get("missed_tokens") or 0)
-        out["hit_rate"] = round(out["hit_tokens"] / seen, 4) if seen else None
-    if "checkpoint_bytes_per_1k_tokens" in out:  # as ModelService.stats computes it
-        tokens = engine.get("captured_tokens") or 0
-        out["checkpoint_bytes_per_1k_tokens"] = (
-            round((engine.get("captured_checkpoint_bytes") or 0) * 1000 / tokens)
-            if tokens else None)
-    return out
-
-
-def _phases(sections: list[dict[str, Any]]) -> dict[str, Any]:
-    """Requests and per-phase counts summed; each phase's mean weighted by its count."""
-    out = dict(sections[0])
-    out["requests"] = _sum(s.get("requests") for s in sections)
-    counts = [s.get("counts") or {} for s in sections]
-    if "counts" in out:
-        out["counts"] = _sum_by_key(counts)
-    means = [s.get("mean_ms") or {} for s in sections]
-    merged: dict[str, float] = {}
-    for phase in means[0]:
-        weights = [c.get(phase, s.get("requests") or 0) for c, s in zip(counts, sections,
-                                                                          strict=True)]
-        total = sum(weights)
-        merged[phase] = (round(sum(m.get(phase, 0.0) * w for m, w in zip(means, weights,
-                                                                          strict=True))
-                               / total, 3) if total else 0.0)
-    out["mean_ms"] = merged
-    return out
-
-
-def _sum(values: Iterable[Any]) -> Any:
-    total: int | float = 0
-    for v in values:
-        if isinstance(v, int | float) and not isinstance(v, bool):
-            total += v
-    return total
-
-
-def _sum_by_key(dicts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for d in dicts:
-        for k, v in d.items():
-            out[k] = _sum((out.get(k, 0), v))
-    return out

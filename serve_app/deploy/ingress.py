@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.api import auth
 from serve_app.api.http import OpenAIIngress, api
-from serve_app.cluster.replicas import Gathered, model_view
+from serve_app.cluster.replicas import Gathered, ModelView, model_view
 from serve_app.config.profile import Profile
 from serve_app.deploy.pool import (
     PoolCapacityError,
@@ -43,6 +43,7 @@ from serve_app.serving.errors import (
     queue_full_error,
 )
 from serve_app.serving.events import Event
+from serve_app.serving.replica_stats import ReplicaStats
 from serve_app.serving.request import Caller, OpenAIRequest
 
 if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
@@ -242,20 +243,22 @@ class RayModels:
             return True
         return False
 
-    async def model_stats(self) -> dict:
-        out = {}
-        for name in self.handles:
-            out[name] = await self.one_model_stats(name)
-        return out
+    async def stats(self) -> dict:
+        views = {name: await self.one_model_stats(name) for name in self.handles}
+        memory = None if self.plan is None else memory_report(
+            self.plan, self.profile.memory.budget,
+            [r for view in views.values() for r in view.memory()])
+        return {"models": {name: view.to_json() for name, view in views.items()},
+                "memory": memory, "pool": self.pool_report()}
 
-    async def one_model_stats(self, name: str) -> dict:
+    async def one_model_stats(self, name: str) -> ModelView:
         """A model's stats: the replica that takes this call (fresh), merged with every
         other replica's last report, gathered from every node's cache store meanwhile
         (``serve_app.cluster.replicas.model_view``: the model's totals and its replicas)."""
         m = self.profile.model(name)
         expected = m.num_replicas if m is not None else 1
 
-        async def answer() -> dict:
+        async def answer() -> ReplicaStats:
             return await self.handles[name].stats.remote()
 
         if expected == 1:  # the one replica answers: nothing to gather
@@ -274,11 +277,6 @@ class RayModels:
         if self.plan is None:
             return None
         return next((m.total_bytes for m in self.plan.models if m.name == name), None)
-
-    def memory_report(self, models: dict) -> dict | None:
-        if self.plan is None:
-            return None
-        return memory_report(self.plan, self.profile.memory.budget, models)
 
 
 class _Batches:

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ from serve_app.config.profile import (
 from serve_app.deploy.pool import UNLOAD_REASONS
 from serve_app.deploy.stage import PrepareStage
 from serve_app.memory.machine import probe_machine, process_rss_bytes, trim_malloc
-from serve_app.memory.plan import ModelMemory
+from serve_app.memory.plan import ModelMemory, PlannedMemory, ReplicaMemory
 from serve_app.metrics.table import MetricsPump, RayRecorder, memory_samples, pool_samples
 from serve_app.models.compat import TOKENIZER_FILES, download_model
 from serve_app.models.phase import (
@@ -38,6 +39,7 @@ from serve_app.serving.errors import (
     model_load_failed_error,
 )
 from serve_app.serving.events import Event
+from serve_app.serving.replica_stats import ReplicaProcess, ReplicaStats
 from serve_app.serving.request import ApiError, Caller, OpenAIRequest
 
 if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
@@ -323,31 +325,26 @@ class ModelReplica:
                 *pool_samples(self.profile.name, service is not None, self.loads,
                               self.load_seconds, self.unloads)]
 
-    def _memory_stats(self, service: ModelService | None) -> dict:
-        """This model's memory on its node: the plan's numbers, the KV budget and what the
-        running requests reserve of it, MLX's limits where set (``advisory``: none is,
-        off Metal); ``loaded``: False while the pool has it unloaded (then it holds no
-        weights and no KV); ``process_rss_bytes``: this replica's resident memory now."""
+    def _memory_stats(self, service: ModelService | None) -> ReplicaMemory:
+        """This model's memory on its node (``ReplicaMemory``)."""
         engine = service.engine if service is not None else None
         snap = engine.snapshot() if engine is not None else None
         limits = engine.applied_limits if engine is not None else None
         m = self.memory
-        return {
-            "loaded": service is not None,
-            "total_memory_bytes": self.machine.total_bytes,
-            "gpu_working_set_bytes": self.machine.gpu_working_set_bytes,
+        return ReplicaMemory(
+            loaded=service is not None,
+            total_memory_bytes=self.machine.total_bytes,
+            gpu_working_set_bytes=self.machine.gpu_working_set_bytes,
             # Nothing is set off Metal or without a plan (whether loaded or not).
-            "advisory": not self.machine.metal or self.memory is None,
-            "planned": None if m is None else {
-                "weights_bytes": m.weights_bytes, "kv_bytes": m.kv_bytes,
-                "hot_share_bytes": m.hot_share_bytes, "total_bytes": m.total_bytes},
-            "kv_budget_bytes": engine.kv.budget_bytes if engine is not None else None,
-            "kv_in_use_bytes": snap.kv_in_use_bytes if snap is not None else 0,
-            "kv_waiting": snap.kv_waiting if snap is not None else 0,
-            "wired_limit_bytes": limits.wired_bytes if limits is not None else None,
-            "cache_limit_bytes": limits.cache_bytes if limits is not None else None,
-            "process_rss_bytes": process_rss_bytes(),
-        }
+            advisory=not self.machine.metal or self.memory is None,
+            planned=None if m is None else PlannedMemory(
+                m.weights_bytes, m.kv_bytes, m.hot_share_bytes, m.total_bytes),
+            kv_budget_bytes=engine.kv.budget_bytes if engine is not None else None,
+            kv_in_use_bytes=snap.kv_in_use_bytes if snap is not None else 0,
+            kv_waiting=snap.kv_waiting if snap is not None else 0,
+            wired_limit_bytes=limits.wired_bytes if limits is not None else None,
+            cache_limit_bytes=limits.cache_bytes if limits is not None else None,
+            process_rss_bytes=process_rss_bytes())
 
     def record_routing_stats(self) -> dict:
         """What the prefix-affinity router needs of this replica (polled by Serve)."""
@@ -362,36 +359,40 @@ class ModelReplica:
                            engine.running_batch_size,
                            max(0, engine.in_flight - engine.running_batch_size)).to_stats()
 
-    async def stats(self) -> dict:
+    async def stats(self) -> ReplicaStats:
         service = self.service
-        out = await service.stats() if service is not None else {"model": self.profile.name}
+        stats = (await self._service_stats(service) if service is not None
+                 else ReplicaStats(self.profile.name))
         # Where Serve runs our code: its main loop ("AsyncIO Thread: default") once
         # SERVE_REPLICA_ENV took effect, not a "Thread-N (_run_user_code_event_loop)".
         self.loop_thread = threading.current_thread().name
-        out["replica"] = self._replica_stats(service)
-        return out
+        return replace(stats, replica=self._replica_stats(service))
 
-    def _replica_stats(self, service: ModelService | None) -> dict:
-        return {"pid": os.getpid(), "node_id": self.node_id,
-                "user_code_thread": self.loop_thread,
-                "status": "loaded" if service is not None else "unloaded",
-                "loads": self.loads, "load_seconds": round(self.load_seconds, 3),
-                "unloads": dict(self.unloads),
-                "last_unload_demoted": {"blocks": self.demoted[0], "bytes": self.demoted[1]},
-                "preparing": self.stage.busy, "prepare_runs": self.stage.runs,
-                "memory": self._memory_stats(service)}
+    @staticmethod
+    async def _service_stats(service: ModelService) -> ReplicaStats:
+        stats = service.local_stats()
+        client = service.cache.client
+        return stats if client is None else replace(stats, cache_store=await client.stats())
 
-    def report_stats(self) -> dict | None:
-        """What this replica reports to its node's store: its own sections of ``stats()``
-        (no store call; any thread); None while unloaded (nothing of its own to total)."""
+    def _replica_stats(self, service: ModelService | None) -> ReplicaProcess:
+        return ReplicaProcess(
+            pid=os.getpid(), node_id=self.node_id, user_code_thread=self.loop_thread,
+            status="loaded" if service is not None else "unloaded",
+            loads=self.loads, load_seconds=round(self.load_seconds, 3),
+            unloads=dict(self.unloads),
+            last_unload_demoted={"blocks": self.demoted[0], "bytes": self.demoted[1]},
+            preparing=self.stage.busy, prepare_runs=self.stage.runs,
+            memory=self._memory_stats(service))
+
+    def report_stats(self) -> ReplicaStats | None:
+        """What this replica reports to its node's store: its own stats (no store call;
+        any thread); None while unloaded (nothing of its own to total)."""
         service = self.service
         if service is None:
             return None
-        out = service.local_stats()
-        out["replica"] = self._replica_stats(service)
-        if self.client is not None:
-            out["cache_store"] = self.client.own_stats()
-        return out
+        own = self.client.own_stats() if self.client is not None else None
+        return replace(service.local_stats(), replica=self._replica_stats(service),
+                       cache_store=own)
 
     def report(self) -> None:
         """This replica's stats to its node's store (the metrics pump's thread; never

@@ -16,7 +16,7 @@ of each sequence on hybrid models + its share of the hot tier.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from serve_app.memory.machine import MachineMemory
@@ -396,11 +396,50 @@ def node_budget(budget: int | str, machine: MachineMemory) -> int:
     return auto_budget(machine) if budget == "auto" else int(budget)
 
 
+@dataclass(frozen=True)
+class PlannedMemory:
+    """A model's part of the plan as its replica shows it."""
+
+    weights_bytes: int
+    kv_bytes: int
+    hot_share_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class ReplicaMemory:
+    """One replica's memory on its node (its stats' ``replica.memory``): the plan's
+    numbers, the KV budget and what the running requests reserve of it, MLX's limits where
+    set (``advisory``: none is, off Metal); ``loaded``: False while the pool has it
+    unloaded (then it holds no weights and no KV); ``process_rss_bytes``: now."""
+
+    loaded: bool
+    total_memory_bytes: int
+    gpu_working_set_bytes: int | None
+    advisory: bool
+    planned: PlannedMemory | None
+    kv_budget_bytes: int | None
+    kv_in_use_bytes: int
+    kv_waiting: int
+    wired_limit_bytes: int | None
+    cache_limit_bytes: int | None
+    process_rss_bytes: int | None
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """A replica's memory as ``memory_report`` takes it: which model, process and node."""
+
+    model: str
+    pid: int
+    node_id: str
+    memory: ReplicaMemory
+
+
 def memory_report(plan: MemoryPlan, budget: int | str,
-                  models: dict[str, Any]) -> dict[str, Any]:
+                  replicas: Sequence[NodeMemory]) -> dict[str, Any]:
     """``/v1/stats``' ``memory``: the plan as made where the application was built
-    (``plan``), and per node what its replicas report (``models``: ``/v1/stats``'
-    model views, each replica's ``replica.memory`` section).
+    (``plan``), and per node what its replicas report (``replicas``).
 
     A node's ``budget_bytes`` is ``memory.budget`` on that node's memory;
     ``planned_bytes`` (what the plan uses of it) is the weights and KV budgets of the
@@ -409,27 +448,22 @@ def memory_report(plan: MemoryPlan, budget: int | str,
     (None: none set); ``advisory``: nothing is set on some model there (no Metal).
     """
     nodes: dict[str, dict[str, Any]] = {}
-    for name, view in models.items():
-        for entry in view.get("replicas") or ():
-            section = ((entry.get("stats") or {}).get("replica") or {}).get("memory")
-            if not section:
-                continue
-            node = nodes.setdefault(entry.get("node_id") or "", {
-                "total_memory_bytes": section["total_memory_bytes"],
-                "budget_bytes": node_budget(budget, MachineMemory(
-                    section["total_memory_bytes"], section.get("gpu_working_set_bytes"))),
-                "planned_bytes": plan.hot_bytes + plan.staging_bytes,
-                "kv_in_use_bytes": 0, "hot_bytes": plan.hot_bytes,
-                "staging_bytes": plan.staging_bytes, "wired_limit_bytes": None,
-                "advisory": False, "models": {}})
-            planned = section.get("planned") or {}
-            if section.get("loaded", True):  # a model the pool unloaded holds neither
-                node["planned_bytes"] += planned.get("weights_bytes", 0) + (
-                    section.get("kv_budget_bytes") or planned.get("kv_bytes", 0))
-            node["kv_in_use_bytes"] += section.get("kv_in_use_bytes") or 0
-            wired = section.get("wired_limit_bytes")
-            if wired is not None:
-                node["wired_limit_bytes"] = (node["wired_limit_bytes"] or 0) + wired
-            node["advisory"] = node["advisory"] or bool(section.get("advisory"))
-            node["models"].setdefault(name, []).append({"pid": entry.get("pid"), **section})
+    for r in replicas:
+        m = r.memory
+        node = nodes.setdefault(r.node_id, {
+            "total_memory_bytes": m.total_memory_bytes,
+            "budget_bytes": node_budget(budget, MachineMemory(
+                m.total_memory_bytes, m.gpu_working_set_bytes)),
+            "planned_bytes": plan.hot_bytes + plan.staging_bytes,
+            "kv_in_use_bytes": 0, "hot_bytes": plan.hot_bytes,
+            "staging_bytes": plan.staging_bytes, "wired_limit_bytes": None,
+            "advisory": False, "models": {}})
+        if m.loaded:  # a model the pool unloaded holds neither
+            node["planned_bytes"] += (m.planned.weights_bytes if m.planned else 0) + (
+                m.kv_budget_bytes or (m.planned.kv_bytes if m.planned else 0))
+        node["kv_in_use_bytes"] += m.kv_in_use_bytes
+        if m.wired_limit_bytes is not None:
+            node["wired_limit_bytes"] = (node["wired_limit_bytes"] or 0) + m.wired_limit_bytes
+        node["advisory"] = node["advisory"] or m.advisory
+        node["models"].setdefault(r.model, []).append({"pid": r.pid, **asdict(m)})
     return {"plan": plan.as_dict(), "nodes": nodes}

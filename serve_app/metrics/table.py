@@ -29,6 +29,7 @@ from serve_app.models.compat import record_metric_zero
 if TYPE_CHECKING:  # the engine imports MLX; the store and the ingress load this module
     from serve_app.cache.manager_stats import CacheStats
     from serve_app.cache.stats import StoreStats
+    from serve_app.memory.plan import ReplicaMemory
     from serve_app.serving.engine_events import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -451,20 +452,20 @@ def replica_samples(model: str, engine: EngineStats, cache: CacheStats,
     return out
 
 
-def memory_samples(model: str, memory: dict[str, Any]) -> list[Sample]:
+def memory_samples(model: str, memory: ReplicaMemory) -> list[Sample]:
     """``serve_app_memory_bytes`` of one replica from its memory section (``ModelReplica.
     _memory_stats``); kinds without a value (no plan, nothing set off Metal) are left out.
     A model the pool unloaded holds no weights and no KV: those kinds are 0 then."""
-    planned = memory.get("planned") or {}
-    held = 1 if memory.get("loaded", True) else 0
-    values = {"weights": _times(planned.get("weights_bytes"), held),
-              "kv": _times(planned.get("kv_bytes"), held),
-              "hot_share": planned.get("hot_share_bytes"),
-              "kv_budget": _times(memory.get("kv_budget_bytes"), held),
-              "kv_in_use": memory.get("kv_in_use_bytes"),
-              "wired_limit": memory.get("wired_limit_bytes"),
-              "cache_limit": memory.get("cache_limit_bytes"),
-              "process_rss": memory.get("process_rss_bytes")}
+    planned = memory.planned
+    held = 1 if memory.loaded else 0
+    values = {"weights": _times(planned.weights_bytes if planned else None, held),
+              "kv": _times(planned.kv_bytes if planned else None, held),
+              "hot_share": planned.hot_share_bytes if planned else None,
+              "kv_budget": _times(memory.kv_budget_bytes, held),
+              "kv_in_use": memory.kv_in_use_bytes,
+              "wired_limit": memory.wired_limit_bytes,
+              "cache_limit": memory.cache_limit_bytes,
+              "process_rss": memory.process_rss_bytes}
     return [Sample("serve_app_memory_bytes", {"model": model, "kind": kind}, value)
             for kind, value in values.items() if value is not None]
 

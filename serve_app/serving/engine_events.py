@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from serve_app.cache.merge import merged
+
 
 @dataclass(frozen=True)
 class EngineEvent:
@@ -31,35 +33,40 @@ EventSink = Callable[[EngineEvent], None]
 
 @dataclass
 class EngineStats:
-    """Counters a human or a test can read to see what the engine did."""
+    """Counters a human or a test can read to see what the engine did; each says how the
+    replicas' combine into the model's (``serve_app.cache.merge``)."""
 
-    submitted: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    rejected: int = 0
-    failed: int = 0
-    in_flight: int = 0
-    decode_steps: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    running_batch_size: int = 0
-    peak_batch_size: int = 0
-    step_seconds: float = 0.0
-    restored_tokens: int = 0
-    restored_bytes: int = 0
-    restore_seconds: float = 0.0
-    restore_failures: int = 0  # restores that did not build: the request prefilled cold
-    captured_blocks: int = 0
-    captured_bytes: int = 0
-    captured_tokens: int = 0
-    captured_checkpoints: int = 0
-    captured_checkpoint_bytes: int = 0  # recurrent state, the cost of a hybrid cache
-    captured_tails: int = 0  # partial blocks captured where conversations branch
-    capture_seconds: float = 0.0
+    submitted: int = merged("sum", default=0)
+    finished: int = merged("sum", default=0)
+    cancelled: int = merged("sum", default=0)
+    rejected: int = merged("sum", default=0)
+    failed: int = merged("sum", default=0)
+    # gauges whose sum is the model's: requests in flight and in running batches now
+    in_flight: int = merged("sum", default=0)
+    decode_steps: int = merged("sum", default=0)
+    generated_tokens: int = merged("sum", default=0)
+    prompt_tokens: int = merged("sum", default=0)
+    running_batch_size: int = merged("sum", default=0)
+    peak_batch_size: int = merged("max", default=0)  # the largest batch one replica ran
+    step_seconds: float = merged("sum", default=0.0)
+    restored_tokens: int = merged("sum", default=0)
+    restored_bytes: int = merged("sum", default=0)
+    restore_seconds: float = merged("sum", default=0.0)
+    # restores that did not build: the request prefilled cold
+    restore_failures: int = merged("sum", default=0)
+    captured_blocks: int = merged("sum", default=0)
+    captured_bytes: int = merged("sum", default=0)
+    captured_tokens: int = merged("sum", default=0)
+    captured_checkpoints: int = merged("sum", default=0)
+    # recurrent state (the cost of a hybrid cache); partial blocks captured where
+    # conversations branch
+    captured_checkpoint_bytes: int = merged("sum", default=0)
+    captured_tails: int = merged("sum", default=0)
+    capture_seconds: float = merged("sum", default=0.0)
     # KV admission (``Engine.set_kv_budget``): bytes reserved by the requests in the
     # batch, requests waiting for KV to be freed now, requests that ever waited, and
     # requests refused because their KV alone is over the budget.
-    kv_in_use_bytes: int = 0
-    kv_waiting: int = 0
-    kv_waited: int = 0
-    kv_rejected: int = 0
+    kv_in_use_bytes: int = merged("sum", default=0)
+    kv_waiting: int = merged("sum", default=0)
+    kv_waited: int = merged("sum", default=0)
+    kv_rejected: int = merged("sum", default=0)

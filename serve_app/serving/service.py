@@ -10,10 +10,11 @@ a thin wrapper around it.
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from serve_app.cache.client import CacheClient
@@ -24,7 +25,7 @@ from serve_app.config.catalog import EMBEDDED_PREFIX
 from serve_app.config.normalize_rules import RULE_NAMES
 from serve_app.config.paths import default_home
 from serve_app.config.profile import ModelProfile, source_kind
-from serve_app.metrics.table import PHASES, Recorder, replica_samples
+from serve_app.metrics.table import Recorder, replica_samples
 from serve_app.models.compat import download_model, token_bytes_table
 from serve_app.models.embedded import materialize
 from serve_app.serving.admission import QueueFullError, refusal
@@ -33,27 +34,10 @@ from serve_app.serving.engine_events import EngineEvent
 from serve_app.serving.errors import queue_full_error
 from serve_app.serving.events import Event, TokenLogprob
 from serve_app.serving.prepare import PreparedRequest, Preparer
+from serve_app.serving.replica_stats import CacheView, NormalizationStats, PhaseTimes, ReplicaStats
 from serve_app.serving.request import ApiError, Caller, ChatCompletionRequest, CompletionRequest
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.stream import EventChannel, Lease, Pacer, RequestClock, RequestStream
-
-
-@dataclass
-class PhaseTimes:
-    """Seconds spent in each phase before the first token, summed per phase, and how
-    many requests reached each (a rejected or cancelled one stops early)."""
-
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] += seconds
-        self.counts[phase] += 1
-
-    def summary(self) -> dict:
-        return {"requests": self.counts[PHASES[0]], "counts": dict(self.counts),
-                "mean_ms": {k: round(v * 1000 / max(self.counts[k], 1), 3)
-                            for k, v in self.seconds.items()}}
 
 
 def resolve_source(profile: ModelProfile, home: Path | None = None, progress=None) -> str:
@@ -291,30 +275,25 @@ class ModelService:
                                self.normalized)
 
     async def stats(self) -> dict:
-        out = self.local_stats()
+        """``local_stats`` with the cache store's section, as ``/v1/stats`` shows them."""
+        stats = self.local_stats()
         if self.cache.client is not None:
-            out["cache_store"] = await self.cache.client.stats()
-        return out
+            stats = replace(stats, cache_store=await self.cache.client.stats())
+        return stats.to_json()
 
-    def local_stats(self) -> dict:
-        """``stats()`` but the cache store's section: nothing remote, so any thread (the
-        replica's report to its store, ``serve_app.cluster.replicas``) may call it."""
-        engine = self.engine.snapshot()
-        cache = self.cache_stats.summary()
-        tokens = engine.captured_tokens
-        cache["checkpoint_interval"] = self.cache.settings.checkpoint_every or None
+    def local_stats(self) -> ReplicaStats:
+        """This replica's stats but the cache store's section: nothing remote, so any
+        thread (the replica's report to its store, ``serve_app.cluster.replicas``) may
+        call it."""
         remote = self.cache.remote
-        cache["remote_fetch_policy"] = {
+        view = CacheView(self.cache.settings.checkpoint_every or None, {
             "bandwidth_bytes_per_s": round(remote.bandwidth),
             "prefill_tokens_per_s": round(remote.prefill_rate) if remote.prefill_rate else None,
-            "nodes": remote.snapshot()}  # per node: bandwidth, fetches, failures, breaker
-        cache["checkpoint_bytes_per_1k_tokens"] = (
-            round(engine.captured_checkpoint_bytes * 1000 / tokens) if tokens else None)
-        out = {"model": self.profile.name, "engine": asdict(engine), "cache": cache,
-               "phases": self.phases.summary(),
-               "normalization": {"rules": list(self.profile.normalize),
-                                 "requests_by_rule": dict(self.normalized)}}
-        return out
+            "nodes": remote.snapshot()})  # per node: bandwidth, fetches, failures, breaker
+        return ReplicaStats(
+            self.profile.name, self.engine.snapshot(), copy.deepcopy(self.cache_stats), view,
+            copy.deepcopy(self.phases),
+            NormalizationStats(list(self.profile.normalize), dict(self.normalized)))
 
     def warm_up(self, timeout: float = 300.0) -> float:
         """One prefill and one decode through the engine; returns the seconds taken.
