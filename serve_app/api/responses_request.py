@@ -23,7 +23,7 @@ from pydantic import (
 from serve_app.config.validation import clean_loc
 from serve_app.serving.request import MAX_TOKENS, ApiError, ChatCompletionRequest, checked
 from serve_app.serving.request import validation_error as request_validation_error
-from serve_app.serving.tool_rules import TOOL_NAME_PATTERN, choice_problem
+from serve_app.serving.tool_rules import TOOL_NAME_PATTERN, choice_problem, forces_call
 
 # Tool names as the chat API's FunctionDef takes them.
 SUPPORTED_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
@@ -317,21 +317,21 @@ def _check_schema(schema: dict | None, where: str) -> None:
 def _tool_choice(request: ResponsesRequest, tools: list[dict] | None) -> str | dict | None:
     choice = request.tool_choice
     names = {t["function"]["name"] for t in tools or ()}
-    if choice is None or choice == "auto" or choice == "none":
+    if isinstance(choice, NamedFunction):
+        named: str | None = choice.name
+        text = f"function {choice.name!r}"
+    elif forces_call(choice):
+        named, text = None, repr(choice)
+    else:
         return choice
-    named = None if choice == "required" else choice.name
     problem = choice_problem(True, named, names)
     if problem == "needs_tools":
-        raise _refuse("tool_choice", f"{_choice_text(choice)} needs tools")
+        raise _refuse("tool_choice", f"{text} needs tools")
     if problem == "unknown_name":
         raise _refuse("tool_choice.name", f"no function named {named!r} in tools")
-    if choice == "required":
-        return choice
+    if named is None:
+        return "required"
     return {"type": "function", "function": {"name": named}}
-
-
-def _choice_text(choice: str | NamedFunction) -> str:
-    return repr(choice) if isinstance(choice, str) else f"function {choice.name!r}"
 
 
 def _response_format(request: ResponsesRequest) -> dict | None:
@@ -392,8 +392,7 @@ def to_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
     tools = _tools(request)
     choice = _tool_choice(request, tools)
     fmt = _response_format(request)
-    forced = choice == "required" or isinstance(choice, dict)
-    if fmt is not None and forced:
+    if fmt is not None and forces_call(choice):
         raise _refuse("text.format", "a JSON format cannot be combined with a forced "
                       "tool_choice")
     body: dict[str, Any] = {

@@ -33,6 +33,7 @@ from serve_app.serving.structured import (
     compile_response_format,
     compile_tool_choice,
 )
+from serve_app.serving.tool_rules import forces_call
 from serve_app.serving.tools import canonical_tools, tool_support
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,7 @@ class PreparedRequest:
 
     @property
     def forced_tool_choice(self) -> bool:
-        return self.tools is not None and (self.tool_choice == "required"
-                                           or isinstance(self.tool_choice, dict))
+        return self.tools is not None and forces_call(self.tool_choice)
 
 
 class Preparer:

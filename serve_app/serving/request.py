@@ -30,7 +30,12 @@ from pydantic import (
 from serve_app.config.validation import clean_loc
 from serve_app.serving.events import Failure
 from serve_app.serving.sampling import MAX_TOP_LOGPROBS
-from serve_app.serving.tool_rules import TOOL_NAME_PATTERN, choice_problem, first_duplicate
+from serve_app.serving.tool_rules import (
+    TOOL_NAME_PATTERN,
+    choice_problem,
+    first_duplicate,
+    forces_call,
+)
 
 
 @dataclass(frozen=True)
@@ -283,15 +288,14 @@ class ChatCompletionRequest(_Request):
             raise ApiError(400, "tools: function names must be unique", param="tools")
         choice = self.tool_choice
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        problem = choice_problem(named is not None or choice == "required", named, names)
+        problem = choice_problem(forces_call(choice), named, names)
         if problem == "unknown_name" or (problem == "needs_tools" and named is not None):
             raise ApiError(400, f"tool_choice names function {named!r}, which "
                                 "is not among the request's tools", param="tool_choice")
         if problem == "needs_tools":
             raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
         if self.response_format is not None and self.wants_tools():
-            forced = choice == "required" or isinstance(choice, NamedToolChoice)
-            if forced and self.response_format.get("type") not in (None, "text"):
+            if forces_call(choice) and self.response_format.get("type") not in (None, "text"):
                 raise ApiError(400, "response_format cannot be combined with a forced "
                                     "tool_choice", param="response_format")
         for i, m in enumerate(self.messages):

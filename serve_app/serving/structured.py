@@ -52,6 +52,7 @@ import llguidance.hf
 import numpy as np
 
 from serve_app.models.compat import wrapped_hf_tokenizer
+from serve_app.serving.tool_rules import choice_problem
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -404,6 +405,8 @@ def compile_tool_choice(tools: list[dict] | None, choice: str | dict | None, tok
         raise StructuredOutputError("this model cannot call tools: its chat template and "
                                     "tokenizer define no tool-call format", "tools")
     functions = _functions(tools)
+    if choice_problem(True, None, functions) == "needs_tools":
+        raise StructuredOutputError(f"{p} needs tools", "tools")
     if choice == "required":
         chosen, many = functions, parallel
     elif isinstance(choice, dict):
@@ -413,7 +416,7 @@ def compile_tool_choice(tools: list[dict] | None, choice: str | dict | None, tok
             raise StructuredOutputError(
                 f'{p} must be "none", "auto", "required" or {{"type": "function", '
                 f'"function": {{"name": ...}}}}', p)
-        _require(name in functions,
+        _require(choice_problem(True, name, functions) is None,
                  f"{p} names function {name!r}, which is not among the request's tools "
                  f"({', '.join(sorted(functions)) or 'none'})", p)
         chosen, many = {name: functions[name]}, False
@@ -448,7 +451,6 @@ def compile_tool_choice(tools: list[dict] | None, choice: str | dict | None, tok
 
 def _functions(tools: list[dict] | None) -> dict[str, dict]:
     """Function name -> its parameters schema (an object schema; none means no arguments)."""
-    _require(bool(tools), "tool_choice needs tools", "tools")
     out: dict[str, dict] = {}
     for i, tool in enumerate(tools or ()):
         function = tool.get("function") if isinstance(tool, dict) else None

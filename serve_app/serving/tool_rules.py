@@ -2,9 +2,10 @@
 
 OpenAI's chat completions and Responses name functions by ``TOOL_NAME_PATTERN``;
 Anthropic's Messages by ``ANTHROPIC_TOOL_NAME_CHARS`` up to ``ANTHROPIC_MAX_TOOL_NAME``.
-In every API a tool's name is used once, and a ``tool_choice`` that forces a call needs
-tools, the named one among them. Each API words the refusal in its own shape (its
-``param`` path, its error body): the rule is decided here, the message at the API.
+In every API a tool's name is used once, and a ``tool_choice`` that forces a call
+(``forces_call``) needs tools, the named one among them. Each API words the refusal in
+its own shape (its ``param`` path, its error body): the rule is decided here, the
+message at the API (and in ``structured.compile_tool_choice``, which re-checks).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def anthropic_name_ok(name: str) -> bool:
     """An Anthropic tool name: letters, digits, ``_`` and ``-`` (its length is the
     request model's ``max_length``)."""
     return set(name) <= ANTHROPIC_TOOL_NAME_CHARS
+
+
+def forces_call(choice: object) -> bool:
+    """A ``tool_choice`` that forces a call: ``"required"`` or a named tool (any choice
+    that is not one of the words: the API's named-choice model or its dict form)."""
+    return choice == "required" or (choice is not None and not isinstance(choice, str))
 
 
 def choice_problem(forced: bool, name: str | None, names: Collection[str]
