@@ -92,6 +92,7 @@ class ServerProcess:
             preexec_fn=_default_sigint,
         )
         self._pids: set[int] = set()
+        self._stopped = False
 
     @classmethod
     def serve_run(cls, config: Path, port: int, log: Path, env: dict | None = None,
@@ -158,6 +159,7 @@ class ServerProcess:
                 pass
         self.proc.wait(timeout=30)
         self._log.close()
+        self._stopped = True  # its pids are free for the system to give out again
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -166,7 +168,12 @@ class ServerProcess:
         self.stop()
 
     def stop(self) -> None:
-        """SIGINT (serve shuts down cleanly), then SIGKILL whatever is left, by pid."""
+        """SIGINT (serve shuts down cleanly), then SIGKILL whatever is left, by pid. Once:
+        a second stop (a test stopped it, then its fixture) would kill pids the system may
+        have given to other processes meanwhile."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self.proc.poll() is None:
             self._pids.update(descendants(self.proc.pid))
             self.proc.send_signal(signal.SIGINT)
