@@ -28,17 +28,6 @@ def merged(kind: Kind, **kwargs: Any) -> Any:
     return field(metadata={MERGE: kind}, **kwargs)
 
 
-def kind_of(cls: type, name: str) -> Kind:
-    """How field ``name`` of ``cls`` combines; ``TypeError`` when it declares nothing."""
-    for f in fields(cls):
-        if f.name == name:
-            kind = f.metadata.get(MERGE)
-            if kind not in KINDS:
-                raise TypeError(f"{cls.__name__}.{name} declares no merge kind")
-            return kind
-    raise AttributeError(name)
-
-
 def merge(items: Sequence[T]) -> T:
     """The model's stats from its replicas' (the answering replica first): each field as it
     declares. ``None`` items (a replica without that section) are left out."""
@@ -47,7 +36,9 @@ def merge(items: Sequence[T]) -> T:
     cls = type(first)
     values: dict[str, Any] = {}
     for f in fields(cls):  # type: ignore[arg-type]
-        kind = kind_of(cls, f.name)
+        kind = f.metadata.get(MERGE)
+        if kind not in KINDS:
+            raise TypeError(f"{cls.__name__}.{f.name} declares no merge kind")
         got = [getattr(i, f.name) for i in present]
         if kind == "sum":
             values[f.name] = sum(v for v in got if isinstance(v, int | float))

@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from serve_app.cache.merge import merge
 from serve_app.memory.plan import NodeMemory
-from serve_app.serving.replica_stats import ReplicaStats, totals
+from serve_app.serving.replica_stats import ReplicaStats
 
 REPORT_INTERVAL_S = 1.0  # a replica reports this often (its metrics pump's period)
 FORGET_AFTER_S = 5 * REPORT_INTERVAL_S  # a replica silent this long has stopped
@@ -150,7 +151,7 @@ def model_view(answered: ReplicaStats, gathered: Gathered, expected: int) -> Mod
             others[key] = r
     entries = (mine, *(ReplicaEntry(r.node_id, r.pid, r.age_s, False, r.stats)
                        for _, r in sorted(others.items())))
-    return ModelView(answered, totals([e.stats for e in entries]), entries, expected,
+    return ModelView(answered, merge([e.stats for e in entries]), entries, expected,
                      _note(len(entries), expected, gathered))
 
 

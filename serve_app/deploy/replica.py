@@ -361,18 +361,12 @@ class ModelReplica:
 
     async def stats(self) -> ReplicaStats:
         service = self.service
-        stats = (await self._service_stats(service) if service is not None
+        stats = (await service.full_stats() if service is not None
                  else ReplicaStats(self.profile.name))
         # Where Serve runs our code: its main loop ("AsyncIO Thread: default") once
         # SERVE_REPLICA_ENV took effect, not a "Thread-N (_run_user_code_event_loop)".
         self.loop_thread = threading.current_thread().name
         return replace(stats, replica=self._replica_stats(service))
-
-    @staticmethod
-    async def _service_stats(service: ModelService) -> ReplicaStats:
-        stats = service.local_stats()
-        client = service.cache.client
-        return stats if client is None else replace(stats, cache_store=await client.stats())
 
     def _replica_stats(self, service: ModelService | None) -> ReplicaProcess:
         return ReplicaProcess(

@@ -140,7 +140,7 @@ class Engine:
             raise QueueFullError(f"model {self.name!r} is shutting down")
         self.check_kv(len(prompt), params.max_tokens)
         with self._lock:
-            if self.stats.in_flight >= self.max_batch_size + self.max_queued_requests:
+            if self._queue_full():
                 self.stats.rejected += 1
                 raise QueueFullError(self.capacity_message())
             self.stats.in_flight += 1
@@ -177,9 +177,13 @@ class Engine:
     def at_capacity(self) -> bool:
         """True when ``submit`` would raise ``QueueFullError`` (counted as a rejection)."""
         with self._lock:
-            full = self.stats.in_flight >= self.max_batch_size + self.max_queued_requests
+            full = self._queue_full()
             self.stats.rejected += int(full)
             return full
+
+    def _queue_full(self) -> bool:
+        """The queue bound (``max_batch_size + max_queued_requests``); under ``_lock``."""
+        return self.stats.in_flight >= self.max_batch_size + self.max_queued_requests
 
     def capacity_message(self) -> str:
         return capacity_message(self.name, self.stats.in_flight, self.max_batch_size,

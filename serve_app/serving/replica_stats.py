@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from serve_app.cache.manager_stats import CacheStats
-from serve_app.cache.merge import merge, merged
+from serve_app.cache.merge import merged
 from serve_app.memory.plan import ReplicaMemory
 from serve_app.metrics.table import PHASES
 from serve_app.serving.engine_events import EngineStats
@@ -122,9 +122,3 @@ class ReplicaStats:
         if self.replica is not None:
             out["replica"] = self.replica.to_json()
         return out
-
-
-def totals(replicas: list[ReplicaStats]) -> ReplicaStats:
-    """The model's stats over its replicas (the answering one first: its values stand
-    where nothing is summed)."""
-    return merge(replicas)

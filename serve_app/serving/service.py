@@ -275,11 +275,14 @@ class ModelService:
                                self.normalized)
 
     async def stats(self) -> dict:
-        """``local_stats`` with the cache store's section, as ``/v1/stats`` shows them."""
+        """``full_stats`` as ``/v1/stats`` shows them."""
+        return (await self.full_stats()).to_json()
+
+    async def full_stats(self) -> ReplicaStats:
+        """``local_stats`` with the cache store's section (a store call)."""
         stats = self.local_stats()
-        if self.cache.client is not None:
-            stats = replace(stats, cache_store=await self.cache.client.stats())
-        return stats.to_json()
+        client = self.cache.client
+        return stats if client is None else replace(stats, cache_store=await client.stats())
 
     def local_stats(self) -> ReplicaStats:
         """This replica's stats but the cache store's section: nothing remote, so any
