@@ -65,6 +65,99 @@ def batch_row_caches(generator: Any, uid: int) -> tuple[list, int]:
     return batch.prompt_cache, row
 
 
+def install_decode_step(generator: Any, step: Callable[[DecodeRows], list]) -> None:
+    """Route the generator's decode steps through ``step`` (speculative decoding).
+
+    Relies on ``BatchGenerator._generation_batch`` (made once, in ``__init__``, and only
+    extended and filtered after) and on its ``next`` being what ``BatchGenerator._next``
+    calls for one decode step of the whole batch (mlx-lm 0.32). ``step`` gets the batch
+    wrapped in ``DecodeRows`` and returns ``GenerationBatch.Response`` objects.
+    """
+    batch = generator._generation_batch
+    rows = DecodeRows(batch)
+    batch.next = lambda: step(rows)
+
+
+class DecodeRows:
+    """What a decode step needs of mlx-lm's ``GenerationBatch`` (mlx-lm 0.32), by name.
+
+    The batch is pipelined: ``pending`` holds each row's token sampled last step and
+    not yet fed to the model (``pending_logprobs`` its distribution); ``tokens(i)`` is
+    what row ``i``'s cache holds. ``plain_step`` is mlx-lm's own one-token step.
+    """
+
+    def __init__(self, batch: Any) -> None:
+        self._batch = batch
+        self._plain_next = type(batch).next.__get__(batch)
+
+    def plain_step(self) -> list:
+        return self._plain_next()
+
+    @property
+    def model(self) -> Any:
+        return self._batch.model
+
+    @property
+    def uids(self) -> list[int]:
+        return self._batch.uids
+
+    @property
+    def caches(self) -> list[Any]:
+        return self._batch.prompt_cache
+
+    def pending(self) -> Any:
+        return self._batch._next_tokens
+
+    def pending_logprobs(self) -> list[Any]:
+        return self._batch._next_logprobs
+
+    def set_pending(self, tokens: Any, logprobs: list[Any]) -> None:
+        self._batch._next_tokens = tokens
+        self._batch._next_logprobs = logprobs
+
+    def tokens(self, row: int) -> list[int]:
+        return self._batch.tokens[row]
+
+    def processors(self, row: int) -> list:
+        return list(self._batch.logits_processors[row] or ())
+
+    def context(self, row: int) -> Any:
+        """The tokens the row's processors have seen (an ``mx.array``)."""
+        return self._batch._token_context[row].tokens
+
+    def feed_context(self, row: int, tokens: Any) -> None:
+        self._batch._token_context[row].update_and_fetch(tokens)
+
+    def remaining(self, row: int) -> int:
+        """Tokens the row may still emit before its ``max_tokens``."""
+        return self._batch.max_tokens[row] - self._batch._num_tokens[row]
+
+    def count(self, row: int, token: int) -> str | None:
+        """Count one emitted token of ``row``: its finish reason, if it ends the row."""
+        batch = self._batch
+        batch._num_tokens[row] += 1
+        reason = "length" if batch._num_tokens[row] >= batch.max_tokens[row] else None
+        if batch._matchers[row].advance(token):
+            reason = "stop"
+        return reason
+
+    def response(self, row: int, token: int, logprobs: Any, finish_reason: str | None,
+                 cache: list | None = None) -> Any:
+        """One emitted token as mlx-lm's ``GenerationBatch.Response``; ``cache``: the row's
+        own cache (``extract``) once it ends."""
+        batch = self._batch
+        return type(batch).Response(
+            uid=batch.uids[row], token=token, logprobs=logprobs, finish_reason=finish_reason,
+            prompt_cache=cache, all_tokens=batch.tokens[row] if cache is not None else None)
+
+    def extract(self, row: int) -> list:
+        return self._batch.extract_cache(row)
+
+    def keep(self, rows: list[int]) -> None:
+        if len(rows) < len(self._batch.uids):
+            self._batch.filter(rows)
+
+
 def record_metric_zero(metric: Any, labels: dict[str, str]) -> None:
     """Record 0 on a Ray metric series, so a known series exists before its first event.
 

@@ -26,7 +26,7 @@ from serve_app.cache.layout import Layout, probe_layout
 from serve_app.cache.request_plan import Published, RequestPlan
 from serve_app.memory.plan import MemoryLimits
 from serve_app.memory.shapes import cache_shape_from_layout
-from serve_app.models.compat import batch_row_caches
+from serve_app.models.compat import batch_row_caches, install_decode_step
 from serve_app.serving.admission import (
     KVBudget,
     KVBudgetError,
@@ -36,6 +36,7 @@ from serve_app.serving.admission import (
 from serve_app.serving.engine_events import EngineEvent, EngineStats, EventSink
 from serve_app.serving.samplers import make_request_sampler, score_logprobs
 from serve_app.serving.sampling import SamplingParams
+from serve_app.serving.speculative import Speculator, StepOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,13 @@ class Engine:
         prefill_step_size: int = 512,
         prefill_batch_size: int | None = None,
         name: str = "model",
+        speculator: Speculator | None = None,
     ) -> None:
         self.model = model
+        # Speculative decode steps (None: plain ones); it reports each step to the counters.
+        self.speculator = speculator
+        if speculator is not None:
+            speculator.record = self._record_step
         self.layout: Layout | None = None  # probed on the engine thread (wait_ready)
         self.name = name
         self.stop_tokens = set(stop_tokens)
@@ -247,6 +253,8 @@ class Engine:
             stream=mx.default_stream(mx.default_device()),
         )
         self._apply_limits()  # after mlx-lm set the recommended wired limit
+        if self.speculator is not None:
+            install_decode_step(generator, self.speculator.step)
         return generator
 
     def _apply_limits(self) -> None:
@@ -264,6 +272,8 @@ class Engine:
     def _run(self) -> None:
         try:
             self.layout = probe_layout(self.model)
+            if self.speculator is not None:
+                self.speculator.calibrate(self.model, self.max_batch_size)
             self._generator = self._new_generator()
         except BaseException as exc:  # reported by wait_ready
             self._start_error = exc
@@ -418,6 +428,8 @@ class Engine:
             logits_processors=[list(req.params.logits_processors)],
         )
         req.uid = uid
+        if self.speculator is not None:
+            self.speculator.add(uid, req.params, len(req.prompt))
         self._requests[req.rid] = req
         self._by_uid[uid] = req
         with self._lock:
@@ -430,6 +442,7 @@ class Engine:
             return
         assert req.uid is not None  # set by _insert before the request is in _requests
         self._by_uid.pop(req.uid, None)
+        self._forget(req)
         if req.cache is not None and req.generated:
             # Still in the batch: the cache and the state are at the last token returned.
             self._capture(req, len(req.prompt) + req.generated, None, state_valid=True,
@@ -458,12 +471,14 @@ class Engine:
         tic = time.perf_counter()
         prompt_responses, responses = self._batch.next()
         toc = time.perf_counter()
-        batch = len(responses)
+        # A speculative step returns several tokens of a row, in order.
+        batch = len({r.uid for r in responses})
+        last = {r.uid: n for n, r in enumerate(responses)}
         # Counted before any event goes out: whoever sees a request's end sees its tokens.
         with self._lock:
             if batch:
                 self.stats.decode_steps += 1
-                self.stats.generated_tokens += batch
+                self.stats.generated_tokens += len(responses)
             self.stats.step_seconds += toc - tic
             self.stats.running_batch_size = batch
             self.stats.peak_batch_size = max(self.stats.peak_batch_size, batch)
@@ -480,16 +495,17 @@ class Engine:
                   and self._by_uid[r.uid].params.logprobs is not None]
         scored = score_logprobs(wanted, [self._by_uid[r.uid].params.logprobs or 0
                                          for r in wanted])
-        for r in responses:
+        for n, r in enumerate(responses):
             req = self._by_uid.get(r.uid)
             if req is None:
                 continue
             req.generated += 1
             req.output.append(r.token)
             if req.cache is not None:
-                # The cache now holds the prompt and every token returned so far.
+                # The cache now holds the prompt and every token returned so far; the
+                # recurrent state is at the row's last token of the step.
                 self._capture(req, len(req.prompt) + req.generated, r.prompt_cache,
-                              state_valid=True, decoding=True,
+                              state_valid=last[r.uid] == n, decoding=True,
                               ended=r.finish_reason is not None)
             logprob, top = scored.get(r.uid, (None, ()))
             _deliver(req, EngineEvent(token=r.token, logprob=logprob, top_logprobs=top))
@@ -559,6 +575,7 @@ class Engine:
         self._requests.pop(req.rid, None)
         if req.uid is not None:
             self._by_uid.pop(req.uid, None)
+        self._forget(req)
         self._publish_held(req)
         self._release_kv(req)
         with self._lock:
@@ -566,7 +583,27 @@ class Engine:
             self.stats.in_flight -= 1
         _deliver(req, EngineEvent(finish_reason=reason))
 
+    def _forget(self, req: _Request) -> None:
+        if self.speculator is not None and req.uid is not None:
+            self.speculator.forget(req.uid)
+
+    def _record_step(self, outcome: StepOutcome) -> None:
+        """A decode step's speculation, into the counters (engine thread)."""
+        with self._lock:
+            stats = self.stats
+            stats.speculating_rows = outcome.drafting_rows
+            if not outcome.speculated:
+                return
+            stats.verify_steps += 1
+            stats.drafting_row_steps += outcome.drafting_rows
+            stats.drafted_tokens += outcome.drafted
+            stats.accepted_tokens += outcome.accepted
+            stats.rollback_seconds += outcome.rollback_seconds
+            for n in outcome.accepted_lengths:
+                stats.accepted_lengths[str(n)] = stats.accepted_lengths.get(str(n), 0) + 1
+
     def _fail(self, req: _Request, message: str) -> None:
+        self._forget(req)
         if self._requests.pop(req.rid, None) is not None:
             self._release_kv(req)
         with self._lock:

@@ -70,3 +70,13 @@ class EngineStats:
     kv_waiting: int = merged("sum", default=0)
     kv_waited: int = merged("sum", default=0)
     kv_rejected: int = merged("sum", default=0)
+    # Speculative decoding (``serve_app.serving.speculative``): verify steps, rows that
+    # drafted in them (a row-step), tokens drafted and kept, how many each drafting row
+    # kept (by count), rows drafting in the last step, and time spent rolling caches back.
+    verify_steps: int = merged("sum", default=0)
+    drafting_row_steps: int = merged("sum", default=0)
+    drafted_tokens: int = merged("sum", default=0)
+    accepted_tokens: int = merged("sum", default=0)
+    accepted_lengths: dict[str, int] = merged("sum_by_key", default_factory=dict)
+    speculating_rows: int = merged("sum", default=0)
+    rollback_seconds: float = merged("sum", default=0.0)
