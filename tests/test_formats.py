@@ -73,12 +73,14 @@ def _shutdown():
 class Server:
     """One 'process lifetime' of the cache for one model: service, store, directory."""
 
-    def __init__(self, name: str, home, directory=None, cache: dict | None = None) -> None:
+    def __init__(self, name: str, home, directory=None, cache: dict | None = None,
+                 speculative: dict | None = None) -> None:
         path, model, tokenizer, self.cold = load(name, home)
         self.ssd = SSDStore(directory, 1 << 30) if directory is not None else None
         self.store = TieredStore(1 << 30, self.ssd)
         profile = ModelProfile(name="warm", source=f"embedded:{name}",
-                               cache={"block_size": BS, **(cache or {})})
+                               cache={"block_size": BS, **(cache or {})},
+                               speculative=speculative)
         self.service = ModelService(profile, model, tokenizer, path, LocalCacheClient(self.store))
 
     def ask(self, prompt: list[int], n: int = 10) -> dict:

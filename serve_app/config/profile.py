@@ -146,6 +146,40 @@ class RoutingProfile(_Strict):
     load_cost_tokens: Annotated[float, Field(ge=0.0)] = 512.0
 
 
+class SpeculativeProfile(_Strict):
+    """Speculative decoding (``serve_app/serving/speculative.py``): each decode step drafts
+    up to ``num_draft_tokens`` per request and the model verifies them in one forward.
+    Output is exactly what plain decoding gives at temperature 0, and distributed as it
+    above. ``adaptive`` lets each step's depth follow acceptance and the verify cost
+    measured on this host (down to plain steps); false keeps it fixed."""
+
+    # "ngram": prompt lookup (the n-gram that followed the same context earlier in the
+    # prompt or the output); no model.
+    method: Literal["ngram", "draft", "mtp"]
+    num_draft_tokens: Annotated[int, Field(ge=1, le=16)] = 4
+    adaptive: bool = True
+    ngram_max: Annotated[int, Field(ge=1, le=8)] = 3  # longest n-gram matched
+    ngram_min: Annotated[int, Field(ge=1, le=8)] = 1  # shortest n-gram matched
+    draft_model: str | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _check_method(cls, value: str) -> str:
+        if value != "ngram":
+            raise ValueError(f"{value!r} is not available in this version (a draft model and "
+                             "the model's own MTP head are planned): use ngram")
+        return value
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> SpeculativeProfile:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) is larger than ngram_max "
+                             f"({self.ngram_max})")
+        if self.draft_model is not None:
+            raise ValueError("draft_model applies to method: draft only")
+        return self
+
+
 class ModelProfile(_Strict):
     """One served model: where it comes from and how it is batched."""
 
@@ -183,6 +217,8 @@ class ModelProfile(_Strict):
     # a body of many tiny messages must not cost templating time.
     max_messages: PositiveInt = 4096
     cache: CacheProfile = CacheProfile()
+    # Speculative decoding; None (the default): plain decode steps.
+    speculative: SpeculativeProfile | None = None
     # Prompt normalization rules (``serve_app/serving/normalize.py``) applied before templating:
     # client quirks that would defeat the prefix cache. Default: all; [] turns them off.
     normalize: list[str] = Field(default_factory=lambda: list(RULE_NAMES))

@@ -491,10 +491,12 @@ class Engine:
             else:  # the recurrent state is at ``covered`` only where a segment ended
                 self._capture(req, req.restored + p.progress[0], None,
                               state_valid=p.end_of_segment)
-        wanted = [r for r in responses if r.uid in self._by_uid
+        wanted = [n for n, r in enumerate(responses) if r.uid in self._by_uid
                   and self._by_uid[r.uid].params.logprobs is not None]
-        scored = score_logprobs(wanted, [self._by_uid[r.uid].params.logprobs or 0
-                                         for r in wanted])
+        scored = dict(zip(wanted, score_logprobs(
+            [responses[n] for n in wanted],
+            [self._by_uid[responses[n].uid].params.logprobs or 0 for n in wanted]),
+            strict=True))
         for n, r in enumerate(responses):
             req = self._by_uid.get(r.uid)
             if req is None:
@@ -507,7 +509,7 @@ class Engine:
                 self._capture(req, len(req.prompt) + req.generated, r.prompt_cache,
                               state_valid=last[r.uid] == n, decoding=True,
                               ended=r.finish_reason is not None)
-            logprob, top = scored.get(r.uid, (None, ()))
+            logprob, top = scored.get(n, (None, ()))
             _deliver(req, EngineEvent(token=r.token, logprob=logprob, top_logprobs=top))
             if r.finish_reason is not None:
                 self._finish(req, r.finish_reason)

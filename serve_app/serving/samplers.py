@@ -41,15 +41,16 @@ def make_request_sampler(params: SamplingParams) -> Callable[[mx.array], mx.arra
 
 
 def score_logprobs(responses: list, ks: list[int]
-                   ) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
-    """Each response's token log-probability and its ``ks[i]`` top alternatives, by uid.
+                   ) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """Each response's token log-probability and its ``ks[i]`` top alternatives, in order
+    (a speculative step returns several tokens of one request).
 
     One MLX graph for the whole step (rows stacked, top-k by argpartition, then only
     the k sorted) and one evaluation, so requests without logprobs cost nothing and
     many with logprobs cost one small op, not one per request.
     """
     if not responses:
-        return {}
+        return []
     rows = mx.stack([r.logprobs for r in responses])  # (n, vocab), after processors
     tokens = mx.array([[r.token] for r in responses])
     chosen = mx.take_along_axis(rows, tokens, axis=-1)[:, 0].astype(mx.float32)
@@ -68,8 +69,5 @@ def score_logprobs(responses: list, ks: list[int]
         mx.eval(chosen)
         ids, lps = [[] for _ in responses], [[] for _ in responses]
     chosen_lps = cast(list[float], chosen.tolist())
-    return {
-        r.uid: (lp, tuple((t, v) for t, v in zip(i[:n], p[:n], strict=True)
-                          if v != -math.inf))
-        for r, lp, n, i, p in zip(responses, chosen_lps, ks, ids, lps, strict=True)
-    }
+    return [(lp, tuple((t, v) for t, v in zip(i[:n], p[:n], strict=True) if v != -math.inf))
+            for lp, n, i, p in zip(chosen_lps, ks, ids, lps, strict=True)]

@@ -37,6 +37,7 @@ from serve_app.serving.prepare import PreparedRequest, Preparer
 from serve_app.serving.replica_stats import CacheView, NormalizationStats, PhaseTimes, ReplicaStats
 from serve_app.serving.request import ApiError, Caller, ChatCompletionRequest, CompletionRequest
 from serve_app.serving.sampling import SamplingParams
+from serve_app.serving.speculative import speculator_for
 from serve_app.serving.stream import EventChannel, Lease, Pacer, RequestClock, RequestStream
 
 
@@ -94,6 +95,7 @@ class ModelService:
             max_queued_requests=profile.max_queued_requests,
             prefill_step_size=profile.prefill_step_size,
             name=profile.name,
+            speculator=speculator_for(profile.speculative, self.eos_ids),
         )
         try:
             # The engine thread probes the layout: every cached array's shape and dtype.

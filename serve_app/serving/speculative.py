@@ -38,8 +38,9 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p
 
+from serve_app.config.profile import SpeculativeProfile
 from serve_app.models.compat import DecodeRows
-from serve_app.serving.drafts import DraftRow, DraftSource
+from serve_app.serving.drafts import DraftRow, DraftSource, NgramDraft
 from serve_app.serving.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,16 @@ class _Row:
     def record(self, kept: int, missed: int) -> None:
         self.kept = self.kept * DECAY + kept
         self.missed = self.missed * DECAY + missed
+
+
+def speculator_for(profile: SpeculativeProfile | None, stop_tokens: set[int]
+                   ) -> Speculator | None:
+    """The speculator a model's ``speculative:`` profile asks for (None: plain decoding)."""
+    if profile is None:
+        return None
+    source = NgramDraft(profile.ngram_max, profile.ngram_min)
+    return Speculator(source, SpeculationSettings(profile.num_draft_tokens, profile.adaptive),
+                      stop_tokens=stop_tokens)
 
 
 def residual(p: np.ndarray, rejected: int) -> np.ndarray:
@@ -361,7 +372,10 @@ class Speculator:
         if any(s.params.temperature != 0 for s in states) or any(
                 rows.processors(i) for i in range(len(states))):
             return None
-        return mx.argmax(logits, axis=-1).tolist()  # type: ignore[return-value]
+        # argmax of the log-probabilities in the model's dtype, as mlx-lm's greedy sampler
+        # takes it: rounding them can tie two logits that differ (the first one wins)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.argmax(logprobs, axis=-1).tolist()  # type: ignore[return-value]
 
     def _accept(self, rows: DecodeRows, i: int, y: int, draft: list[int], logits: mx.array,
                 state: _Row, greedy: list[int] | None) -> tuple[int, int, list[mx.array]]:
