@@ -84,6 +84,22 @@ SERVING = (
     PanelSpec("Tokens per second", "short", (
         Query(rate("ray_serve_app_prompt_tokens_total", "model"), "prompt {{model}}"),
         Query(rate("ray_serve_app_generation_tokens_total", "model"), "generated {{model}}"))),
+    PanelSpec("Speculative decoding: tokens per verify step and acceptance", "short", (
+        Query("1 + " + ratio(rate("ray_serve_app_speculative_accepted_tokens_total",
+                                  "model, method"),
+                             rate("ray_serve_app_speculative_drafting_rows_total",
+                                  "model, method")),
+              "tokens per step {{model}} {{method}}"),
+        Query(ratio(rate("ray_serve_app_speculative_accepted_tokens_total", "model, method"),
+                    rate("ray_serve_app_speculative_drafted_tokens_total", "model, method")),
+              "acceptance {{model}} {{method}}"),
+        Query(rate("ray_serve_app_speculative_verify_steps_total", "model, method"),
+              "verify steps/s {{model}} {{method}}"),
+        Query(f"sum by (model) (ray_serve_app_speculating_rows{{{MODEL}}})",
+              "drafting rows {{model}}")),
+        "Per drafting request and verify step: tokens emitted (1 + drafts kept) and the "
+        "share of drafted tokens kept; verify steps a second; requests drafting now. "
+        "Adaptive depth stops drafting where a verify costs more than it saves."),
     PanelSpec("Running batch and queue", "short", (
         Query(f"sum by (model) (ray_serve_app_running_requests{{{MODEL}}})",
               "running {{model}}"),

@@ -156,3 +156,43 @@ def test_kv_store_round_trips_across_processes_of_one_cluster():
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True, timeout=120).stdout.strip().splitlines()
     assert out == ["[('app/m/r1', b'one'), ('app/m/r2', b'two')]", "['app/m/r2']", "{}"]
+
+
+def test_an_installed_decode_step_sees_the_pipelined_batch_and_runs_plain_steps(hybrid_dir):
+    """``install_decode_step``: the generator's decode steps go through ours, and
+    ``DecodeRows`` reads the batch's pending token, history and budget; its plain step is
+    mlx-lm's own (the same tokens as a generator left alone)."""
+    model, _ = mlx_lm.load(str(hybrid_dir))
+    prompts = [list(range(3, 23)), list(range(40, 52))]
+
+    def tokens(install: bool) -> dict[int, list[int]]:
+        gen = BatchGenerator(model, stop_tokens=[], prefill_step_size=8,
+                             stream=mx.default_stream(mx.default_device()))
+        seen: list[tuple[list[int], list[int], list[int]]] = []
+
+        def step(rows: compat.DecodeRows) -> list:
+            pending = rows.pending()
+            mx.eval(pending)
+            seen.append(([int(t) for t in pending.tolist()],
+                         [len(rows.tokens(i)) for i in range(len(rows.uids))],
+                         [rows.remaining(i) for i in range(len(rows.uids))]))
+            assert len(rows.pending_logprobs()) == len(rows.uids) and rows.model is model
+            assert len(rows.caches) == len(model.layers)
+            return rows.plain_step()
+
+        if install:
+            compat.install_decode_step(gen, step)
+        uids = gen.insert(prompts, max_tokens=[4, 4])
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        for _ in range(30):
+            _, responses = gen.next()
+            for r in responses:
+                out[r.uid].append(r.token)
+        if install:
+            # the shorter prompt reaches decoding first: nothing emitted yet, its cache
+            # holds its prompt, and its pending token is the one it emits first
+            assert seen[0] == ([out[uids[1]][0]], [len(prompts[1])], [4]), seen[0]
+            assert sum(len(p) for p, _, _ in seen) == 8  # every token went through ours
+        return out
+
+    assert tokens(True) == tokens(False)

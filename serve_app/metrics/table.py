@@ -109,6 +109,19 @@ METRICS: tuple[MetricDef, ...] = (
        "Requests refused with 429, by reason: `queue_full` (the model's queue was full), "
        "`kv_budget` (the request's KV alone is over the model's KV budget in the memory "
        "plan).", ("model", "reason")),
+    _c("serve_app_speculative_verify_steps", "replica",
+       "Decode steps that verified drafted tokens (speculative decoding), by draft method "
+       "(`off` for a model without speculation).", ("model", "method")),
+    _c("serve_app_speculative_drafting_rows", "replica",
+       "Requests that drafted in a verify step, one per request per step: accepted tokens "
+       "over this is the accepted length per step.", ("model", "method")),
+    _c("serve_app_speculative_drafted_tokens", "replica",
+       "Tokens drafted for verification.", ("model", "method")),
+    _c("serve_app_speculative_accepted_tokens", "replica",
+       "Drafted tokens the model agreed with (each saved one decode step).",
+       ("model", "method")),
+    _g("serve_app_speculating_rows", "replica",
+       "Requests that drafted in the last decode step."),
     _g("serve_app_kv_waiting_requests", "replica",
        "Admitted requests waiting for the running requests to free KV (the model's KV "
        "budget in the memory plan)."),
@@ -402,6 +415,7 @@ def replica_samples(model: str, engine: EngineStats, cache: CacheStats,
     """Samples of one replica from its engine and prefix-cache stats and its normalized
     requests by rule."""
     m = {"model": model}
+    sm = {**m, "method": engine.speculative_method or "off"}
     out = [
         Sample("serve_app_prompt_tokens", m, engine.prompt_tokens),
         Sample("serve_app_generation_tokens", m, engine.generated_tokens),
@@ -411,6 +425,11 @@ def replica_samples(model: str, engine: EngineStats, cache: CacheStats,
         Sample("serve_app_rejected_requests", {**m, "reason": "queue_full"}, engine.rejected),
         Sample("serve_app_rejected_requests", {**m, "reason": "kv_budget"}, engine.kv_rejected),
         Sample("serve_app_kv_waiting_requests", m, engine.kv_waiting),
+        Sample("serve_app_speculative_verify_steps", sm, engine.verify_steps),
+        Sample("serve_app_speculative_drafting_rows", sm, engine.drafting_row_steps),
+        Sample("serve_app_speculative_drafted_tokens", sm, engine.drafted_tokens),
+        Sample("serve_app_speculative_accepted_tokens", sm, engine.accepted_tokens),
+        Sample("serve_app_speculating_rows", m, engine.speculating_rows),
         Sample("serve_app_prefix_cache_lookups", m, cache.lookups),
         Sample("serve_app_prefix_cache_missed_tokens", m, cache.missed_tokens),
         Sample("serve_app_prefix_cache_trim_hits", m, cache.trim_hits),

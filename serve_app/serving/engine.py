@@ -106,7 +106,7 @@ class Engine:
         self.max_queued_requests = max_queued_requests
         self.prefill_step_size = prefill_step_size
         self.prefill_batch_size = prefill_batch_size or min(max_batch_size, 8)
-        self.stats = EngineStats()
+        self.stats = EngineStats(speculative_method=self._method)
         self._lock = threading.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
@@ -187,6 +187,10 @@ class Engine:
             self.stats.rejected += int(full)
             return full
 
+    @property
+    def _method(self) -> str:
+        return self.speculator.method if self.speculator is not None else ""
+
     def _queue_full(self) -> bool:
         """The queue bound (``max_batch_size + max_queued_requests``); under ``_lock``."""
         return self.stats.in_flight >= self.max_batch_size + self.max_queued_requests
@@ -198,7 +202,7 @@ class Engine:
     def reset_stats(self) -> None:
         """Start every counter from zero (after a warm-up users must not see)."""
         with self._lock:
-            self.stats = EngineStats()
+            self.stats = EngineStats(speculative_method=self._method)
 
     def wait_ready(self, timeout: float | None = None) -> Layout:
         """Block until the engine thread has probed the model's cache layout."""

@@ -73,6 +73,7 @@ class EngineStats:
     # Speculative decoding (``serve_app.serving.speculative``): verify steps, rows that
     # drafted in them (a row-step), tokens drafted and kept, how many each drafting row
     # kept (by count), rows drafting in the last step, and time spent rolling caches back.
+    speculative_method: str = merged("answering", default="")  # "" without speculation
     verify_steps: int = merged("sum", default=0)
     drafting_row_steps: int = merged("sum", default=0)
     drafted_tokens: int = merged("sum", default=0)
