@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -33,34 +33,13 @@ from serve_app.serving.admission import (
     QueueFullError,
     capacity_message,
 )
-from serve_app.serving.engine_events import EngineEvent, EngineStats, EventSink
+from serve_app.serving.engine_events import EngineEvent, EngineStats, EventSink, StepOutcome
+from serve_app.serving.engine_request import EngineRequest, deliver
 from serve_app.serving.samplers import make_request_sampler, score_logprobs
 from serve_app.serving.sampling import SamplingParams
-from serve_app.serving.speculative import Speculator, StepOutcome
+from serve_app.serving.speculative import Speculator
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Request:
-    rid: int
-    prompt: list[int]
-    params: SamplingParams
-    sink: EventSink
-    cache: RequestPlan | None = None
-    uid: int | None = None
-    generated: int = 0
-    output: list[int] = field(default_factory=list)
-    restored: int = 0  # tokens the request really started from
-    kv_bytes: int = 0  # KV reserved while in the batch (admission), released at its end
-
-
-def _deliver(req: _Request, event: EngineEvent) -> None:
-    """Hand an event to its request; a broken receiver must not take the engine down."""
-    try:
-        req.sink(event)
-    except Exception:
-        logger.exception("delivering an event for request %d failed", req.rid)
 
 
 _live_engines: weakref.WeakSet = weakref.WeakSet()
@@ -110,8 +89,8 @@ class Engine:
         self._lock = threading.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
-        self._requests: dict[int, _Request] = {}
-        self._by_uid: dict[int, _Request] = {}
+        self._requests: dict[int, EngineRequest] = {}
+        self._by_uid: dict[int, EngineRequest] = {}
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._ready = threading.Event()
@@ -120,7 +99,7 @@ class Engine:
         # KV admission (set_kv_budget): the budget, and requests waiting for KV (engine
         # thread only: admitted in order, so a large request is never passed over).
         self.kv = KVBudget()
-        self._kv_waiting: deque[_Request] = deque()
+        self._kv_waiting: deque[EngineRequest] = deque()
         # MLX's memory limits (set_memory_limits), and what the engine thread applied.
         self._limits: MemoryLimits | None = None
         self.applied_limits: MemoryLimits | None = None
@@ -152,7 +131,7 @@ class Engine:
             self.stats.in_flight += 1
             self.stats.submitted += 1
             rid = next(self._ids)
-        self._commands.put(("submit", _Request(rid, list(prompt), params, sink, cache)))
+        self._commands.put(("submit", EngineRequest(rid, list(prompt), params, sink, cache)))
         return rid
 
     def set_kv_budget(self, budget_bytes: int | None) -> None:
@@ -330,7 +309,7 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _admit(self, req: _Request) -> None:
+    def _admit(self, req: EngineRequest) -> None:
         """Into the batch if its KV fits beside the running requests' (or nothing runs),
         else to the back of the KV queue (behind any request already waiting)."""
         req.kv_bytes = self.kv.bytes_for(len(req.prompt), req.params.max_tokens)
@@ -342,7 +321,7 @@ class Engine:
             return
         self._start(req)
 
-    def _kv_fits(self, req: _Request) -> bool:
+    def _kv_fits(self, req: EngineRequest) -> bool:
         return self.kv.fits(self.stats.kv_in_use_bytes, req.kv_bytes, len(self._requests))
 
     def _admit_waiting(self) -> None:
@@ -355,7 +334,7 @@ class Engine:
         with self._lock:
             self.stats.kv_waiting = len(self._kv_waiting)
 
-    def _start(self, req: _Request) -> None:
+    def _start(self, req: EngineRequest) -> None:
         try:
             self._insert(req)
         except Exception as exc:  # e.g. a restore that does not fit the model
@@ -365,7 +344,7 @@ class Engine:
         with self._lock:
             self.stats.kv_in_use_bytes += req.kv_bytes
 
-    def _release_kv(self, req: _Request) -> None:
+    def _release_kv(self, req: EngineRequest) -> None:
         """A request in the batch ended: its KV reservation is free."""
         if not req.kv_bytes:  # no KV budget: nothing reserved
             return
@@ -373,7 +352,7 @@ class Engine:
             self.stats.kv_in_use_bytes = max(0, self.stats.kv_in_use_bytes - req.kv_bytes)
         req.kv_bytes = 0
 
-    def _segments(self, req: _Request) -> list[list[int]]:
+    def _segments(self, req: EngineRequest) -> list[list[int]]:
         """What is left of the prompt, cut only where a checkpoint needs the batch to pause.
 
         KV blocks need no pause (they are sliced out of the cache once it covers
@@ -386,7 +365,7 @@ class Engine:
         cuts = [p - req.restored for p in req.cache.checkpoints(len(req.prompt), req.restored)]
         return [rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)], strict=True)]
 
-    def _restore(self, req: _Request) -> list | None:
+    def _restore(self, req: EngineRequest) -> list | None:
         """The request's restored cache, or None to prefill it cold.
 
         A restore that fails to build (a payload that does not fit the model)
@@ -411,7 +390,7 @@ class Engine:
             self.stats.restore_seconds += time.perf_counter() - tic
         return cache
 
-    def _insert(self, req: _Request) -> None:
+    def _insert(self, req: EngineRequest) -> None:
         caches, all_tokens = None, None
         cache = self._restore(req)
         if cache is not None:
@@ -419,7 +398,7 @@ class Engine:
         if req.cache is not None:
             req.cache.start(req.restored)
         # Every request learns when it left the queue and what it really restored.
-        _deliver(req, EngineEvent(restored=req.restored))
+        deliver(req, EngineEvent(restored=req.restored))
         (uid,) = self._batch.insert_segments(
             [self._segments(req)],
             max_tokens=[req.params.max_tokens],
@@ -457,7 +436,7 @@ class Engine:
         with self._lock:
             self.stats.cancelled += 1
             self.stats.in_flight -= 1
-        _deliver(req, EngineEvent(finish_reason="cancelled"))
+        deliver(req, EngineEvent(finish_reason="cancelled"))
 
     def _cancel_waiting(self, rid: int) -> None:
         """Cancel a request still waiting for KV (it never joined the batch)."""
@@ -468,7 +447,7 @@ class Engine:
                 with self._lock:
                     self.stats.cancelled += 1
                     self.stats.in_flight -= 1
-                _deliver(req, EngineEvent(finish_reason="cancelled"))
+                deliver(req, EngineEvent(finish_reason="cancelled"))
                 return
 
     def _step(self) -> None:
@@ -514,7 +493,7 @@ class Engine:
                               state_valid=last[r.uid] == n, decoding=True,
                               ended=r.finish_reason is not None)
             logprob, top = scored.get(n, (None, ()))
-            _deliver(req, EngineEvent(token=r.token, logprob=logprob, top_logprobs=top))
+            deliver(req, EngineEvent(token=r.token, logprob=logprob, top_logprobs=top))
             if r.finish_reason is not None:
                 self._finish(req, r.finish_reason)
 
@@ -526,7 +505,7 @@ class Engine:
         """
         return batch_row_caches(self._batch, uid)
 
-    def _capture(self, req: _Request, covered: int, finished_cache: list | None, *,
+    def _capture(self, req: EngineRequest, covered: int, finished_cache: list | None, *,
                  state_valid: bool, decoding: bool = False, ended: bool = False) -> None:
         """Slice out what the request's plan says is due, now that the cache covers
         ``covered`` tokens (``state_valid``: the recurrent state is exactly there).
@@ -564,20 +543,14 @@ class Engine:
 
     def _count(self, published: list[Published]) -> None:
         with self._lock:
-            for item in published:
-                self.stats.captured_blocks += 1
-                self.stats.captured_bytes += item.block.nbytes
-                self.stats.captured_tokens += item.tokens
-                self.stats.captured_checkpoints += bool(item.state_bytes)
-                self.stats.captured_checkpoint_bytes += item.state_bytes
-                self.stats.captured_tails += item.tail
+            self.stats.count_published(published)
 
-    def _publish_held(self, req: _Request) -> None:
+    def _publish_held(self, req: EngineRequest) -> None:
         """A request that ends publishes its newest decode-time checkpoint."""
         if req.cache is not None:
             self._count(req.cache.publish_held())
 
-    def _finish(self, req: _Request, reason: str) -> None:
+    def _finish(self, req: EngineRequest, reason: str) -> None:
         self._requests.pop(req.rid, None)
         if req.uid is not None:
             self._by_uid.pop(req.uid, None)
@@ -587,35 +560,24 @@ class Engine:
         with self._lock:
             self.stats.finished += 1
             self.stats.in_flight -= 1
-        _deliver(req, EngineEvent(finish_reason=reason))
+        deliver(req, EngineEvent(finish_reason=reason))
 
-    def _forget(self, req: _Request) -> None:
+    def _forget(self, req: EngineRequest) -> None:
         if self.speculator is not None and req.uid is not None:
             self.speculator.forget(req.uid)
 
     def _record_step(self, outcome: StepOutcome) -> None:
-        """A decode step's speculation, into the counters (engine thread)."""
         with self._lock:
-            stats = self.stats
-            stats.speculating_rows = outcome.drafting_rows
-            if not outcome.speculated:
-                return
-            stats.verify_steps += 1
-            stats.drafting_row_steps += outcome.drafting_rows
-            stats.drafted_tokens += outcome.drafted
-            stats.accepted_tokens += outcome.accepted
-            stats.rollback_seconds += outcome.rollback_seconds
-            for n in outcome.accepted_lengths:
-                stats.accepted_lengths[str(n)] = stats.accepted_lengths.get(str(n), 0) + 1
+            self.stats.count_step(outcome)
 
-    def _fail(self, req: _Request, message: str) -> None:
+    def _fail(self, req: EngineRequest, message: str) -> None:
         self._forget(req)
         if self._requests.pop(req.rid, None) is not None:
             self._release_kv(req)
         with self._lock:
             self.stats.failed += 1
             self.stats.in_flight -= 1
-        _deliver(req, EngineEvent(error=message))
+        deliver(req, EngineEvent(error=message))
 
     def _fail_all(self, message: str) -> None:
         for req in list(self._requests.values()):

@@ -8,8 +8,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from serve_app.cache.merge import merged
+
+if TYPE_CHECKING:
+    from serve_app.cache.request_plan import Published
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,19 @@ class EngineEvent:
 
 
 EventSink = Callable[[EngineEvent], None]
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one decode step did, for the engine's counters."""
+
+    speculated: bool  # a verify step (False: a plain one)
+    rows: int  # rows in the batch
+    drafting_rows: int  # rows that drafted at least one token
+    drafted: int
+    accepted: int
+    accepted_lengths: tuple[int, ...]  # per drafting row
+    rollback_seconds: float
 
 
 @dataclass
@@ -81,3 +98,26 @@ class EngineStats:
     accepted_lengths: dict[str, int] = merged("sum_by_key", default_factory=dict)
     speculating_rows: int = merged("sum", default=0)
     rollback_seconds: float = merged("sum", default=0.0)
+
+    def count_step(self, outcome: StepOutcome) -> None:
+        """A decode step's speculation (``serve_app.serving.speculative``)."""
+        self.speculating_rows = outcome.drafting_rows
+        if not outcome.speculated:
+            return
+        self.verify_steps += 1
+        self.drafting_row_steps += outcome.drafting_rows
+        self.drafted_tokens += outcome.drafted
+        self.accepted_tokens += outcome.accepted
+        self.rollback_seconds += outcome.rollback_seconds
+        for n in map(str, outcome.accepted_lengths):
+            self.accepted_lengths[n] = self.accepted_lengths.get(n, 0) + 1
+
+    def count_published(self, published: list[Published]) -> None:
+        """Blocks a request's plan handed to the store."""
+        for item in published:
+            self.captured_blocks += 1
+            self.captured_bytes += item.block.nbytes
+            self.captured_tokens += item.tokens
+            self.captured_checkpoints += bool(item.state_bytes)
+            self.captured_checkpoint_bytes += item.state_bytes
+            self.captured_tails += item.tail

@@ -41,6 +41,7 @@ from mlx_lm.sample_utils import apply_top_p
 from serve_app.config.profile import SpeculativeProfile
 from serve_app.models.compat import DecodeRows
 from serve_app.serving.drafts import DraftRow, DraftSource, NgramDraft
+from serve_app.serving.engine_events import StepOutcome
 from serve_app.serving.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -58,19 +59,6 @@ class SpeculationSettings:
 
     num_draft_tokens: int = 4
     adaptive: bool = True
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one decode step did, for the engine's counters."""
-
-    speculated: bool  # a verify step (False: a plain one)
-    rows: int  # rows in the batch
-    drafting_rows: int  # rows that drafted at least one token
-    drafted: int
-    accepted: int
-    accepted_lengths: tuple[int, ...]  # per drafting row
-    rollback_seconds: float
 
 
 def expected_tokens(alpha: float, k: int) -> float:
