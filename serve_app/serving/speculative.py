@@ -257,7 +257,7 @@ class Speculator:
     def _proposals(self, rows: DecodeRows, ys: list[int], states: list[_Row]) -> list[list[int]]:
         """Each row's drafts at full depth: never past its ``max_tokens`` or a stop token."""
         k = self.settings.num_draft_tokens
-        out = []
+        out: list[list[int]] = []
         for i, (y, state) in enumerate(zip(ys, states, strict=True)):
             room = min(k, rows.remaining(i) - 1)
             if room <= 0 or y in self.stop_tokens:
@@ -383,7 +383,7 @@ class Speculator:
             lp = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
             lps.append(lp[0])
             if params.temperature == 0:
-                target = greedy[j] if greedy is not None else int(mx.argmax(lp).item())
+                target = greedy[j] if greedy is not None else int(mx.argmax(lp).item())  # type: ignore[arg-type]
                 if j < len(draft) and target == draft[j]:
                     seen.append(draft[j])
                     continue
@@ -423,8 +423,8 @@ class Speculator:
             mx.eval([c.state for c in kv])
             return
         # Recurrent state: back to before the verify forward, then the kept tokens again.
-        for c, saved in zip(arrays, snapshot, strict=True):
-            c.cache = saved
+        for arrays_cache, saved in zip(arrays, snapshot, strict=True):
+            arrays_cache.cache = saved
         for c in kv:
             c.trim(depth + 1)
         lengths = [len(t) for t in emitted]
