@@ -196,3 +196,31 @@ def test_an_installed_decode_step_sees_the_pipelined_batch_and_runs_plain_steps(
         return out
 
     assert tokens(True) == tokens(False)
+
+
+def test_recurrent_mixers_and_their_recorded_inputs(hybrid_dir):
+    """``recurrent_mixers`` finds the mixer of every layer whose cache is recurrent, and
+    ``recording_mixer_inputs`` hands back what each got: running a mixer alone on it
+    from the same state gives the state the whole forward left (what a speculative
+    rollback relies on). Outside the context nothing is recorded."""
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    model, _ = mlx_lm.load(str(hybrid_dir))
+    cache = make_prompt_cache(model)
+    model(mx.array([list(range(3, 19))]), cache=cache)
+    mixers = compat.recurrent_mixers(model, cache)
+    assert mixers and [i for i, _ in mixers] == [
+        i for i, c in enumerate(cache) if isinstance(c, ArraysCache)]
+    before = [list(cache[i].cache) for i, _ in mixers]
+    with compat.recording_mixer_inputs(mixers) as seen:
+        model(mx.array([[7, 8, 9]]), cache=cache)
+    assert sorted(seen) == [i for i, _ in mixers]
+    after = [list(cache[i].cache) for i, _ in mixers]
+    for (i, mixer), saved, want in zip(mixers, before, after, strict=True):
+        cache[i].cache = saved
+        mixer(seen[i], None, cache[i])
+        assert all(mx.array_equal(a, b).item() for a, b in zip(cache[i].cache, want,
+                                                              strict=True))
+    with compat.recording_mixer_inputs([]) as nothing:
+        model(mx.array([[1]]), cache=cache)
+    assert nothing == {}

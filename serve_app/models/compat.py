@@ -8,8 +8,10 @@ Imports are lazy: the ingress loads this module without loading MLX.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +158,67 @@ class DecodeRows:
     def keep(self, rows: list[int]) -> None:
         if len(rows) < len(self._batch.uids):
             self._batch.filter(rows)
+
+
+# Where a decoder layer keeps its recurrent mixer (GDN in Qwen3-Next and Qwen3.5).
+MIXER_NAMES = ("linear_attn", "mixer", "mamba")
+_recording = threading.local()  # per engine thread: mixers watched, inputs seen
+
+
+def recurrent_mixers(model: Any, caches: list) -> list[tuple[int, Any]] | None:
+    """``(layer index, mixer module)`` of every layer whose cache is an ``ArraysCache``;
+    None when a recurrent layer keeps its mixer under a name we do not know.
+
+    Relies on ``model.layers`` lining up with the model's cache list (``make_cache`` of
+    every mlx-lm model with recurrent layers, 0.32) and on the mixer being called as
+    ``mixer(x, mask, cache)`` (the decoder layers of ``qwen3_next`` and ``qwen3_5``).
+    """
+    from mlx_lm.models.cache import ArraysCache
+
+    out = []
+    for i, (layer, cache) in enumerate(zip(model.layers, caches, strict=False)):
+        if not isinstance(cache, ArraysCache):
+            continue
+        mixer = next((getattr(layer, n) for n in MIXER_NAMES if hasattr(layer, n)), None)
+        if mixer is None:
+            return None
+        out.append((i, mixer))
+    return out
+
+
+@contextlib.contextmanager
+def recording_mixer_inputs(mixers: list[tuple[int, Any]]) -> Iterator[dict[int, Any]]:
+    """While open, each watched mixer's input (by layer index) lands in the dict yielded:
+    a rollback can then run the recurrent mixers alone again, not the whole model.
+
+    Patches the mixers' classes' ``__call__`` once per class (a pass-through unless this
+    thread is recording), since MLX modules cannot be wrapped per instance without
+    changing their parameter tree.
+    """
+    for _, mixer in mixers:
+        _record_inputs_of(type(mixer))
+    seen: dict[int, Any] = {}
+    _recording.watch = {id(m): i for i, m in mixers}
+    _recording.seen = seen
+    try:
+        yield seen
+    finally:
+        _recording.watch = None
+
+
+def _record_inputs_of(cls: type) -> None:
+    if cls.__dict__.get("_serve_app_records_inputs"):
+        return
+    original = cls.__call__
+
+    def __call__(self, inputs, *args, **kwargs):
+        watch = getattr(_recording, "watch", None)
+        if watch is not None and id(self) in watch:
+            _recording.seen[watch[id(self)]] = inputs
+        return original(self, inputs, *args, **kwargs)
+
+    cls.__call__ = __call__  # type: ignore[method-assign]
+    cls._serve_app_records_inputs = True  # type: ignore[attr-defined]
 
 
 def record_metric_zero(metric: Any, labels: dict[str, str]) -> None:

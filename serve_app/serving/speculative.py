@@ -39,7 +39,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p
 
 from serve_app.config.profile import SpeculativeProfile
-from serve_app.models.compat import DecodeRows
+from serve_app.models.compat import DecodeRows, recording_mixer_inputs, recurrent_mixers
 from serve_app.serving.drafts import DraftRow, DraftSource, NgramDraft
 from serve_app.serving.engine_events import StepOutcome
 from serve_app.serving.sampling import SamplingParams
@@ -59,6 +59,9 @@ class SpeculationSettings:
 
     num_draft_tokens: int = 4
     adaptive: bool = True
+    # How recurrent state goes back after a rejection: "mixers" runs the recurrent layers
+    # alone again on their recorded inputs; "forward" the whole model (any layer layout).
+    recurrent_rollback: str = "mixers"
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -300,7 +303,10 @@ class Speculator:
         snapshot = [list(c.cache) for c in arrays]
         inputs = mx.array([[y, *d] + [0] * (depth - len(d)) for y, d in zip(ys, drafts,
                                                                           strict=True)])
-        logits = rows.model(inputs, cache=caches)  # (batch, depth + 1, vocab)
+        mixers = (recurrent_mixers(rows.model, caches)
+                  if arrays and self.settings.recurrent_rollback == "mixers" else None)
+        with recording_mixer_inputs(mixers or []) as mixer_inputs:
+            logits = rows.model(inputs, cache=caches)  # (batch, depth + 1, vocab)
         greedy = self._greedy_targets(rows, states, logits)
         pending_lps = rows.pending_logprobs()
         emitted: list[list[int]] = []
@@ -335,7 +341,9 @@ class Speculator:
             next_lps.append(lps[kept])
             reasons.append(reason)
         tic = time.perf_counter()
-        self._roll_back(rows.model, caches, arrays, snapshot, depth, emitted)
+        self._roll_back(rows.model, caches, arrays, snapshot, depth, emitted,
+                        [(i, m, mixer_inputs[i]) for i, m in mixers or []
+                         if i in mixer_inputs] if mixers else None)
         rollback = time.perf_counter() - tic
         rows.set_pending(mx.array(next_tokens, dtype=rows.pending().dtype), next_lps)
         responses, keep = [], []
@@ -406,30 +414,42 @@ class Speculator:
 
     @staticmethod
     def _roll_back(model, caches: list, arrays: list[ArraysCache], snapshot: list[list],
-                   depth: int, emitted: list[list[int]]) -> None:
-        """Every cache back to exactly each row's emitted tokens (of ``depth + 1`` fed)."""
+                   depth: int, emitted: list[list[int]],
+                   mixers: list[tuple[int, object, mx.array]] | None) -> None:
+        """Every cache back to exactly each row's emitted tokens (of ``depth + 1`` fed).
+
+        ``mixers``: each recurrent layer's mixer and its recorded input; None to feed the
+        kept tokens through the whole model again instead.
+        """
         drop = [depth + 1 - len(t) for t in emitted]
         if max(drop) == 0:
             return
+        for arrays_cache, saved in zip(arrays, snapshot, strict=True):
+            arrays_cache.cache = saved  # recurrent state: back to before the verify
         kv = [c for c in caches if isinstance(c, BatchKVCache)]
-        if not arrays:
-            least = min(drop)
+        lengths = [len(t) for t in emitted]
+        width = max(lengths)
+        padding = [width - n for n in lengths]
+        if not arrays or mixers is not None:
+            least = min(drop)  # KV: trim what every row dropped, roll what each dropped more
             extra = [d - least for d in drop]
             for c in kv:
                 c.trim(least)
                 if max(extra) > 0:
                     c.prepare(right_padding=extra)
                     c.finalize()
-            mx.eval([c.state for c in kv])
+            for i, mixer, recorded in mixers or []:
+                cache = caches[i]
+                mask = None
+                if max(padding) > 0:
+                    cache.prepare(lengths=lengths)
+                    mask = cache.make_mask(width)
+                mixer(recorded[:, :width], mask, cache)  # type: ignore[operator]
+                cache.finalize()
+            mx.eval([c.state for c in caches])
             return
-        # Recurrent state: back to before the verify forward, then the kept tokens again.
-        for arrays_cache, saved in zip(arrays, snapshot, strict=True):
-            arrays_cache.cache = saved
-        for c in kv:
+        for c in kv:  # the whole model again, on the kept tokens
             c.trim(depth + 1)
-        lengths = [len(t) for t in emitted]
-        width = max(lengths)
-        padding = [width - n for n in lengths]
         inputs = mx.array([t + [0] * (width - len(t)) for t in emitted])
         if max(padding) > 0:
             for c in caches:
