@@ -154,20 +154,29 @@ class SpeculativeProfile(_Strict):
     measured on this host (down to plain steps); false keeps it fixed."""
 
     # "ngram": prompt lookup (the n-gram that followed the same context earlier in the
-    # prompt or the output); no model.
+    # prompt or the output); no model. "draft": ``draft_model`` (same tokenizer) drafts.
     method: Literal["ngram", "draft", "mtp"]
     num_draft_tokens: Annotated[int, Field(ge=1, le=16)] = 4
     adaptive: bool = True
     ngram_max: Annotated[int, Field(ge=1, le=8)] = 3  # longest n-gram matched
     ngram_min: Annotated[int, Field(ge=1, le=8)] = 1  # shortest n-gram matched
-    draft_model: str | None = None
+    draft_model: str | None = None  # a source, as ``models[].source``
+    # the most recent tokens of a request the draft model reads when it starts drafting
+    draft_context: Annotated[int, Field(ge=16)] = 1024
 
     @field_validator("method")
     @classmethod
     def _check_method(cls, value: str) -> str:
-        if value != "ngram":
-            raise ValueError(f"{value!r} is not available in this version (a draft model and "
-                             "the model's own MTP head are planned): use ngram")
+        if value == "mtp":
+            raise ValueError("'mtp' (the model's own multi-token-prediction head) is not "
+                             "available in this version: use ngram or draft")
+        return value
+
+    @field_validator("draft_model")
+    @classmethod
+    def _check_draft_source(cls, value: str | None) -> str | None:
+        if value is not None:
+            source_kind(value)
         return value
 
     @model_validator(mode="after")
@@ -175,7 +184,10 @@ class SpeculativeProfile(_Strict):
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) is larger than ngram_max "
                              f"({self.ngram_max})")
-        if self.draft_model is not None:
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("method draft needs draft_model: the source of a smaller model "
+                             "with the same tokenizer")
+        if self.method != "draft" and self.draft_model is not None:
             raise ValueError("draft_model applies to method: draft only")
         return self
 

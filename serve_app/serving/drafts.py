@@ -45,6 +45,7 @@ class NgramDraft:
     """
 
     method = "ngram"
+    cheap = True  # proposing costs no forward: fine to do in the shadow every step
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
@@ -83,6 +84,7 @@ class ControlledDraft:
     ``alpha`` exactly, which is what the speedup formula assumes."""
 
     method = "controlled"
+    cheap = True
 
     def __init__(self, references: dict[tuple[int, ...], list[int]], alpha: float,
                  vocab_size: int, seed: int = 0) -> None:
@@ -106,3 +108,74 @@ class ControlledDraft:
 
     def forget(self, uid: int) -> None:
         self._by_uid.pop(uid, None)
+
+
+@dataclass
+class _DraftCache:
+    """A request's cache of the draft model: it holds ``fed``, which are the request's
+    tokens from ``start`` on and then the drafts of the last step but the last one."""
+
+    cache: list
+    start: int
+    fed: list[int]
+
+
+class DraftModel:
+    """A second, smaller model with the target's tokenizer drafts greedily.
+
+    Each request gets its own cache of the draft model, built from the request's tokens
+    the first time it drafts (after a prefix-cache restore too: the draft model has no
+    prefix cache, so it reads at most the last ``context`` tokens) and kept in step with
+    the request's history after: rejected drafts are trimmed off, new tokens fed. A draft
+    model's cache must be trimmable (no recurrent layers).
+    """
+
+    method = "draft"
+
+    def __init__(self, model, context: int = 1024, prefill_step: int = 256) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model = model
+        self.context = context
+        self.prefill_step = prefill_step
+        self._make_cache = lambda: make_prompt_cache(model)
+        if not all(c.is_trimmable() for c in self._make_cache()):
+            raise ValueError("a draft model must have trimmable caches (no recurrent layers)")
+        self._rows: dict[int, _DraftCache] = {}
+
+    def propose(self, row: DraftRow, k: int) -> list[int]:
+        import mlx.core as mx
+
+        if k <= 0:
+            return []
+        state = self._rows.get(row.uid)
+        if state is None:  # first draft of this request: the recent context only
+            state = _DraftCache(self._make_cache(), max(0, len(row.tokens) - self.context),
+                                [])
+            self._rows[row.uid] = state
+        history = row.tokens[state.start :]
+        fed = state.fed
+        same = 0
+        while same < min(len(fed), len(history)) and fed[same] == history[same]:
+            same += 1
+        same = min(same, len(history) - 1)  # the last token is fed again for its logits
+        if same < len(fed):
+            for c in state.cache:
+                c.trim(len(fed) - same)
+        new = history[same:]
+        logits = None
+        for start in range(0, len(new), self.prefill_step):
+            logits = self.model(mx.array([new[start : start + self.prefill_step]]),
+                                cache=state.cache)
+        assert logits is not None
+        token = int(mx.argmax(logits[0, -1]).item())  # type: ignore[arg-type]
+        out = [token]
+        for _ in range(k - 1):
+            logits = self.model(mx.array([[token]]), cache=state.cache)
+            token = int(mx.argmax(logits[0, -1]).item())  # type: ignore[arg-type]
+            out.append(token)
+        state.fed = [*history, *out[:-1]]
+        return out
+
+    def forget(self, uid: int) -> None:
+        self._rows.pop(uid, None)

@@ -44,13 +44,31 @@ from serve_app.serving.stream import EventChannel, Lease, Pacer, RequestClock, R
 def resolve_source(profile: ModelProfile, home: Path | None = None, progress=None) -> str:
     """The path (or hub id) that ``mlx_lm.load`` gets for a model profile (``progress``
     hears an embedded real model's download and materialization)."""
-    kind = source_kind(profile.source)
+    return source_path(profile.source, home, progress)
+
+
+def source_path(source: str, home: Path | None = None, progress=None) -> str:
+    """The path (or hub id) that ``mlx_lm.load`` gets for a model source."""
+    kind = source_kind(source)
     if kind == "embedded":
-        return str(materialize(profile.source[len(EMBEDDED_PREFIX) :], home or default_home(),
+        return str(materialize(source[len(EMBEDDED_PREFIX) :], home or default_home(),
                                progress))
     if kind == "path":
-        return str(Path(profile.source).expanduser())
-    return profile.source
+        return str(Path(source).expanduser())
+    return source
+
+
+def load_draft_model(source: str, tokenizer, home: Path | None = None):
+    """A draft model for speculative decoding, refused unless its tokenizer is the
+    target's (its tokens would mean other text)."""
+    import mlx_lm
+
+    path = download_model(source_path(source, home))
+    model, draft_tokenizer = mlx_lm.load(str(path))  # type: ignore[misc]
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"speculative.draft_model: {source!r} has another tokenizer than "
+                         "the model it drafts for: its tokens would mean other text")
+    return model
 
 
 def load_model(profile: ModelProfile, home: Path | None = None, progress=None):
@@ -95,7 +113,9 @@ class ModelService:
             max_queued_requests=profile.max_queued_requests,
             prefill_step_size=profile.prefill_step_size,
             name=profile.name,
-            speculator=speculator_for(profile.speculative, self.eos_ids),
+            speculator=speculator_for(
+                profile.speculative, self.eos_ids,
+                lambda source: load_draft_model(source, tokenizer)),
         )
         try:
             # The engine thread probes the layout: every cached array's shape and dtype.

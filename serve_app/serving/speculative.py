@@ -40,7 +40,7 @@ from mlx_lm.sample_utils import apply_top_p
 
 from serve_app.config.profile import SpeculativeProfile
 from serve_app.models.compat import DecodeRows, recording_mixer_inputs, recurrent_mixers
-from serve_app.serving.drafts import DraftRow, DraftSource, NgramDraft
+from serve_app.serving.drafts import DraftModel, DraftRow, DraftSource, NgramDraft
 from serve_app.serving.engine_events import StepOutcome
 from serve_app.serving.sampling import SamplingParams
 
@@ -136,8 +136,10 @@ class _Row:
     rng: random.Random
     kept: float = 0.0  # decayed drafts kept
     missed: float = 0.0  # decayed drafts rejected (at most one per step)
-    shadow: list[int] = field(default_factory=list)  # what the source proposed, not drafted
-    shadow_kept: int = 0
+    # What the source proposed while the row did not draft, and where in the row's history
+    # (the tokens its cache holds) the proposal starts: scored as the history grows.
+    shadow: list[int] = field(default_factory=list)
+    shadow_at: int = 0
 
     @property
     def acceptance(self) -> float:
@@ -149,12 +151,19 @@ class _Row:
         self.missed = self.missed * DECAY + missed
 
 
-def speculator_for(profile: SpeculativeProfile | None, stop_tokens: set[int]
-                   ) -> Speculator | None:
-    """The speculator a model's ``speculative:`` profile asks for (None: plain decoding)."""
+def speculator_for(profile: SpeculativeProfile | None, stop_tokens: set[int],
+                   load_draft: Callable[[str], object] | None = None) -> Speculator | None:
+    """The speculator a model's ``speculative:`` profile asks for (None: plain decoding).
+    ``load_draft`` loads a draft model from its source (``method: draft``)."""
     if profile is None:
         return None
-    source = NgramDraft(profile.ngram_max, profile.ngram_min)
+    source: DraftSource
+    if profile.method == "draft":
+        if profile.draft_model is None or load_draft is None:
+            raise ValueError("speculative.draft_model: method draft needs a draft model")
+        source = DraftModel(load_draft(profile.draft_model), context=profile.draft_context)
+    else:
+        source = NgramDraft(profile.ngram_max, profile.ngram_min)
     return Speculator(source, SpeculationSettings(profile.num_draft_tokens, profile.adaptive),
                       stop_tokens=stop_tokens)
 
@@ -218,18 +227,28 @@ class Speculator:
 
     def step(self, rows: DecodeRows) -> list:
         """One decode step of the whole batch: a verify step when drafting pays."""
+        states = [self._row(uid, rows, i) for i, uid in enumerate(rows.uids)]
+        for i, state in enumerate(states):
+            self._score_shadow(state, rows.tokens(i))
+        if not self.supported or not self._may_pay(states):
+            # Nothing can pay at this batch size: not even the pending tokens are read
+            # (that would stall mlx-lm's pipelined step); cheap sources keep proposing in
+            # the shadow, so acceptance keeps being learnt.
+            for i, state in enumerate(states):
+                if not state.shadow and getattr(self.source, "cheap", False):
+                    history = rows.tokens(i)
+                    self._shadow(state, rows, i, history, len(history))
+            self.record(StepOutcome(False, len(states), 0, 0, 0, (), 0.0))
+            return rows.plain_step()
         pending = rows.pending()
         mx.eval(pending)
         ys = [int(t) for t in pending.tolist()]
-        states = [self._row(uid, rows, i) for i, uid in enumerate(rows.uids)]
-        for state, y in zip(states, ys, strict=True):
-            self._score_shadow(state, y)
         proposals = self._proposals(rows, ys, states)
         depth = self._depth(states, proposals)
-        if not self.supported or depth == 0:
-            for i, state in enumerate(states):  # shadow drafts: acceptance keeps being learnt
-                if not state.shadow and proposals[i]:
-                    state.shadow, state.shadow_kept = proposals[i], 0
+        if depth == 0:
+            for i, state in enumerate(states):
+                if not state.shadow and proposals[i]:  # it predicts what follows y
+                    state.shadow, state.shadow_at = proposals[i], len(rows.tokens(i)) + 1
             self.record(StepOutcome(False, len(ys), 0, 0, 0, (), 0.0))
             return rows.plain_step()
         drafts = [p[:depth] for p in proposals]
@@ -244,18 +263,40 @@ class Speculator:
             self._rows[uid] = state
         return state
 
-    def _score_shadow(self, state: _Row, y: int) -> None:
-        """A row that did not draft: was the token it produced the one proposed?"""
+    def _shadow(self, state: _Row, rows: DecodeRows, i: int, history: list[int],
+                at: int) -> None:
+        room = min(self.settings.num_draft_tokens, rows.remaining(i))
+        proposal = self.source.propose(DraftRow(rows.uids[i], history, state.prompt_len),
+                                       room) if room > 0 else []
+        state.shadow, state.shadow_at = proposal, at
+
+    @staticmethod
+    def _score_shadow(state: _Row, history: list[int]) -> None:
+        """A row that did not draft: did what it produced match what was proposed?"""
         if not state.shadow:
             return
-        if state.shadow[0] == y:
-            state.shadow_kept += 1
-            state.shadow.pop(0)
-            if not state.shadow:
-                state.record(state.shadow_kept, 0)
-        else:
-            state.record(state.shadow_kept, 1)
+        produced = history[state.shadow_at : state.shadow_at + len(state.shadow)]
+        kept = 0
+        while kept < len(produced) and produced[kept] == state.shadow[kept]:
+            kept += 1
+        if kept < len(produced):
+            state.record(kept, 1)
             state.shadow = []
+        elif kept == len(state.shadow):
+            state.record(kept, 0)
+            state.shadow = []
+
+    def _may_pay(self, states: list[_Row]) -> bool:
+        """Whether any depth could beat plain decoding for this batch, were every row to
+        find drafts: an upper bound of ``_depth``'s gain."""
+        if not self.settings.adaptive:
+            return True
+        batch = len(states)
+        alphas = [s.acceptance for s in states]
+        return any(
+            sum(expected_tokens(a, depth) for a in alphas)
+            / (batch * self.cost.ratio(batch, depth + 1)) > MIN_GAIN
+            for depth in range(1, self.settings.num_draft_tokens + 1))
 
     def _proposals(self, rows: DecodeRows, ys: list[int], states: list[_Row]) -> list[list[int]]:
         """Each row's drafts at full depth: never past its ``max_tokens`` or a stop token."""
