@@ -23,8 +23,14 @@ both tiny models; ngram on the rewrite >= 2.5 tokens per verify step with identi
 tokens; the default (adaptive) settings >= 0.95x plain on open-ended answers, one stream
 and 8.
 
+3. **Over HTTP** (``http``): the rewrite and an open-ended answer, streamed, to our server
+   (plain, ngram k=8, ngram adaptive: three models of one ``serve run``) and to
+   ``mlx_lm.server`` plain and with ``--draft-model`` (the same weights drafting for
+   themselves), each measured with the others frozen; decode tok/s over
+   ``mlx_lm.server``'s, and whether the text is the same.
+
 Usage: python -m bench.speculative [--quick] [--rounds N] [--out PATH] [--plot PATH]
-       [--part controlled|workloads|all]
+       [--part controlled|workloads|http|all]
 """
 
 from __future__ import annotations
@@ -273,6 +279,87 @@ def workloads(name: str, home: Path, rounds: int, quick: bool) -> dict:
     return {"model": name, "rounds": rounds, "verify_cost_measured": cost, "tasks": results}
 
 
+# ---- part 3: over HTTP, against mlx_lm.server ----------------------------------------
+
+
+def http(name: str, home: Path | None, rounds: int, quick: bool) -> dict:
+    """The rewrite and an open-ended answer, streamed over HTTP, to our server (one
+    ``serve run``, the same weights served as three models: plain, ngram at a fixed depth,
+    ngram adaptive) and to ``mlx_lm.server``, plain and with ``--draft-model`` (the same
+    weights drafting for themselves: acceptance near 1 at temperature 0, so what it shows is
+    its machinery's cost; it turns batching off). Each measured with the others frozen."""
+    from bench.common import (
+        ServerProcess,
+        free_port,
+        start_mlx_lm_server,
+        stream_chat,
+        workdir,
+    )
+    from bench.devserver import write_config
+    from bench.serving_real import others_frozen
+    from serve_app.serving.service import source_path
+
+    model_dir = Path(source_path(f"embedded:{name}", home))
+    long_tokens = 160 if quick else 320
+    fixed = {"method": "ngram", "num_draft_tokens": 8, "adaptive": False}
+    adaptive = {"method": "ngram", "num_draft_tokens": 4, "adaptive": True}
+    ours_models = {"plain": None, "ngram k=8": fixed, "ngram adaptive": adaptive}
+    names = {arm: f"{name}-{i}" for i, arm in enumerate(ours_models)}
+    with workdir() as tmp:
+        port = free_port()
+        config = write_config(tmp / "ours.yaml", port, [
+            {"name": names[arm], "source": f"embedded:{name}", "max_tokens": long_tokens,
+             "context_length": 4096, "cache": {"enabled": True},
+             **({"speculative": spec} if spec else {})}
+            for arm, spec in ours_models.items()], cache_store={"ssd_dir": str(tmp / "kv")})
+        servers: dict[str, ServerProcess] = {}
+        try:
+            servers["ours"] = ServerProcess.serve_run(config, port, tmp / "ours.log")
+            servers["ours"].wait_ready(list(names.values()))
+            servers["mlx_lm.server"] = start_mlx_lm_server(tmp, "mlx", model_dir, long_tokens)
+            servers["mlx_lm.server --draft-model"] = start_mlx_lm_server(
+                tmp, "mlx-draft", model_dir, long_tokens, "--draft-model", str(model_dir),
+                "--num-draft-tokens", "4")
+            arms = [("ours", names[a], a) for a in ours_models] + [
+                (srv, str(model_dir), srv) for srv in servers if srv != "ours"]
+            first = [{"role": "user", "content": CLASS_TASK}]
+            with others_frozen(servers, "ours"):
+                written = stream_chat(servers["ours"].base_url, {
+                    "model": names["plain"], "messages": first, "max_tokens": long_tokens,
+                    "temperature": 0})["text"]
+            tasks = {"rewrite own class": ([*first, {"role": "assistant", "content": written},
+                                            {"role": "user", "content": REWRITE_TASK}],
+                                           long_tokens),
+                     "open-ended answer": ([{"role": "user", "content": OPEN_TASKS[1]}], 64)}
+            samples: dict[tuple[str, str], list[dict]] = {}
+            for rnd in range(rounds + 1):  # round 0 warms every arm up (prefix caches too)
+                for server, model, arm in (arms if rnd % 2 else list(reversed(arms))):
+                    with others_frozen(servers, server):
+                        for task, (messages, max_tokens) in tasks.items():
+                            r = stream_chat(servers[server].base_url, {
+                                "model": model, "messages": messages,
+                                "max_tokens": max_tokens, "temperature": 0})
+                            if rnd:
+                                samples.setdefault((task, arm), []).append(r)
+        finally:
+            for server in servers.values():
+                server.stop()
+    out: dict[str, dict] = {}
+    for (task, arm), runs in samples.items():
+        tps = [(r["tokens"] - 1) / r["decode_s"] for r in runs if r["decode_s"] > 0]
+        out.setdefault(task, {})[arm] = {
+            "decode_tps": median(tps), "tokens": runs[0]["tokens"],
+            "text_same_as_ours_plain": None, "texts": [r["text"] for r in runs]}
+    for arms_of in out.values():
+        base = arms_of["plain"]
+        ref = base["texts"][0]
+        for arm in arms_of.values():
+            arm["text_same_as_ours_plain"] = all(t == ref for t in arm.pop("texts"))
+            arm["vs_mlx_lm_server"] = (arm["decode_tps"] / arms_of["mlx_lm.server"]["decode_tps"]
+                                       if arm["decode_tps"] else None)
+    return {"model": name, "rounds": rounds, "tasks": out}
+
+
 # ---- report ----------------------------------------------------------------------------
 
 
@@ -304,6 +391,15 @@ def summary(result: dict) -> str:
                              f"({fmt(r['aggregate_tps_vs_plain'])}x)  tokens/step "
                              f"{fmt(r['tokens_per_verify_step'])}  acceptance "
                              f"{fmt(r['acceptance'])}  identical {r['identical']}")
+    web = result.get("http")
+    if web:
+        lines.append(f"over HTTP on {web['model']} (medians of {web['rounds']} rounds):")
+        for task, arms in web["tasks"].items():
+            lines.append(f"  {task}:")
+            for arm, r in arms.items():
+                lines.append(f"    {arm:<28} decode {fmt(r['decode_tps'], '.1f'):>6} tok/s "
+                             f"({fmt(r['vs_mlx_lm_server'])}x mlx_lm.server)  same text as "
+                             f"ours plain: {r['text_same_as_ours_plain']}")
     return "\n".join(lines)
 
 
@@ -332,7 +428,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("controlled", "workloads", "all"), default="all")
+    parser.add_argument("--part", choices=("controlled", "workloads", "http", "all"),
+                        default="all")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", default="smollm2-135m", help="the workloads' real model")
@@ -353,6 +450,8 @@ def main() -> None:
             controlled("tiny-hybrid", home, 4, tokens, args.rounds, "forward")]
     if args.part in ("workloads", "all"):
         result["workloads"] = workloads(args.model, home, args.rounds, args.quick)
+    if args.part in ("http", "all"):
+        result["http"] = http(args.model, home, args.rounds, args.quick)
     emit(result, args.out)
     print(summary(result), file=sys.stderr)
     if args.plot and result.get("controlled"):
