@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         except ProfileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        if check_drafts(args.config, apps):
+            return 2
         return check_memory(args.config, apps, args.hub, args.mac_gb)
     if args.command == "status":
         from serve_app.cli.status import status
@@ -115,6 +117,21 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table(), end="")
         return 0
     return 2
+
+
+def check_drafts(config: str, apps: list) -> bool:
+    """Print (to stderr) every draft model that cannot draft for its model; True if any."""
+    from serve_app.serving.service import draft_tokenizer_problem
+
+    bad = False
+    for k, (_, profile) in enumerate(apps):
+        for i, model in enumerate(profile.models):
+            problem = draft_tokenizer_problem(model)
+            if problem:
+                print(f"error: {config}: applications[{k}].args.models[{i}].speculative."
+                      f"draft_model: {problem}", file=sys.stderr)
+                bad = True
+    return bad
 
 
 def check_memory(config: str, apps: list, hub: bool, mac_gb: int | None = None) -> int:

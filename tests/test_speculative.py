@@ -376,17 +376,20 @@ def test_sampled_output_is_distributed_as_plain_decoding(loaded, planted_bug, mo
 
 
 def test_a_profile_turns_speculation_on_in_the_service(tmp_path: Path):
+    """``speculative:`` in a model's profile: prompt lookup, and a draft model given as a
+    directory (the 4-bit copy of the weights), give the plain text through the service."""
+    from serve_app.serving.request import CompletionRequest
     from serve_app.serving.service import ModelService
     from tests.test_cache_exact import run as ask
 
     path = materialize("tiny-dense", tmp_path)
     model, tokenizer = mlx_lm.load(str(path))
-    from serve_app.serving.request import CompletionRequest
-
+    draft_dir = materialize("tiny-dense-q4", tmp_path)
     request = CompletionRequest(model="m", prompt="a b c a b c a b c a b", max_tokens=20,
                                 temperature=0)
-    texts = []
-    for spec in (None, {"method": "ngram", "num_draft_tokens": 4, "adaptive": False}):
+    texts, methods = [], []
+    for spec in (None, {"method": "ngram", "num_draft_tokens": 4, "adaptive": False},
+                 {"method": "draft", "draft_model": str(draft_dir), "adaptive": False}):
         service = ModelService(ModelProfile(name="m", source="embedded:tiny-dense",
                                             speculative=spec, cache={"enabled": False}),
                                model, tokenizer, path)
@@ -395,9 +398,11 @@ def test_a_profile_turns_speculation_on_in_the_service(tmp_path: Path):
             stats = service.engine.snapshot()
         finally:
             service.shutdown()
-    assert texts[0] == texts[1]
-    assert stats.drafted_tokens > 0
-    assert json.dumps(stats.accepted_lengths)
+        methods.append(stats.speculative_method)
+        assert (stats.drafted_tokens > 0) == (spec is not None)
+        assert json.dumps(stats.accepted_lengths)
+    assert texts[1:] == texts[:1] * 2
+    assert methods == ["", "ngram", "draft"]
 
 
 # Fixed depth: every step drafts where the prompt lookup finds a match, on every format.
@@ -445,3 +450,31 @@ def test_every_format_warm_and_restored_from_ssd_gives_the_plain_tokens(name, ho
     assert c["cached"] >= 3 * 16 and c["text"] == b["text"]
     assert again.service.cache_stats.hit_tokens_by_tier.get("ssd", 0) >= 3 * 16
     again.close()
+
+
+def test_check_refuses_a_draft_model_with_another_tokenizer(tmp_path, model_home):
+    """``serve-app check`` reads both tokenizers (local files) and names the key; a draft
+    with the same tokenizer passes."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    def check(draft: str) -> subprocess.CompletedProcess:
+        path = tmp_path / f"{draft.replace(':', '-')}.yaml"
+        path.write_text(yaml.safe_dump({"applications": [{
+            "name": "llm", "import_path": "serve_app.app:build_app",
+            "args": {"models": [{"name": "m", "source": "embedded:tiny-dense",
+                                 "speculative": {"method": "draft",
+                                                 "draft_model": draft}}]}}]}))
+        env = {**os.environ, "SERVE_APP_HOME": str(model_home), "HF_HUB_OFFLINE": "1"}
+        return subprocess.run([sys.executable, "-m", "serve_app", "check", str(path)],
+                              capture_output=True, text=True, env=env, timeout=600)
+
+    bad = check("embedded:smollm2-135m")
+    assert bad.returncode == 2, bad.stderr
+    assert ("applications[0].args.models[0].speculative.draft_model: 'embedded:smollm2-135m' "
+            "has another tokenizer") in bad.stderr
+    good = check("embedded:tiny-dense-q4")
+    assert good.returncode == 0, good.stderr

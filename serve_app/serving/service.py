@@ -58,6 +58,26 @@ def source_path(source: str, home: Path | None = None, progress=None) -> str:
     return source
 
 
+def draft_tokenizer_problem(profile: ModelProfile, home: Path | None = None) -> str | None:
+    """Why ``speculative.draft_model`` cannot draft for ``profile``'s model (another
+    tokenizer), read from local files only; None when it can, or when a hub model is not
+    here to read (then ``load_draft_model`` refuses it when the model loads)."""
+    spec = profile.speculative
+    if spec is None or spec.draft_model is None:
+        return None
+    from mlx_lm.utils import load_tokenizer
+
+    vocabs = []
+    for source in (profile.source, spec.draft_model):
+        if source_kind(source) == "hub":
+            return None
+        vocabs.append(load_tokenizer(Path(source_path(source, home))).get_vocab())
+    if vocabs[0] != vocabs[1]:
+        return (f"{spec.draft_model!r} has another tokenizer than {profile.source!r}: its "
+                "tokens would mean other text")
+    return None
+
+
 def load_draft_model(source: str, tokenizer, home: Path | None = None):
     """A draft model for speculative decoding, refused unless its tokenizer is the
     target's (its tokens would mean other text)."""

@@ -105,7 +105,7 @@ class VerifyCost:
 
     @classmethod
     def measure(cls, model, batch_sizes: list[int], max_positions: int,
-                context: int = 64, repeats: int = 3) -> VerifyCost:
+                context: int = 64, repeats: int = 5) -> VerifyCost:
         """Time forwards of 1..``max_positions`` positions after ``context`` tokens."""
         ratios = {}
         for batch in sorted(set(batch_sizes)):
@@ -115,10 +115,11 @@ class VerifyCost:
             times = []
             for t in range(1, max_positions + 1):
                 best = math.inf
-                for _ in range(repeats):
+                for n in range(repeats + 1):  # the first is a warm-up (compiles, allocates)
                     tic = time.perf_counter()
                     mx.eval(model(mx.zeros((batch, t), dtype=mx.int32), cache=cache))
-                    best = min(best, time.perf_counter() - tic)
+                    if n:
+                        best = min(best, time.perf_counter() - tic)
                     for c in cache:
                         if c.is_trimmable():
                             c.trim(t)
