@@ -7,8 +7,10 @@ Two parts, both driving our ``Engine`` in-process (the machinery itself, no HTTP
    a draft that proposes the plain token with probability ``alpha`` (``ControlledDraft``),
    depth ``k`` fixed, one stream. For each alpha: decode tok/s against plain, tokens per
    verify step, and the expected speedup ``(1 - alpha^(k+1)) / (1 - alpha) / c(k+1)``
-   where ``c(t)`` is the measured cost of a forward of ``t`` positions over one of a
-   single position (``VerifyCost.measure``, the same probe the adaptive depth uses).
+   where ``c(k+1)`` is what a verify step of ``k + 1`` positions costs over a plain step,
+   measured in the engine itself at alpha 1 (every draft kept, no rollback: a step costs
+   ``(k + 1) / speedup``); the probe the adaptive depth uses (``VerifyCost.measure``, bare
+   forwards) is reported beside it.
 2. **Workloads** on a real model (``embedded:smollm2-135m``), temperature 0, each arm fed
    the same prompts, rounds interleaved (ABAB...), medians of rounds:
    (a) a two-turn coding task: it writes a class, then rewrites it with one method added
@@ -191,18 +193,24 @@ def controlled(name: str, home: Path, k: int, tokens: int, rounds: int,
     for engine in [plain_engine, *engines.values()]:
         engine.shutdown()
     base = median(plain_tps)
+    full = median(spec_tps[1.0])
+    # The verify cost as the engine pays it: at alpha 1 every step verifies k + 1 positions
+    # and keeps them all (no rollback), so a step costs (k + 1) / speedup plain steps.
+    engine_c = (k + 1) * base / full if base and full else None
     rows = []
     for alpha in ALPHAS:
         tps = median(spec_tps[alpha])
-        expected = expected_tokens(alpha, k) / c
         speedup = tps / base if tps and base else None
+        expected = expected_tokens(alpha, k) / engine_c if engine_c else None
         rows.append({"alpha": alpha, "decode_tps": tps, "speedup": speedup,
                      "expected_speedup": expected,
-                     "off_expected": (speedup / expected - 1) if speedup else None,
-                     **steps[alpha]})
+                     "expected_speedup_probe": expected_tokens(alpha, k) / c,
+                     "off_expected": (speedup / expected - 1) if speedup and expected
+                     else None, **steps[alpha]})
     return {"model": name, "k": k, "tokens": tokens, "rounds": rounds, "rollback": rollback,
-            "plain_decode_tps": base, "verify_cost_ratio": c,
-            "verify_cost": cost.ratios[1], "identical": identical, "rows": rows}
+            "plain_decode_tps": base, "verify_cost_engine": engine_c,
+            "verify_cost_probe": c, "verify_cost_probe_by_positions": cost.ratios[1],
+            "identical": identical, "rows": rows}
 
 
 # ---- part 2: workloads on a real model -------------------------------------------------
@@ -373,12 +381,13 @@ def summary(result: dict) -> str:
         lines.append(f"controlled draft on {part['model']} (rollback {part['rollback']}), "
                      f"k={part['k']}: plain "
                      f"{fmt(part['plain_decode_tps'], '.1f')} tok/s, verify cost c(k+1) = "
-                     f"{fmt(part['verify_cost_ratio'])}, identical: {part['identical']}")
-        lines.append("  alpha  speedup  expected  tokens/step")
+                     f"{fmt(part['verify_cost_engine'])} in the engine (probe "
+                     f"{fmt(part['verify_cost_probe'])}), identical: {part['identical']}")
+        lines.append("  alpha  speedup  expected  off   tokens/step")
         for r in part["rows"]:
             lines.append(f"  {r['alpha']:<5}  {fmt(r['speedup']):>7}  "
-                         f"{fmt(r['expected_speedup']):>8}  "
-                         f"{fmt(r['tokens_per_verify_step']):>11}")
+                         f"{fmt(r['expected_speedup']):>8}  {fmt(r['off_expected'], '+.0%'):>4}"
+                         f"  {fmt(r['tokens_per_verify_step']):>11}")
     work = result.get("workloads")
     if work:
         lines.append(f"workloads on {work['model']} (medians of {work['rounds']} rounds):")

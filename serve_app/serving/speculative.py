@@ -105,7 +105,7 @@ class VerifyCost:
 
     @classmethod
     def measure(cls, model, batch_sizes: list[int], max_positions: int,
-                context: int = 64, repeats: int = 5) -> VerifyCost:
+                context: int = 64, repeats: int = 8) -> VerifyCost:
         """Time forwards of 1..``max_positions`` positions after ``context`` tokens."""
         ratios = {}
         for batch in sorted(set(batch_sizes)):
