@@ -21,7 +21,7 @@ from serve_app.cache.settings import CacheSettings, default_checkpoint_interval
 from serve_app.cache.tiers import TieredStore
 from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize
-from serve_app.serving.engine import _Request
+from serve_app.serving.engine_request import EngineRequest
 from serve_app.serving.request import CompletionRequest
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.service import ModelService
@@ -75,7 +75,7 @@ def checkpointed(service: ModelService, store: TieredStore, tokens: list[int]) -
 def segments(service: ModelService, prompt: list[int], restored: int = 0) -> list[int]:
     plan = RequestPlan(BS, service.cache.root, [],
                        checkpoint_every=service.cache.settings.checkpoint_every)
-    req = _Request(1, prompt, SamplingParams(max_tokens=1), lambda e: None, plan,
+    req = EngineRequest(1, prompt, SamplingParams(max_tokens=1), lambda e: None, plan,
                    restored=restored)
     return [len(s) for s in service.engine._segments(req)]
 
