@@ -343,11 +343,15 @@ def chi2_sf(x: float, k: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """One model is enough for the distribution: the sampling does not depend on it."""
+    return mlx_lm.load(str(materialize("tiny-dense", tmp_path_factory.mktemp("dist"))))
+
+
 @pytest.mark.parametrize("planted_bug", [False, True])
-def test_sampled_output_is_distributed_as_plain_decoding(loaded, planted_bug, monkeypatch):
-    name, model, tokenizer = loaded
-    if name != "tiny-dense":
-        pytest.skip("one model is enough for the distribution: the sampling is shared")
+def test_sampled_output_is_distributed_as_plain_decoding(dense, planted_bug, monkeypatch):
+    model, tokenizer = dense
     stops = set(tokenizer.eos_token_ids)
     prompt = tokenizer.encode("the cat sat on the")
     n = 300
