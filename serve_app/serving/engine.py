@@ -283,6 +283,7 @@ class Engine:
         # The model's weights go with the engine (a model pool unloads it): this thread
         # stays parked below, holding the engine, so it must not hold the weights too.
         self.model = None
+        self.speculator = None  # and a draft model's with it
         mx.synchronize()
         self._stopped.set()
         # Park instead of returning: when a thread that used MLX exits, its
