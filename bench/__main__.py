@@ -60,7 +60,11 @@ QUICK: dict[str, list[tuple[str, str | None]]] = {
 # Benches whose model is fixed: four cluster arms take long; the grammar cost is per token;
 # the trace replay runs three servers; the store lookup loads no model.
 FIXED_MODELS = {"cluster": "tiny-hybrid", "structured": "tiny-dense", "traces": "tiny-hybrid",
-                "lookup": "store"}
+                "lookup": "store", "speculative": "tiny-dense"}
+# Flags a bench always gets here: the runner runs speculative decoding's controlled draft on
+# the tiny models (a minute); its SmolLM2 workloads and HTTP part (an hour on this CPU) run on
+# their own (``python -m bench.speculative``).
+ALWAYS = {"speculative": ["--part", "controlled"]}
 # A second configuration of a bench, run on the first of the bench's models after its plain
 # runs, into ``<bench>-<model>-<variant>.json``: (variant, its flags, its flags with --quick,
 # which replace the values of the same QUICK options). Issue 21: a replay whose turns are ~1K
@@ -215,7 +219,8 @@ def run_bench(bench: str, model: str, directory: Path, extra: list[str],
     log = directory / "logs" / f"{bench}-{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)  # a stale result must not pass for this run's
-    argv = ["-m", f"bench.{bench}", "--model", model, "--out", str(out), *extra]
+    argv = ["-m", f"bench.{bench}", "--model", model, "--out", str(out),
+            *ALWAYS.get(bench, []), *extra]
     shown = " ".join(["python", *argv]).replace(str(out), display_path(out))
     print(f"[bench] {shown}", flush=True)
     tic = time.monotonic()

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 BENCHES = ("multiturn", "agents", "restart", "checkpoints", "serving", "cluster", "structured",
-           "traces", "lookup")
+           "traces", "lookup", "speculative")
 REPORT = "REPORT.md"
 RUNS = "runs.json"
 MACHINE = "machine.json"
@@ -419,6 +419,37 @@ def structured_rows(model: str, d: dict) -> list[Row]:
                 status="info")]
 
 
+SPECULATIVE_WITHIN = 0.20  # issue 29: controlled draft within 20% of the expected speedup
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def speculative_rows(model: str, d: dict) -> list[Row]:
+    """Issue 29's controlled draft: measured speedup at alpha 0.8 against the expected one
+    (``bench.speculative``'s controlled part, on each tiny model and rollback)."""
+    rows = []
+    for part in d.get("controlled") or []:
+        at = next((r for r in part.get("rows", []) if r.get("alpha") == 0.8), None)
+        if at is None:
+            continue
+        off = at.get("off_expected")
+        status = "n/a" if off is None else (
+            "met" if abs(off) <= SPECULATIVE_WITHIN else "**missed**")
+        rows.append(Row("speculative", part.get("model", model),
+                        f"controlled draft alpha 0.8, k {part.get('k')}, rollback "
+                        f"{part.get('rollback')}: speedup vs expected",
+                        fmt(_round(at.get("speedup")), "×"),
+                        fmt(_round(at.get("expected_speedup")), "×"),
+                        (1 + off) if off is not None else None,
+                        goal=f"within {SPECULATIVE_WITHIN:.0%}", status=status))
+        rows.append(count_row("speculative", part.get("model", model),
+                              f"identical to plain decoding (rollback {part.get('rollback')})",
+                              int(bool(part.get("identical"))), 1))
+    return rows
+
+
 TRACE_SERVERS = {"ours": "ours (OpenAI chat)",
                  "ours_anthropic": "ours (Anthropic Messages, billing block)"}
 
@@ -477,7 +508,7 @@ def lookup_rows(model: str, d: dict) -> list[Row]:
 ROWS: dict[str, Callable[[str, dict], list[Row]]] = {
     "multiturn": multiturn_rows, "agents": agents_rows, "restart": restart_rows,
     "serving": serving_rows, "cluster": cluster_rows, "structured": structured_rows,
-    "traces": traces_rows, "lookup": lookup_rows}
+    "traces": traces_rows, "lookup": lookup_rows, "speculative": speculative_rows}
 
 
 def summary_rows(results: dict[str, dict[str, dict]], runs: dict[str, dict]) -> list[Row]:
