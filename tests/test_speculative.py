@@ -10,7 +10,6 @@ speculative against plain fails a planted bug (no residual distribution).
 from __future__ import annotations
 
 import json
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from serve_app.models.embedded import materialize
 from serve_app.serving import speculative
 from serve_app.serving.drafts import ControlledDraft, DraftModel, DraftRow, NgramDraft, lookup
 from serve_app.serving.engine import Engine
-from serve_app.serving.engine_events import EngineEvent
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.speculative import (
     SpeculationSettings,
@@ -33,6 +31,7 @@ from serve_app.serving.speculative import (
     residual,
 )
 from serve_app.serving.structured import compile_response_format
+from tests.test_engine_logprobs import Collector
 from tests.test_formats import DENSES as DENSES_
 from tests.test_formats import HYBRIDS as HYBRIDS_
 
@@ -99,25 +98,6 @@ def test_a_good_speculative_profile_reads():
 
 
 # ---- the engine ------------------------------------------------------------------------
-
-
-class Collector:
-    def __init__(self) -> None:
-        self.events: list[EngineEvent] = []
-        self.done = threading.Event()
-
-    def __call__(self, event: EngineEvent) -> None:
-        self.events.append(event)
-        if event.finish_reason or event.error:
-            self.done.set()
-
-    @property
-    def tokens(self) -> list[int]:
-        return [e.token for e in self.events if e.token is not None]
-
-    @property
-    def finish(self) -> str | None:
-        return self.events[-1].finish_reason
 
 
 @pytest.fixture(scope="module", params=["tiny-dense", "tiny-hybrid"])
@@ -432,14 +412,20 @@ def looping_prompt(seed: int, blocks: int) -> list[int]:
     return (period * (blocks * 16 // 11 + 2))[: blocks * 16 + 3]
 
 
-@pytest.mark.parametrize("name", [*HYBRIDS_, *DENSES_])
-def test_every_format_warm_and_restored_from_ssd_gives_the_plain_tokens(name, home, tmp_path):
-    """Speculating: cold, warm multi-turn from the hot tier, and after a restart from SSD,
-    the tokens of a cold plain prefill and plain decoding; decode-time blocks captured
-    while drafting restore exactly too."""
+@pytest.mark.parametrize("name,storage", [
+    *((n, s) for n in HYBRIDS_ for s in ("ssd_sidecar", "embedded")),
+    *((n, "auto") for n in DENSES_),  # no recurrent state: KV block files only
+])
+def test_every_format_warm_and_restored_from_ssd_gives_the_plain_tokens(name, storage, home,
+                                                                        tmp_path):
+    """Speculating: cold, warm multi-turn from the hot tier, and after a restart from SSD
+    (hybrid checkpoints in sidecars and embedded in the block files), the tokens of a cold
+    plain prefill and plain decoding; decode-time blocks captured while drafting restore
+    exactly too."""
     from tests.test_formats import Server
 
-    first = Server(name, home, tmp_path, speculative=SPEC)
+    cache = {"gdn_snapshot_storage": storage}
+    first = Server(name, home, tmp_path, cache, speculative=SPEC)
     prompt = looping_prompt(7, 3)
     a = first.ask(prompt, n=24)
     assert a["text"] == first.cold_text(prompt, n=24)
@@ -449,7 +435,7 @@ def test_every_format_warm_and_restored_from_ssd_gives_the_plain_tokens(name, ho
     assert first.service.engine.snapshot().drafted_tokens > 0
     first.drain()
     first.close()
-    again = Server(name, home, tmp_path, speculative=SPEC)
+    again = Server(name, home, tmp_path, cache, speculative=SPEC)
     c = again.ask(turn, n=24)  # restored from SSD after a restart
     assert c["cached"] >= 3 * 16 and c["text"] == b["text"]
     assert again.service.cache_stats.hit_tokens_by_tier.get("ssd", 0) >= 3 * 16

@@ -439,11 +439,11 @@ def load_preparer(profile: ModelProfile, model_home: str | None) -> Preparer:
     from mlx_lm.utils import load_tokenizer
 
     from serve_app.serving.prepare import Preparer
-    from serve_app.serving.service import resolve_source
+    from serve_app.serving.service import source_path
 
     home = Path(model_home).expanduser() if model_home else None
     # Only the tokenizer's files: the ingress's node needs no weights for it.
-    model_dir = download_model(resolve_source(profile, home), profile.revision,
+    model_dir = download_model(source_path(profile.source, home), profile.revision,
                                allow_patterns=TOKENIZER_FILES)
     return Preparer(profile, load_tokenizer(model_dir, profile.tokenizer_config()),
                     branch_points=profile.cache.enabled)

@@ -41,14 +41,9 @@ from serve_app.serving.speculative import speculator_for
 from serve_app.serving.stream import EventChannel, Lease, Pacer, RequestClock, RequestStream
 
 
-def resolve_source(profile: ModelProfile, home: Path | None = None, progress=None) -> str:
-    """The path (or hub id) that ``mlx_lm.load`` gets for a model profile (``progress``
-    hears an embedded real model's download and materialization)."""
-    return source_path(profile.source, home, progress)
-
-
 def source_path(source: str, home: Path | None = None, progress=None) -> str:
-    """The path (or hub id) that ``mlx_lm.load`` gets for a model source."""
+    """The path (or hub id) that ``mlx_lm.load`` gets for a model source (``progress``
+    hears an embedded real model's download and materialization)."""
     kind = source_kind(source)
     if kind == "embedded":
         return str(materialize(source[len(EMBEDDED_PREFIX) :], home or default_home(),
@@ -72,10 +67,12 @@ def draft_tokenizer_problem(profile: ModelProfile, home: Path | None = None) -> 
         if source_kind(source) == "hub":
             return None
         vocabs.append(load_tokenizer(Path(source_path(source, home))).get_vocab())
-    if vocabs[0] != vocabs[1]:
-        return (f"{spec.draft_model!r} has another tokenizer than {profile.source!r}: its "
-                "tokens would mean other text")
-    return None
+    return None if vocabs[0] == vocabs[1] else _another_tokenizer(spec.draft_model,
+                                                                 repr(profile.source))
+
+
+def _another_tokenizer(draft: str, target: str) -> str:
+    return f"{draft!r} has another tokenizer than {target}: its tokens would mean other text"
 
 
 def load_draft_model(source: str, tokenizer, home: Path | None = None):
@@ -86,8 +83,8 @@ def load_draft_model(source: str, tokenizer, home: Path | None = None):
     path = download_model(source_path(source, home))
     model, draft_tokenizer = mlx_lm.load(str(path))  # type: ignore[misc]
     if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"speculative.draft_model: {source!r} has another tokenizer than "
-                         "the model it drafts for: its tokens would mean other text")
+        raise ValueError("speculative.draft_model: "
+                         + _another_tokenizer(source, "the model it drafts for"))
     return model
 
 
@@ -98,7 +95,7 @@ def load_model(profile: ModelProfile, home: Path | None = None, progress=None):
 
     from serve_app.models.smollm2 import Progress
 
-    path = resolve_source(profile, home, progress)
+    path = source_path(profile.source, home, progress)
     if progress is not None and source_kind(profile.source) == "hub":
         progress(Progress("downloading"))  # from the hub, or at once from its local cache
     model_dir = download_model(path, profile.revision)

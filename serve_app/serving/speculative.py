@@ -349,7 +349,11 @@ class Speculator:
                   if arrays and self.settings.recurrent_rollback == "mixers" else None)
         with recording_mixer_inputs(mixers or []) as mixer_inputs:
             logits = rows.model(inputs, cache=caches)  # (batch, depth + 1, vocab)
-        greedy = self._greedy_targets(rows, states, logits)
+        # Log-probabilities in the model's dtype, and their argmax at every position, as
+        # mlx-lm's greedy sampler takes it: rounding can tie two logits that differ (the
+        # first one wins). Rows with logits processors recompute theirs after them.
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        greedy: list[list[int]] = mx.argmax(logprobs, axis=-1).tolist()  # type: ignore[assignment]
         pending_lps = rows.pending_logprobs()
         emitted: list[list[int]] = []
         emitted_lps: list[list[mx.array]] = []
@@ -359,8 +363,8 @@ class Speculator:
         lengths = []
         drafted = accepted = 0
         for i, (y, state, draft) in enumerate(zip(ys, states, drafts, strict=True)):
-            kept, token, lps = self._accept(rows, i, y, draft, logits[i], state,
-                                            greedy[i] if greedy is not None else None)
+            kept, token, lps = self._accept(rows, i, y, draft, logits[i], logprobs[i], state,
+                                            greedy[i])
             if draft:
                 drafted += len(draft)
                 accepted += kept
@@ -403,37 +407,30 @@ class Speculator:
                                 tuple(lengths), rollback))
         return responses
 
-    def _greedy_targets(self, rows: DecodeRows, states: list[_Row], logits: mx.array
-                        ) -> list[list[int]] | None:
-        """The argmax at every position, for the whole batch at once, when every row is
-        greedy without processors (the common case); None otherwise."""
-        if any(s.params.temperature != 0 for s in states) or any(
-                rows.processors(i) for i in range(len(states))):
-            return None
-        # argmax of the log-probabilities in the model's dtype, as mlx-lm's greedy sampler
-        # takes it: rounding them can tie two logits that differ (the first one wins)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return mx.argmax(logprobs, axis=-1).tolist()  # type: ignore[return-value]
-
     def _accept(self, rows: DecodeRows, i: int, y: int, draft: list[int], logits: mx.array,
-                state: _Row, greedy: list[int] | None) -> tuple[int, int, list[mx.array]]:
+                logprobs: mx.array, state: _Row, greedy: list[int]
+                ) -> tuple[int, int, list[mx.array]]:
         """How many of ``draft`` row ``i`` keeps, the token it samples after them, and the
-        log-probabilities at each position up to that one."""
+        log-probabilities at each position up to that one (``logprobs`` and ``greedy``:
+        the row's, before any processor)."""
         params = state.params
         processors = rows.processors(i)
         base = rows.context(i) if processors else None
         seen = [y]
         lps: list[mx.array] = []
         for j in range(len(draft) + 1):
-            row_logits = logits[j : j + 1]
-            if base is not None:
+            if base is None:
+                lp = logprobs[j : j + 1]
+            else:
+                row_logits = logits[j : j + 1]
                 context = mx.concatenate([base, mx.array(seen, dtype=base.dtype)])
                 for processor in processors:
                     row_logits = processor(context, row_logits)
-            lp = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
+                lp = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
             lps.append(lp[0])
             if params.temperature == 0:
-                target = greedy[j] if greedy is not None else int(mx.argmax(lp).item())  # type: ignore[arg-type]
+                target = (greedy[j] if base is None
+                          else int(mx.argmax(lp).item()))  # type: ignore[arg-type]
                 if j < len(draft) and target == draft[j]:
                     seen.append(draft[j])
                     continue
