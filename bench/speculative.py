@@ -31,8 +31,13 @@ and 8.
    themselves), each measured with the others frozen; decode tok/s over
    ``mlx_lm.server``'s, and whether the text is the same.
 
+4. **MTP** (``mtp``): the model's own MTP head on ``tiny-hybrid-mtp`` (a Qwen3.5-layout
+   checkpoint with random weights, so its drafts are almost never right: this measures
+   what the machinery costs, not a speedup), one stream and four, arms plain, ``mtp k=1``
+   and ``k=3`` fixed, and ``mtp adaptive``, which must fall back to about plain.
+
 Usage: python -m bench.speculative [--quick] [--rounds N] [--out PATH] [--plot PATH]
-       [--part controlled|workloads|http|all]
+       [--part controlled|workloads|http|mtp|all]
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import mlx_lm
 
 from bench.common import emit
 from serve_app.models.embedded import materialize
-from serve_app.serving.drafts import ControlledDraft, DraftSource, NgramDraft
+from serve_app.serving.drafts import ControlledDraft, DraftSource, MTPDraft, NgramDraft
 from serve_app.serving.engine import Engine
 from serve_app.serving.engine_events import EngineEvent
 from serve_app.serving.sampling import SamplingParams
@@ -211,6 +216,52 @@ def controlled(name: str, home: Path, k: int, tokens: int, rounds: int,
             "plain_decode_tps": base, "verify_cost_engine": engine_c,
             "verify_cost_probe": c, "verify_cost_probe_by_positions": cost.ratios[1],
             "identical": identical, "rows": rows}
+
+
+# ---- part 4: the model's own MTP head ---------------------------------------------------
+
+
+def mtp(name: str, home: Path, tokens: int, rounds: int) -> dict:
+    from serve_app.models.mtp import load_mtp_head
+
+    path = materialize(name, home)
+    model, tokenizer = mlx_lm.load(str(path))
+    head, parts = load_mtp_head(model, path)
+    stops = set(tokenizer.eos_token_ids)
+
+    def source() -> DraftSource:
+        return MTPDraft(head, parts.embed, parts.logits)
+
+    arms = [Arm("plain", None), Arm("mtp k=1", source(), 1), Arm("mtp k=3", source(), 3),
+            Arm("mtp adaptive", source(), 3, adaptive=True)]
+    out: dict = {"model": name, "tokens": tokens, "rounds": rounds, "streams": {}}
+    for streams in (1, 4):
+        prompts = [tokenizer.encode(f"mtp bench {i}: " + "words and more words " * 4)
+                   for i in range(streams)]
+        engines = {}
+        for arm in arms:
+            if arm.source is not None:
+                arm.source = source()  # its own per-request state
+            engines[arm.name] = make_engine(model, stops, arm, max_batch=4)
+        ref = [c.tokens for c in run(engines["plain"], prompts, tokens)]
+        tps: dict[str, list] = {a.name: [] for a in arms}
+        stats: dict[str, dict] = {}
+        identical = dict.fromkeys(tps, True)
+        for _ in range(rounds):
+            for arm in arms:
+                engine = engines[arm.name]
+                before = engine.snapshot()
+                got = run(engine, prompts, tokens)
+                identical[arm.name] &= [c.tokens for c in got] == ref
+                tps[arm.name].append(median([c.decode_tps for c in got]))
+                stats[arm.name] = step_stats(before, engine.snapshot())
+        for engine in engines.values():
+            engine.shutdown()
+        base = median(tps["plain"])
+        out["streams"][streams] = {
+            a: {"row_decode_tps": median(t), "vs_plain": (median(t) or 0) / base if base
+                else None, "identical": identical[a], **stats[a]} for a, t in tps.items()}
+    return out
 
 
 # ---- part 2: workloads on a real model -------------------------------------------------
@@ -409,6 +460,16 @@ def summary(result: dict) -> str:
                 lines.append(f"    {arm:<28} decode {fmt(r['decode_tps'], '.1f'):>6} tok/s "
                              f"({fmt(r['vs_mlx_lm_server'])}x mlx_lm.server)  same text as "
                              f"ours plain: {r['text_same_as_ours_plain']}")
+    head = result.get("mtp")
+    if head:
+        lines.append(f"MTP head on {head['model']} (random weights; medians of "
+                     f"{head['rounds']} rounds):")
+        for streams, arms in head["streams"].items():
+            lines.append(f"  {streams} stream(s):")
+            for arm, r in arms.items():
+                lines.append(f"    {arm:<13} row {fmt(r['row_decode_tps'], '.1f'):>6} tok/s "
+                             f"({fmt(r['vs_plain'])}x plain)  acceptance "
+                             f"{fmt(r['acceptance'])}  identical {r['identical']}")
     return "\n".join(lines)
 
 
@@ -437,7 +498,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("controlled", "workloads", "http", "all"),
+    parser.add_argument("--part", choices=("controlled", "workloads", "http", "mtp", "all"),
                         default="all")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
@@ -461,6 +522,8 @@ def main() -> None:
         result["workloads"] = workloads(args.model, home, args.rounds, args.quick)
     if args.part in ("http", "all"):
         result["http"] = http(args.model, home, args.rounds, args.quick)
+    if args.part in ("mtp", "all"):
+        result["mtp"] = mtp("tiny-hybrid-mtp", home, 48 if args.quick else 128, args.rounds)
     emit(result, args.out)
     print(summary(result), file=sys.stderr)
     if args.plot and result.get("controlled"):

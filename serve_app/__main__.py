@@ -120,17 +120,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_drafts(config: str, apps: list) -> bool:
-    """Print (to stderr) every draft model that cannot draft for its model; True if any."""
-    from serve_app.serving.service import draft_tokenizer_problem
+    """Print (to stderr) every draft source that cannot draft for its model (a draft
+    model with another tokenizer, ``mtp`` without an MTP head); True if any."""
+    from serve_app.serving.service import draft_tokenizer_problem, mtp_head_problem
 
     bad = False
     for k, (_, profile) in enumerate(apps):
         for i, model in enumerate(profile.models):
-            problem = draft_tokenizer_problem(model)
-            if problem:
-                print(f"error: {config}: applications[{k}].args.models[{i}].speculative."
-                      f"draft_model: {problem}", file=sys.stderr)
-                bad = True
+            for key, problem in (("draft_model", draft_tokenizer_problem(model)),
+                                 ("method", mtp_head_problem(model))):
+                if problem:
+                    print(f"error: {config}: applications[{k}].args.models[{i}]."
+                          f"speculative.{key}: {problem}", file=sys.stderr)
+                    bad = True
     return bad
 
 

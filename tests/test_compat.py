@@ -224,3 +224,27 @@ def test_recurrent_mixers_and_their_recorded_inputs(hybrid_dir):
     with compat.recording_mixer_inputs([]) as nothing:
         model(mx.array([[1]]), cache=cache)
     assert nothing == {}
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-hybrid-mtp"])
+def test_trunk_parts_and_the_recorded_final_hidden_state(name, tmp_path):
+    """``trunk_parts`` finds the embedding, the output head and a full-attention layer of
+    Qwen3-Next and Qwen3.5 models; the recorded output of the decoder stack, through the
+    head, is the model's logits. Outside the context nothing is recorded."""
+    model, _ = mlx_lm.load(str(materialize(name, tmp_path)))
+    parts = compat.trunk_parts(model)
+    layer = parts.inner.layers[parts.layer_index]
+    assert not layer.is_linear and type(layer) is parts.layer_class
+    assert parts.embed(mx.array([[3]])).shape == (1, 1, parts.args.hidden_size)
+    tokens = mx.array([[5, 6, 7, 8]])
+    with compat.recording_final_hidden(parts.inner) as seen:
+        logits = model(tokens)
+    assert len(seen) == 1 and seen[0].shape == (1, 4, parts.args.hidden_size)
+    assert mx.allclose(parts.logits(seen[0]), logits).item()
+    with compat.recording_final_hidden(None) as nothing:
+        model(tokens)
+    assert nothing == []
+    with compat.recording_final_hidden(parts.inner) as seen:
+        pass
+    model(tokens)
+    assert seen == []

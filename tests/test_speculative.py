@@ -20,7 +20,14 @@ import pytest
 from serve_app.config.profile import ModelProfile, ProfileError, parse_profile
 from serve_app.models.embedded import materialize
 from serve_app.serving import speculative
-from serve_app.serving.drafts import ControlledDraft, DraftModel, DraftRow, NgramDraft, lookup
+from serve_app.serving.drafts import (
+    ControlledDraft,
+    DraftModel,
+    DraftRow,
+    MTPDraft,
+    NgramDraft,
+    lookup,
+)
 from serve_app.serving.engine import Engine
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.speculative import (
@@ -71,7 +78,7 @@ def test_residual_takes_the_rejected_draft_out():
     ({"method": "draft"}, "speculative", "needs draft_model"),
     ({"method": "draft", "draft_model": "embedded:nope"}, "speculative.draft_model",
      "unknown embedded model"),
-    ({"method": "mtp"}, "speculative.method", "not available"),
+    ({"method": "mtp", "draft_model": "x"}, "speculative", "draft_model"),
     ({"method": "beam"}, "speculative.method", "ngram"),
     ({"method": "ngram", "num_draft_tokens": 0}, "speculative.num_draft_tokens", "1"),
     ({"method": "ngram", "ngram_min": 4, "ngram_max": 2}, "speculative", "ngram_min"),
@@ -389,6 +396,8 @@ def test_a_profile_turns_speculation_on_in_the_service(tmp_path: Path):
     assert methods == ["", "ngram", "draft"]
 
 
+MTPS = [f"tiny-hybrid-mtp-{f}" if f != "fp32" else "tiny-hybrid-mtp"
+        for f in ("fp32", "bf16", "fp16", "q4")]
 # Fixed depth: every step drafts where the prompt lookup finds a match, on every format.
 SPEC = {"method": "ngram", "num_draft_tokens": 4, "adaptive": False}
 
@@ -412,12 +421,16 @@ def looping_prompt(seed: int, blocks: int) -> list[int]:
     return (period * (blocks * 16 // 11 + 2))[: blocks * 16 + 3]
 
 
-@pytest.mark.parametrize("name,storage", [
-    *((n, s) for n in HYBRIDS_ for s in ("ssd_sidecar", "embedded")),
-    *((n, "auto") for n in DENSES_),  # no recurrent state: KV block files only
+MTP_SPEC = {"method": "mtp", "num_draft_tokens": 3, "adaptive": False}
+
+
+@pytest.mark.parametrize("name,storage,spec", [
+    *((n, s, SPEC) for n in HYBRIDS_ for s in ("ssd_sidecar", "embedded")),
+    *((n, "auto", SPEC) for n in DENSES_),  # no recurrent state: KV block files only
+    *((n, "ssd_sidecar", MTP_SPEC) for n in MTPS),  # Qwen3.5 layout, its own MTP head
 ])
-def test_every_format_warm_and_restored_from_ssd_gives_the_plain_tokens(name, storage, home,
-                                                                        tmp_path):
+def test_every_format_warm_and_restored_from_ssd_gives_the_plain_tokens(name, storage, spec,
+                                                                        home, tmp_path):
     """Speculating: cold, warm multi-turn from the hot tier, and after a restart from SSD
     (hybrid checkpoints in sidecars and embedded in the block files), the tokens of a cold
     plain prefill and plain decoding; decode-time blocks captured while drafting restore
@@ -425,7 +438,7 @@ def test_every_format_warm_and_restored_from_ssd_gives_the_plain_tokens(name, st
     from tests.test_formats import Server
 
     cache = {"gdn_snapshot_storage": storage}
-    first = Server(name, home, tmp_path, cache, speculative=SPEC)
+    first = Server(name, home, tmp_path, cache, speculative=spec)
     prompt = looping_prompt(7, 3)
     a = first.ask(prompt, n=24)
     assert a["text"] == first.cold_text(prompt, n=24)
@@ -435,7 +448,7 @@ def test_every_format_warm_and_restored_from_ssd_gives_the_plain_tokens(name, st
     assert first.service.engine.snapshot().drafted_tokens > 0
     first.drain()
     first.close()
-    again = Server(name, home, tmp_path, cache, speculative=SPEC)
+    again = Server(name, home, tmp_path, cache, speculative=spec)
     c = again.ask(turn, n=24)  # restored from SSD after a restart
     assert c["cached"] >= 3 * 16 and c["text"] == b["text"]
     assert again.service.cache_stats.hit_tokens_by_tier.get("ssd", 0) >= 3 * 16
@@ -468,3 +481,109 @@ def test_check_refuses_a_draft_model_with_another_tokenizer(tmp_path, model_home
             "has another tokenizer") in bad.stderr
     good = check("embedded:tiny-dense-q4")
     assert good.returncode == 0, good.stderr
+
+
+# ---- the model's own MTP head ------------------------------------------------------------
+
+
+class LoggedMTP(MTPDraft):
+    """Keeps every proposal with the history it was made from."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[DraftRow, list[int]]] = []
+
+    def propose(self, row: DraftRow, k: int) -> list[int]:
+        out = super().propose(row, k)
+        self.log.append((row, out))
+        return out
+
+
+@pytest.fixture(scope="module", params=MTPS)
+def mtp_model(request, tmp_path_factory):
+    path = materialize(request.param, tmp_path_factory.mktemp("mtp"))
+    model, tokenizer = mlx_lm.load(str(path))
+    return request.param, path, model, tokenizer
+
+
+def test_the_mtp_head_gives_the_plain_tokens_on_every_format(mtp_model):
+    """The MTP head of the Qwen3.5-layout checkpoint, loaded quantized like the trunk, drafts
+    for four rows at once; their tokens are plain decoding's."""
+    import mlx.core as mx
+
+    from serve_app.models.mtp import load_mtp_head
+
+    name, path, model, tokenizer = mtp_model
+    head, parts = load_mtp_head(model, path)
+    if name.endswith("q4"):
+        assert type(head.fc).__name__ == "QuantizedLinear" and head.fc.bits == 4
+    else:
+        assert head.fc.weight.dtype == parts.inner.norm.weight.dtype != mx.uint32
+    stops = set(tokenizer.eos_token_ids)
+    ps = prompts(tokenizer, 4)
+    params = [SamplingParams(max_tokens=24 + 3 * i) for i in range(4)]
+    ref = plain(model, stops, ps, params)
+    out, engine = speculating(model, stops, ps, params,
+                              MTPDraft(head, parts.embed, parts.logits), k=3)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    stats = engine.snapshot()
+    assert stats.speculative_method == "mtp" and stats.drafted_tokens > 0
+
+
+def test_the_mtp_head_reads_the_models_hidden_states_at_every_position(tmp_path):
+    """Each first draft is what the head gives over the request's decoded positions, read
+    offline from one forward of the whole sequence: every plain and verify step handed the
+    head the right hidden state with the right next token."""
+    import mlx.core as mx
+
+    from serve_app.models.mtp import load_mtp_head
+
+    path = materialize("tiny-hybrid-mtp", tmp_path)  # fp32: the offline forward rounds alike
+    model, tokenizer = mlx_lm.load(str(path))
+    head, parts = load_mtp_head(model, path)
+    stops = set(tokenizer.eos_token_ids)
+    ps = prompts(tokenizer, 2)
+    params = [SamplingParams(max_tokens=20)] * 2
+    source = LoggedMTP(head, parts.embed, parts.logits)
+    out, _ = speculating(model, stops, ps, params, source, k=1)
+    checked = 0
+    for row, proposal in source.log:
+        n, first = len(row.tokens), row.prompt_len
+        if not proposal:
+            assert n - 2 < first  # only a request's first decode step has no hidden state
+            continue
+        hidden = parts.inner(mx.array([row.tokens[:-1]]))
+        entries = list(range(first, n - 1))
+        g = head(parts.embed(mx.array([[row.tokens[q + 1] for q in entries]])),
+                 hidden[:, first : n - 1], head.make_cache())
+        assert proposal == [int(mx.argmax(parts.logits(g)[0, -1]).item())], (n, first)
+        checked += 1
+    assert checked >= 20
+
+
+def test_mtp_without_an_mtp_head_is_refused_by_check_and_at_load(tmp_path, model_home):
+    """``serve-app check`` names ``speculative.method`` for a checkpoint with no MTP head
+    (the model beside it, which has one, passes); loading it anyway fails the same way."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from serve_app.serving.service import ModelService
+
+    path = tmp_path / "mtp.yaml"
+    models = [{"name": n, "source": f"embedded:{n}",
+               "speculative": {"method": "mtp"}} for n in ("tiny-hybrid", "tiny-hybrid-mtp")]
+    path.write_text(yaml.safe_dump({"applications": [{
+        "name": "llm", "import_path": "serve_app.app:build_app", "args": {"models": models}}]}))
+    env = {**os.environ, "SERVE_APP_HOME": str(model_home), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "serve_app", "check", str(path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 2, done.stderr
+    assert "applications[0].args.models[0].speculative.method: the checkpoint" in done.stderr
+    assert "no mtp.* weights" in done.stderr and "models[1]" not in done.stderr
+    hybrid = materialize("tiny-hybrid", model_home)
+    model, tokenizer = mlx_lm.load(str(hybrid))
+    with pytest.raises(ValueError, match=r"speculative.method: mtp: .*no mtp\.\* weights"):
+        ModelService(ModelProfile(**models[0]), model, tokenizer, hybrid)

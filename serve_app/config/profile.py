@@ -155,22 +155,17 @@ class SpeculativeProfile(_Strict):
 
     # "ngram": prompt lookup (the n-gram that followed the same context earlier in the
     # prompt or the output); no model. "draft": ``draft_model`` (same tokenizer) drafts.
+    # "mtp": the model's own multi-token-prediction head (``mtp.*`` weights of a Qwen3-Next
+    # or Qwen3.5 checkpoint).
     method: Literal["ngram", "draft", "mtp"]
     num_draft_tokens: Annotated[int, Field(ge=1, le=16)] = 4
     adaptive: bool = True
     ngram_max: Annotated[int, Field(ge=1, le=8)] = 3  # longest n-gram matched
     ngram_min: Annotated[int, Field(ge=1, le=8)] = 1  # shortest n-gram matched
     draft_model: str | None = None  # a source, as ``models[].source``
-    # the most recent tokens of a request the draft model reads when it starts drafting
+    # the most recent tokens of a request the draft model (or MTP head) reads when it
+    # starts drafting
     draft_context: Annotated[int, Field(ge=16)] = 1024
-
-    @field_validator("method")
-    @classmethod
-    def _check_method(cls, value: str) -> str:
-        if value == "mtp":
-            raise ValueError("'mtp' (the model's own multi-token-prediction head) is not "
-                             "available in this version: use ngram or draft")
-        return value
 
     @field_validator("draft_model")
     @classmethod

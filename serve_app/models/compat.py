@@ -9,6 +9,7 @@ Imports are lazy: the ingress loads this module without loading MLX.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -219,6 +220,73 @@ def _record_inputs_of(cls: type) -> None:
 
     cls.__call__ = __call__  # type: ignore[method-assign]
     cls._serve_app_records_inputs = True  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrunkParts:
+    """What a model's own MTP head shares with the model (``serve_app.models.mtp``):
+    the token embedding, the output head, the text config, and where a full-attention
+    decoder layer is (the MTP layer is one of those)."""
+
+    inner: Any  # the decoder stack; its output is the final, normed hidden state
+    embed: Callable[[Any], Any]
+    logits: Callable[[Any], Any]
+    args: Any
+    layer_class: type
+    layer_index: int
+
+
+def trunk_parts(model: Any) -> TrunkParts:
+    """The parts of a Qwen3-Next or Qwen3.5 model an MTP head reads.
+
+    Relies on mlx-lm 0.32's layout of those models: ``model.model`` is the decoder
+    stack (``language_model.model`` for Qwen3.5, through a property), whose ``layers``
+    are decoder layers built as ``cls(args, layer_idx)`` with ``is_linear`` false for
+    full attention; the head is ``lm_head`` unless ``tie_word_embeddings``.
+    """
+    text = getattr(model, "language_model", model)
+    inner = text.model
+    args = text.args
+    index = next((i for i, layer in enumerate(inner.layers)
+                  if not getattr(layer, "is_linear", True)), None)
+    if index is None:
+        raise ValueError(f"{type(model).__module__}: no full-attention decoder layer for "
+                         "an MTP head")
+    head = (inner.embed_tokens.as_linear if args.tie_word_embeddings else text.lm_head)
+    return TrunkParts(inner, inner.embed_tokens, head, args, type(inner.layers[index]), index)
+
+
+_hidden = threading.local()  # per engine thread: the decoder stack watched, outputs seen
+
+
+@contextlib.contextmanager
+def recording_final_hidden(inner: Any) -> Iterator[list[Any]]:
+    """While open, each output of the decoder stack ``inner`` (the hidden state the
+    output head reads, ``(batch, positions, hidden)``) is appended to the list yielded:
+    an MTP head drafts from it. Patches the stack's class once, as
+    ``recording_mixer_inputs`` does; nothing is computed that the model does not.
+    ``inner`` None records nothing."""
+    if inner is None:
+        yield []
+        return
+    cls = type(inner)
+    if not cls.__dict__.get("_serve_app_records_output"):
+        original = cls.__call__
+
+        def __call__(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            if getattr(_hidden, "watch", None) == id(self):
+                _hidden.seen.append(out)
+            return out
+
+        cls.__call__ = __call__
+        cls._serve_app_records_output = True
+    seen: list[Any] = []
+    _hidden.watch, _hidden.seen = id(inner), seen
+    try:
+        yield seen
+    finally:
+        _hidden.watch = None
 
 
 def record_metric_zero(metric: Any, labels: dict[str, str]) -> None:

@@ -149,6 +149,9 @@ class EmbeddedSpec:
     config: dict
     seed: int
     format: str = "fp32"
+    # Saved as Hugging Face writes a Qwen3.5 checkpoint (names, GDN conv axes,
+    # zero-centred norms), with ``mtp.*`` weights: what mlx-lm's sanitize reads.
+    hf_qwen35_with_mtp: bool = False
 
 
 def _vocab_size() -> int:
@@ -198,6 +201,26 @@ _BASE_MODELS: dict[str, EmbeddedSpec] = {
         },
         seed=2,
     ),
+    "tiny-hybrid-mtp": EmbeddedSpec(
+        name="tiny-hybrid-mtp",
+        config={
+            **_COMMON,
+            "model_type": "qwen3_5",
+            "num_hidden_layers": 4,
+            "full_attention_interval": 2,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.25},
+            "mtp_num_hidden_layers": 1,
+        },
+        seed=3,
+        hf_qwen35_with_mtp=True,
+    ),
 }
 
 
@@ -208,7 +231,7 @@ def _variants() -> dict[str, EmbeddedSpec]:
         for fmt in FORMATS:
             name = variant_name(base.name, fmt)
             config = {**base.config, "torch_dtype": _DTYPE_NAMES[fmt]}
-            out[name] = EmbeddedSpec(name, config, base.seed, fmt)
+            out[name] = EmbeddedSpec(name, config, base.seed, fmt, base.hf_qwen35_with_mtp)
     return out
 
 
@@ -297,7 +320,7 @@ def _build(spec: EmbeddedSpec, path: Path) -> None:
     # Zero logits for the special tokens: greedy decoding never ends early, so
     # benchmarks against other servers generate the same number of tokens.
     special = mx.arange(256, 256 + len(SPECIAL_TOKENS))
-    new = [(k, _zero_rows(v, special) if k == "lm_head.weight" else v) for k, v in new]
+    new = [(k, _zero_rows(v, special) if k.endswith("lm_head.weight") else v) for k, v in new]
     model.update(tree_unflatten(new))
     config = dict(spec.config)
     if spec.format != "fp32":  # the same fp32 values, cast (rounded to nearest even)
@@ -308,8 +331,53 @@ def _build(spec: EmbeddedSpec, path: Path) -> None:
     mx.eval(model.parameters())
     save_model(path, model)
     save_config(config, path / "config.json")
+    if spec.hf_qwen35_with_mtp:
+        _add_mtp_in_hf_layout(spec, model, path)
     _write_tokenizer(path)
     (path / "EMBEDDED").write_text(f"{spec.name} format={FORMAT_VERSION}\n")
+
+
+def _add_mtp_in_hf_layout(spec: EmbeddedSpec, model, path: Path) -> None:
+    """Rewrite the saved weights as a Hugging Face Qwen3.5 checkpoint and add an MTP
+    head (random, in the trunk's format): the layout ``serve_app.models.mtp`` reads."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from serve_app.models.compat import trunk_parts
+    from serve_app.models.mtp import MTPHead
+
+    head = MTPHead(trunk_parts(model))
+    params = cast(list[tuple[str, Any]], tree_flatten(head.parameters()))
+    values = [(k, mx.array(_random_value(spec.seed, f"mtp.{k}", tuple(v.shape))))
+              for k, v in params]
+    dtype = getattr(mx, _DTYPE_NAMES[spec.format])
+    head.update(tree_unflatten([(k, v.astype(dtype)) for k, v in values]))
+    if spec.format == "q4":
+        nn.quantize(head, group_size=Q4_GROUP_SIZE, bits=4)
+    file = path / "model.safetensors"
+    weights = dict(mx.load(str(file)))  # type: ignore[arg-type]
+    out: dict[str, Any] = {}
+    norms = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".norm.weight",
+             ".q_norm.weight", ".k_norm.weight")
+    for key, value in weights.items():
+        if "conv1d.weight" in key:
+            value = value.moveaxis(2, 1)  # (C, K, 1) -> Hugging Face's (C, 1, K)
+        elif key.endswith(norms) and ".linear_attn." not in key and value.ndim == 1:
+            value = value - 1.0  # zero-centred: the model reads 1 + w
+        key = key.replace("language_model.model.", "model.language_model.", 1)
+        out[key.replace("language_model.lm_head.", "lm_head.", 1)] = value
+    for key, value in cast(list[tuple[str, Any]], tree_flatten(head.parameters())):
+        if key.endswith("norm.weight"):
+            value = value - 1.0
+        out[f"mtp.{key}"] = value
+    mx.eval(out)
+    mx.save_safetensors(str(file), out, metadata={"format": "mlx"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = dict.fromkeys(sorted(out), file.name)
+        index.write_text(json.dumps(data, indent=4))
 
 
 REAL_FORMAT_VERSION = 1

@@ -9,8 +9,8 @@ more of each verify step count.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -176,6 +176,84 @@ class DraftModel:
             out.append(token)
         state.fed = [*history, *out[:-1]]
         return out
+
+    def forget(self, uid: int) -> None:
+        self._rows.pop(uid, None)
+
+
+@dataclass
+class _MTPRow:
+    """A request's state in the MTP head: its cache holds one entry per position from
+    ``first`` to ``fed - 1`` (position ``q``'s entry reads the model's hidden state at
+    ``q`` and the token at ``q + 1``); ``hidden`` holds the model's hidden states of
+    positions not fed yet; ``last``: the head's output at ``fed - 1``."""
+
+    cache: list
+    first: int
+    fed: int
+    hidden: dict[int, Any] = field(default_factory=dict)  # position -> mx.array
+    last: Any = None
+
+
+class MTPDraft:
+    """The model's own multi-token-prediction head drafts greedily
+    (``serve_app.models.mtp``).
+
+    The head reads the model's final hidden state at each position, so the speculator
+    hands every decode step's hidden states to ``observe``; positions are fed to the
+    head's own cache (per request) the next time the request drafts, then each draft
+    feeds the head's output back for the next. The head's cache starts at a request's
+    first decoded position: a prompt's hidden states are not kept (a prefix-cache restore
+    never computes them), and a request's first decode step does not draft.
+    """
+
+    method = "mtp"
+    needs_hidden = True  # the speculator records the model's hidden states for observe
+
+    def __init__(self, head, embed, logits, context: int = 1024) -> None:
+        self.head, self.embed, self.logits = head, embed, logits
+        self.context = context
+        self._rows: dict[int, _MTPRow] = {}
+
+    def observe(self, uid: int, start: int, hidden) -> None:
+        """The model's hidden states (``(n, size)``) at positions ``start ..``, kept."""
+        state = self._rows.get(uid)
+        if state is None:
+            state = self._rows[uid] = _MTPRow(self.head.make_cache(), start, start)
+        for j in range(hidden.shape[0]):
+            if start + j >= state.fed:
+                state.hidden[start + j] = hidden[j]
+        while len(state.hidden) > self.context:  # not drafting for long: the oldest go
+            del state.hidden[min(state.hidden)]
+
+    def propose(self, row: DraftRow, k: int) -> list[int]:
+        import mlx.core as mx
+
+        state = self._rows.get(row.uid)
+        target = len(row.tokens) - 2  # its entry drafts the token after the pending one
+        if k <= 0 or state is None or target < state.first:
+            return []
+        span = [q for q in range(state.fed, target + 1) if q in state.hidden]
+        if span:
+            out = self.head(self.embed(mx.array([[row.tokens[q + 1] for q in span]])),
+                            mx.stack([state.hidden.pop(q) for q in span])[None],
+                            state.cache)
+            state.fed, state.last = target + 1, out[:, -1:]
+            for q in [q for q in state.hidden if q <= target]:
+                del state.hidden[q]
+        elif state.fed != target + 1 or state.last is None:
+            return []
+        hidden = state.last
+        token = int(mx.argmax(self.logits(hidden)[0, -1]).item())  # type: ignore[arg-type]
+        drafts = [token]
+        for _ in range(k - 1):
+            hidden = self.head(self.embed(mx.array([[token]])), hidden, state.cache)
+            token = int(mx.argmax(self.logits(hidden)[0, -1]).item())  # type: ignore[arg-type]
+            drafts.append(token)
+        if k > 1:
+            for c in state.cache:  # keep only entries of the model's own hidden states
+                c.trim(k - 1)
+        return drafts
 
     def forget(self, uid: int) -> None:
         self._rows.pop(uid, None)

@@ -75,6 +75,35 @@ def _another_tokenizer(draft: str, target: str) -> str:
     return f"{draft!r} has another tokenizer than {target}: its tokens would mean other text"
 
 
+def mtp_head_problem(profile: ModelProfile, home: Path | None = None) -> str | None:
+    """Why ``speculative.method: mtp`` cannot draft for ``profile``'s model (no MTP head
+    in its checkpoint), read from local files only; None when it can, or when a hub model
+    is not here to read (then loading it refuses)."""
+    spec = profile.speculative
+    if spec is None or spec.method != "mtp" or source_kind(profile.source) == "hub":
+        return None
+    from serve_app.models.mtp import mtp_problem
+
+    return mtp_problem(Path(source_path(profile.source, home)))
+
+
+def _checkpoint_dir(model_dir: Path | None) -> Path:
+    if model_dir is None:
+        raise ValueError("speculative.method: mtp needs the model's checkpoint directory")
+    return Path(model_dir)
+
+
+def load_mtp_head(model, model_dir: Path):
+    """The model's own MTP head (``serve_app.models.mtp``), refused with the reason."""
+    from serve_app.models.mtp import MTPUnavailable
+    from serve_app.models.mtp import load_mtp_head as load
+
+    try:
+        return load(model, model_dir)
+    except MTPUnavailable as e:
+        raise ValueError(f"speculative.method: mtp: {e}") from e
+
+
 def load_draft_model(source: str, tokenizer, home: Path | None = None):
     """A draft model for speculative decoding, refused unless its tokenizer is the
     target's (its tokens would mean other text)."""
@@ -132,7 +161,8 @@ class ModelService:
             name=profile.name,
             speculator=speculator_for(
                 profile.speculative, self.eos_ids,
-                lambda source: load_draft_model(source, tokenizer)),
+                lambda source: load_draft_model(source, tokenizer),
+                lambda: load_mtp_head(model, _checkpoint_dir(model_dir))),
         )
         try:
             # The engine thread probes the layout: every cached array's shape and dtype.

@@ -39,8 +39,14 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p
 
 from serve_app.config.profile import SpeculativeProfile
-from serve_app.models.compat import DecodeRows, recording_mixer_inputs, recurrent_mixers
-from serve_app.serving.drafts import DraftModel, DraftRow, DraftSource, NgramDraft
+from serve_app.models.compat import (
+    DecodeRows,
+    recording_final_hidden,
+    recording_mixer_inputs,
+    recurrent_mixers,
+    trunk_parts,
+)
+from serve_app.serving.drafts import DraftModel, DraftRow, DraftSource, MTPDraft, NgramDraft
 from serve_app.serving.engine_events import StepOutcome
 from serve_app.serving.sampling import SamplingParams
 
@@ -80,6 +86,13 @@ class VerifyCost:
     batch sizes measured on this host (``measure``), interpolated between them."""
 
     ratios: dict[int, list[float]] = field(default_factory=dict)  # batch -> [t=1, 2, ...]
+    step_seconds: dict[int, float] = field(default_factory=dict)  # batch -> one position
+
+    def plain_seconds(self, batch: int) -> float | None:
+        """What a plain step costs at ``batch`` (the nearest measured size), in seconds."""
+        if not self.step_seconds:
+            return None
+        return self.step_seconds[min(self.step_seconds, key=lambda b: abs(b - batch))]
 
     def ratio(self, batch: int, positions: int) -> float:
         if positions <= 1 or not self.ratios:
@@ -107,7 +120,7 @@ class VerifyCost:
     def measure(cls, model, batch_sizes: list[int], max_positions: int,
                 context: int = 64, repeats: int = 8) -> VerifyCost:
         """Time forwards of 1..``max_positions`` positions after ``context`` tokens."""
-        ratios = {}
+        ratios, seconds = {}, {}
         for batch in sorted(set(batch_sizes)):
             cache = make_prompt_cache(model)
             model(mx.zeros((batch, context), dtype=mx.int32), cache=cache)
@@ -125,7 +138,8 @@ class VerifyCost:
                             c.trim(t)
                 times.append(best)
             ratios[batch] = [x / times[0] for x in times]
-        return cls(ratios)
+            seconds[batch] = times[0]
+        return cls(ratios, seconds)
 
 
 @dataclass
@@ -153,13 +167,20 @@ class _Row:
 
 
 def speculator_for(profile: SpeculativeProfile | None, stop_tokens: set[int],
-                   load_draft: Callable[[str], object] | None = None) -> Speculator | None:
+                   load_draft: Callable[[str], object] | None = None,
+                   load_mtp: Callable[[], tuple] | None = None) -> Speculator | None:
     """The speculator a model's ``speculative:`` profile asks for (None: plain decoding).
-    ``load_draft`` loads a draft model from its source (``method: draft``)."""
+    ``load_draft`` loads a draft model from its source (``method: draft``); ``load_mtp``
+    the model's MTP head and the trunk parts it shares (``method: mtp``)."""
     if profile is None:
         return None
     source: DraftSource
-    if profile.method == "draft":
+    if profile.method == "mtp":
+        if load_mtp is None:
+            raise ValueError("speculative.method: mtp needs the model's checkpoint")
+        head, parts = load_mtp()
+        source = MTPDraft(head, parts.embed, parts.logits, context=profile.draft_context)
+    elif profile.method == "draft":
         if profile.draft_model is None or load_draft is None:
             raise ValueError("speculative.draft_model: method draft needs a draft model")
         source = DraftModel(load_draft(profile.draft_model), context=profile.draft_context)
@@ -199,6 +220,10 @@ class Speculator:
         self.cost = VerifyCost()
         self.supported = True
         self._rows: dict[int, _Row] = {}
+        self._stack: object | None = None  # the model's decoder stack (sources that read it)
+        # What proposing one token costs a row, in seconds (decayed mean; sources that run
+        # a model: a draft model, an MTP head), against the plain step it must beat.
+        self._draft_seconds = 0.0
 
     @property
     def method(self) -> str:
@@ -234,7 +259,9 @@ class Speculator:
         if not self.supported or not self._may_pay(states):
             # Nothing can pay at this batch size: not even the pending tokens are read
             # (that would stall mlx-lm's pipelined step); cheap sources keep proposing in
-            # the shadow, so acceptance keeps being learnt.
+            # the shadow, so acceptance keeps being learnt. No hidden state is recorded
+            # for a source that reads them (an MTP head): it drafts again one step after
+            # this stops, from the positions it has.
             for i, state in enumerate(states):
                 if not state.shadow and getattr(self.source, "cheap", False):
                     history = rows.tokens(i)
@@ -251,11 +278,36 @@ class Speculator:
                 if not state.shadow and proposals[i]:  # it predicts what follows y
                     state.shadow, state.shadow_at = proposals[i], len(rows.tokens(i)) + 1
             self.record(StepOutcome(False, len(ys), 0, 0, 0, (), 0.0))
-            return rows.plain_step()
+            return self._plain(rows)
         drafts = [p[:depth] for p in proposals]
         for state in states:
             state.shadow = []
         return self._verify(rows, ys, states, drafts)
+
+    def _plain(self, rows: DecodeRows) -> list:
+        """mlx-lm's own one-token step (the hidden states it computes go to a source
+        that drafts from them)."""
+        if not getattr(self.source, "needs_hidden", False):
+            return rows.plain_step()
+        uids = list(rows.uids)
+        starts = [len(rows.tokens(i)) for i in range(len(uids))]
+        with recording_final_hidden(self._decoder_stack(rows.model)) as seen:
+            responses = rows.plain_step()
+        if seen:
+            self._observe(uids, starts, seen[-1], [1] * len(uids))
+        return responses
+
+    def _decoder_stack(self, model) -> object:
+        if self._stack is None:
+            self._stack = trunk_parts(model).inner
+        return self._stack
+
+    def _observe(self, uids: list[int], starts: list[int], hidden: mx.array,
+                 counts: list[int]) -> None:
+        observe = self.source.observe  # type: ignore[attr-defined]
+        for i, (uid, start, n) in enumerate(zip(uids, starts, counts, strict=True)):
+            if n and uid in self._rows:
+                observe(uid, start, hidden[i, :n])
 
     def _row(self, uid: int, rows: DecodeRows, i: int) -> _Row:
         state = self._rows.get(uid)
@@ -296,8 +348,15 @@ class Speculator:
         alphas = [s.acceptance for s in states]
         return any(
             sum(expected_tokens(a, depth) for a in alphas)
-            / (batch * self.cost.ratio(batch, depth + 1)) > MIN_GAIN
+            / (batch * self._step_cost(batch, depth, batch * depth)) > MIN_GAIN
             for depth in range(1, self.settings.num_draft_tokens + 1))
+
+    def _step_cost(self, batch: int, depth: int, drafted: int) -> float:
+        """A verify step of ``depth`` drafts with ``drafted`` tokens proposed in all, over
+        a plain step at this batch size: the verify forward and the drafting."""
+        plain = self.cost.plain_seconds(batch)
+        drafting = drafted * self._draft_seconds / plain if plain else 0.0
+        return self.cost.ratio(batch, depth + 1) + drafting
 
     def _proposals(self, rows: DecodeRows, ys: list[int], states: list[_Row]) -> list[list[int]]:
         """Each row's drafts at full depth: never past its ``max_tokens`` or a stop token."""
@@ -308,8 +367,13 @@ class Speculator:
             if room <= 0 or y in self.stop_tokens:
                 out.append([])
                 continue
+            tic = time.perf_counter()
             draft = self.source.propose(
                 DraftRow(rows.uids[i], [*rows.tokens(i), y], state.prompt_len), room)
+            if draft and not getattr(self.source, "cheap", False):
+                spent = (time.perf_counter() - tic) / len(draft)
+                self._draft_seconds = (spent if not self._draft_seconds
+                                       else DECAY * self._draft_seconds + (1 - DECAY) * spent)
             for j, token in enumerate(draft):
                 if token in self.stop_tokens:
                     draft = draft[: j + 1]
@@ -327,6 +391,7 @@ class Speculator:
         for depth in range(1, longest + 1):
             tokens = sum(expected_tokens(s.acceptance, min(depth, len(p)))
                          for s, p in zip(states, proposals, strict=True))
+            # the proposals are made (their cost is spent): only verifying them counts
             gain = tokens / (batch * self.cost.ratio(batch, depth + 1))
             if gain > best_gain:
                 best, best_gain = depth, gain
@@ -340,14 +405,19 @@ class Speculator:
             self.supported = False  # sliding windows and the like: plain decoding
             logger.warning("speculative decoding is off: cache types %s cannot roll back",
                            sorted({type(c).__name__ for c in caches}))
-            return rows.plain_step()
+            return self._plain(rows)
         arrays = [c for c in caches if isinstance(c, ArraysCache)]
         snapshot = [list(c.cache) for c in arrays]
         inputs = mx.array([[y, *d] + [0] * (depth - len(d)) for y, d in zip(ys, drafts,
                                                                           strict=True)])
         mixers = (recurrent_mixers(rows.model, caches)
                   if arrays and self.settings.recurrent_rollback == "mixers" else None)
-        with recording_mixer_inputs(mixers or []) as mixer_inputs:
+        hidden_of = (self._decoder_stack(rows.model)
+                     if getattr(self.source, "needs_hidden", False) else None)
+        starts = [len(rows.tokens(i)) for i in range(len(ys))]
+        uids = list(rows.uids)
+        with (recording_mixer_inputs(mixers or []) as mixer_inputs,
+              recording_final_hidden(hidden_of) as hidden):
             logits = rows.model(inputs, cache=caches)  # (batch, depth + 1, vocab)
         # Log-probabilities in the model's dtype, and their argmax at every position, as
         # mlx-lm's greedy sampler takes it: rounding can tie two logits that differ (the
@@ -392,6 +462,8 @@ class Speculator:
                          if i in mixer_inputs] if mixers else None)
         rollback = time.perf_counter() - tic
         rows.set_pending(mx.array(next_tokens, dtype=rows.pending().dtype), next_lps)
+        if hidden:
+            self._observe(uids, starts, hidden[-1], [len(t) for t in emitted])
         responses, keep = [], []
         for i, (tokens, lps, reason) in enumerate(zip(emitted, emitted_lps, reasons,
                                                        strict=True)):
