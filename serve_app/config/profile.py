@@ -187,6 +187,38 @@ class SpeculativeProfile(_Strict):
         return self
 
 
+class ParallelProfile(_Strict):
+    """One model across several processes (Macs) over ``mlx.distributed``
+    (``serve_app/parallel``): ``tensor: N`` splits every layer's heads and MLP over N
+    ranks, ``pipeline: N`` splits its layers. The replica is rank 0; the others run as
+    Ray actors in its placement group, one per node (``spread``) or all on its node
+    (``pack``: tests, and trying it on one Mac)."""
+
+    tensor: Annotated[int, Field(ge=2, le=64)] | None = None
+    pipeline: Annotated[int, Field(ge=2, le=64)] | None = None
+    placement: Literal["spread", "pack"] = "spread"
+    # "ring": TCP between the ranks' nodes; "jaccl": RDMA over Thunderbolt 5 (Macs only).
+    distributed_backend: Literal["ring", "jaccl"] = "ring"
+    # A rank that does not answer a ping within this many seconds is lost: the replica
+    # turns unhealthy and its requests end with 503.
+    rank_timeout_s: Annotated[float, Field(gt=0.0, le=600.0)] = 10.0
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> ParallelProfile:
+        if (self.tensor is None) == (self.pipeline is None):
+            raise ValueError("set exactly one of tensor: N or pipeline: N (mlx-lm shards "
+                             "one model over one group in one mode)")
+        return self
+
+    @property
+    def mode(self) -> str:
+        return "tensor" if self.tensor is not None else "pipeline"
+
+    @property
+    def size(self) -> int:
+        return self.tensor or self.pipeline or 1
+
+
 class ModelProfile(_Strict):
     """One served model: where it comes from and how it is batched."""
 
@@ -226,6 +258,8 @@ class ModelProfile(_Strict):
     cache: CacheProfile = CacheProfile()
     # Speculative decoding; None (the default): plain decode steps.
     speculative: SpeculativeProfile | None = None
+    # One model over several ranks (Macs); None (the default): one process holds it.
+    parallel: ParallelProfile | None = None
     # Prompt normalization rules (``serve_app/serving/normalize.py``) applied before templating:
     # client quirks that would defeat the prefix cache. Default: all; [] turns them off.
     normalize: list[str] = Field(default_factory=lambda: list(RULE_NAMES))
@@ -293,9 +327,9 @@ class ModelProfile(_Strict):
 
     @property
     def always_loaded(self) -> bool:
-        """Never unloaded by the model pool: pinned, or with several replicas (an unload
-        reaches one replica only)."""
-        return self.pinned or self.num_replicas > 1
+        """Never unloaded by the model pool: pinned, with several replicas (an unload
+        reaches one replica only), or sharded over ranks (they hold it together)."""
+        return self.pinned or self.num_replicas > 1 or self.parallel is not None
 
     def tokenizer_config(self) -> dict:
         """What ``mlx_lm.load`` (or ``load_tokenizer``) takes as ``tokenizer_config`` for
@@ -383,6 +417,14 @@ def _cross_checks(profile: Profile) -> list[tuple[tuple[Any, ...], str]]:
                         f"the model pool unloads a model with one replica only ({m.name!r} "
                         f"has num_replicas {m.num_replicas}): drop idle_unload_s or set "
                         "num_replicas: 1"))
+        if m.parallel is not None and m.speculative is not None:
+            out.append((("models", i, "speculative"),
+                        "speculative decoding is not available on a model sharded over "
+                        "ranks (parallel): drop one of them"))
+        if m.parallel is not None and m.num_replicas > 1:
+            out.append((("models", i, "num_replicas"),
+                        "a model sharded over ranks (parallel) runs as one replica: its "
+                        "ranks already span the nodes"))
     cap = profile.memory.max_loaded_models
     pinned = [m.name for m in profile.models if m.always_loaded]
     if cap is not None and len(pinned) > cap:

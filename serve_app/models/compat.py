@@ -289,6 +289,42 @@ def recording_final_hidden(inner: Any) -> Iterator[list[Any]]:
         _hidden.watch = None
 
 
+_sync = threading.local()  # per engine thread: the group whose ranks share sampled tokens
+
+
+def sync_sampled_tokens(group: Any | None) -> None:
+    """From now on, on this thread, every decode step's sampled tokens are rank 0's on
+    every rank of ``group`` (None: off): one collective of a token per request, inside
+    the step's own graph, so mlx-lm's pipelined step is not stalled. Other ranks then
+    need neither the requests' samplers nor their logits processors.
+
+    Patches ``GenerationBatch._step`` (mlx-lm 0.32), where every sampled token of a
+    batch is made (the first one too: a new batch steps once as it is built), and which
+    leaves them in ``_next_tokens``.
+    """
+    from mlx_lm.generate import GenerationBatch
+
+    cls = GenerationBatch
+    if not cls.__dict__.get("_serve_app_syncs_tokens"):
+        original = cls._step
+
+        def _step(self):
+            out = original(self)
+            group = getattr(_sync, "group", None)
+            if group is not None:
+                import mlx.core as mx
+
+                tokens = self._next_tokens
+                mine = tokens if group.rank() == 0 else mx.zeros_like(tokens)
+                self._next_tokens = mx.distributed.all_sum(mine, group=group)
+                mx.async_eval(self._next_tokens)
+            return out
+
+        cls._step = _step  # type: ignore[method-assign]
+        cls._serve_app_syncs_tokens = True  # type: ignore[attr-defined]
+    _sync.group = group
+
+
 def record_metric_zero(metric: Any, labels: dict[str, str]) -> None:
     """Record 0 on a Ray metric series, so a known series exists before its first event.
 

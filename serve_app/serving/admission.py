@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from serve_app.memory.shapes import CacheShape
-from serve_app.serving.errors import kv_budget_error, queue_full_error
+from serve_app.serving.errors import kv_budget_error, queue_full_error, rank_lost_error
 
 if TYPE_CHECKING:
     from serve_app.serving.engine import Engine
@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 class QueueFullError(Exception):
     """The engine already holds as many requests as it was allowed to queue."""
+
+
+class RankLostError(Exception):
+    """A model sharded over ranks lost one: nothing more is taken (503 ``rank_lost``)."""
 
 
 class KVBudgetError(QueueFullError):
@@ -78,7 +82,10 @@ def refusal(engine: Engine, prompt_tokens: int | None = None,
             max_tokens: int = 0) -> ApiError | None:
     """The API error that refuses a request now, or None: 429 ``queue_full`` when the
     engine is full (counted as a rejection), then, once the prompt's length is known,
-    429 ``kv_budget_exceeded`` when its KV could never fit (counted in ``kv_rejected``)."""
+    429 ``kv_budget_exceeded`` when its KV could never fit (counted in ``kv_rejected``);
+    503 ``rank_lost`` when a sharded model lost a rank."""
+    if engine.broken is not None:
+        return rank_lost_error(engine.broken)
     if engine.at_capacity():
         return queue_full_error(engine.capacity_message())
     if prompt_tokens is not None:

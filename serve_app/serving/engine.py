@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 import mlx.core as mx
@@ -26,11 +27,17 @@ from serve_app.cache.layout import Layout, probe_layout
 from serve_app.cache.request_plan import Published, RequestPlan
 from serve_app.memory.plan import MemoryLimits
 from serve_app.memory.shapes import cache_shape_from_layout
-from serve_app.models.compat import batch_row_caches, install_decode_step
+from serve_app.models.compat import (
+    batch_row_caches,
+    install_decode_step,
+    sync_sampled_tokens,
+)
+from serve_app.parallel.lockstep import Cancel, Channel, Insert, Stop
 from serve_app.serving.admission import (
     KVBudget,
     KVBudgetError,
     QueueFullError,
+    RankLostError,
     capacity_message,
 )
 from serve_app.serving.engine_events import EngineEvent, EngineStats, EventSink, StepOutcome
@@ -72,8 +79,18 @@ class Engine:
         prefill_batch_size: int | None = None,
         name: str = "model",
         speculator: Speculator | None = None,
+        lockstep: Channel | None = None,
+        follower_plan: Callable[[Insert], RequestPlan | None] | None = None,
     ) -> None:
         self.model = model
+        # A model sharded over ranks: rank 0's engine (this one, when the channel's rank is
+        # 0) sends what it does to the others, whose engines replay it
+        # (``serve_app.parallel.lockstep``); ``follower_plan`` is a follower's own cache
+        # plan for a request rank 0 inserted.
+        self.lockstep = lockstep
+        self.follower_plan = follower_plan
+        self._sent: list = []  # commands for the other ranks since the last step
+        self.broken: str | None = None  # why a sharded engine stopped (a rank was lost)
         # Speculative decode steps (None: plain ones); it reports each step to the counters.
         self.speculator = speculator
         if speculator is not None:
@@ -121,6 +138,8 @@ class Engine:
             raise ValueError("prompt must contain at least one token")
         if cache is not None and (self.layout is None or not self.layout.supported):
             raise ValueError("this engine has no supported cache layout")
+        if self.broken is not None:
+            raise RankLostError(self.broken)
         if self._stopping.is_set():
             raise QueueFullError(f"model {self.name!r} is shutting down")
         self.check_kv(len(prompt), params.max_tokens)
@@ -252,8 +271,14 @@ class Engine:
             mx.set_cache_limit(limits.cache_bytes)
         self.applied_limits = limits
 
+    @property
+    def _leads(self) -> bool:
+        return self.lockstep is not None and self.lockstep.rank == 0
+
     def _run(self) -> None:
         try:
+            if self.lockstep is not None:
+                sync_sampled_tokens(self.lockstep.group)
             self.layout = probe_layout(self.model)
             if self.speculator is not None:
                 self.speculator.calibrate(self.model, self.max_batch_size)
@@ -262,6 +287,8 @@ class Engine:
             self._start_error = exc
             self._stopping.set()
         self._ready.set()
+        if self.lockstep is not None and self.lockstep.rank != 0:
+            self._follow()
         while not self._stopping.is_set():
             try:
                 self._drain_commands(block=not self._requests)
@@ -270,9 +297,17 @@ class Engine:
                 self._admit_waiting()
             except Exception as exc:  # the engine must outlive any one bad batch
                 logger.exception("engine %s step failed", self.name)
+                if self.lockstep is not None:  # the ranks are out of step: no way back
+                    self._break(f"engine error on a sharded model: {exc}")
+                    break
                 self._fail_all(f"engine error: {exc}")
                 self._generator = self._new_generator()
-        self._fail_all("engine shut down")
+        if self._leads and self.broken is None:
+            try:
+                self._tell(Stop())
+            except Exception:  # a rank already gone: nothing to stop there
+                logger.info("engine %s: the other ranks were gone at stop", self.name)
+        self._fail_all(self.broken or "engine shut down")
         self._fail_queued("engine shut down")
         while self._kv_waiting:
             self._fail(self._kv_waiting.popleft(), "engine shut down")
@@ -290,6 +325,58 @@ class Engine:
         # thread-local streams are torn down in a way that can abort the whole
         # process (std::terminate). A parked daemon thread dies with the process.
         threading.Event().wait()
+
+    def _tell(self, *commands) -> None:
+        """Rank 0: what it did since the last step, then a step (or ``Stop``), to the
+        other ranks."""
+        assert self.lockstep is not None
+        sent, self._sent = [*self._sent, *commands], []
+        self.lockstep.send(sent)
+
+    def _follow(self) -> None:
+        """A rank other than 0: replay rank 0's commands until it stops (or is lost)."""
+        assert self.lockstep is not None
+        try:
+            while not self._stopping.is_set():
+                commands = self.lockstep.receive()
+                if any(isinstance(c, Stop) for c in commands):
+                    break
+                for command in commands:
+                    if isinstance(command, Insert):
+                        self._follow_insert(command)
+                    elif isinstance(command, Cancel):
+                        self._cancel(command.rid)
+                self._step()
+        except Exception as exc:
+            logger.exception("engine %s (rank %d) stopped", self.name, self.lockstep.rank)
+            self.broken = f"rank {self.lockstep.rank}: {exc}"
+        self._stopping.set()
+
+    def _follow_insert(self, command: Insert) -> None:
+        plan = self.follower_plan(command) if self.follower_plan is not None else None
+        req = EngineRequest(command.rid, list(command.prompt),
+                            SamplingParams(max_tokens=command.max_tokens),
+                            lambda event: None, plan)
+        with self._lock:
+            self.stats.in_flight += 1
+            self.stats.submitted += 1
+        self._insert(req, command.segments, command.restored)
+
+    def _break(self, message: str) -> None:
+        """A sharded engine cannot go on (a rank was lost, or the ranks fell out of step):
+        every request ends with ``message`` and nothing more is taken."""
+        self.broken = self.broken or message
+        self._stopping.set()
+
+    def abandon(self, message: str) -> None:
+        """A rank was lost while this (rank 0's) engine may be waiting on it inside a
+        collective: its requests end with ``message`` now, from the calling thread."""
+        self.broken = self.broken or message
+        self._stopping.set()
+        with self._lock:
+            requests = [*self._requests.values(), *self._kv_waiting]
+        for req in requests:
+            deliver(req, EngineEvent(error=message, unavailable=True))
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -391,17 +478,25 @@ class Engine:
             self.stats.restore_seconds += time.perf_counter() - tic
         return cache
 
-    def _insert(self, req: EngineRequest) -> None:
+    def _insert(self, req: EngineRequest, segments: list[list[int]] | None = None,
+                restored: int | None = None) -> None:
+        """Into the batch. A follower rank passes rank 0's ``segments`` and what rank 0
+        ``restored`` (its own restore must give as many tokens, or the ranks part)."""
         caches, all_tokens = None, None
         cache = self._restore(req)
+        if restored is not None and req.restored != restored:
+            raise RuntimeError(f"request {req.rid}: this rank restored {req.restored} "
+                               f"tokens where rank 0 restored {restored}")
         if cache is not None:
             caches, all_tokens = [cache], [req.prompt[: req.restored]]
         if req.cache is not None:
             req.cache.start(req.restored)
         # Every request learns when it left the queue and what it really restored.
         deliver(req, EngineEvent(restored=req.restored))
+        if segments is None:
+            segments = self._segments(req)
         (uid,) = self._batch.insert_segments(
-            [self._segments(req)],
+            [segments],
             max_tokens=[req.params.max_tokens],
             caches=caches,
             all_tokens=all_tokens,
@@ -412,6 +507,9 @@ class Engine:
             logits_processors=[list(req.params.logits_processors)],
         )
         req.uid = uid
+        if self._leads:
+            self._sent.append(Insert(req.rid, req.prompt, req.params.max_tokens, segments,
+                                     req.restored))
         if self.speculator is not None:
             self.speculator.add(uid, req.params, len(req.prompt))
         self._requests[req.rid] = req
@@ -432,6 +530,8 @@ class Engine:
             self._capture(req, len(req.prompt) + req.generated, None, state_valid=True,
                           decoding=True, ended=True)
         self._batch.remove([req.uid])
+        if self._leads:
+            self._sent.append(Cancel(rid))
         self._publish_held(req)
         self._release_kv(req)
         with self._lock:
@@ -453,6 +553,8 @@ class Engine:
 
     def _step(self) -> None:
         tic = time.perf_counter()
+        if self._leads:
+            self._tell()
         prompt_responses, responses = self._batch.next()
         toc = time.perf_counter()
         # A speculative step returns several tokens of a row, in order.
@@ -578,7 +680,7 @@ class Engine:
         with self._lock:
             self.stats.failed += 1
             self.stats.in_flight -= 1
-        deliver(req, EngineEvent(error=message))
+        deliver(req, EngineEvent(error=message, unavailable=self.broken is not None))
 
     def _fail_all(self, message: str) -> None:
         for req in list(self._requests.values()):

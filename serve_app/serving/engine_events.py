@@ -23,6 +23,9 @@ class EngineEvent:
     token: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    # The error is the server's state, not the request's fault: a sharded model lost a
+    # rank (503, retry once Serve replaced the replica), not a failed step (500).
+    unavailable: bool = False
     restored: int | None = None  # set once, at insert: tokens the request started from
     # With ``SamplingParams.logprobs``: the token's log-probability and the most likely
     # tokens as (token id, log-probability), most likely first (never -inf: a token a

@@ -34,3 +34,13 @@ def model_load_failed_error(message: str) -> ApiError:
     names the cause); a later request tries again."""
     return ApiError(503, message, type="service_unavailable", code="model_load_failed",
                     headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+RANK_LOST_RETRY_AFTER_S = 10  # Serve replaces the replica and its ranks: give it time
+
+
+def rank_lost_error(message: str) -> ApiError:
+    """503 ``rank_lost`` with Retry-After: a rank of a model sharded over several
+    processes was lost (the message names it and its node); Serve replaces the replica."""
+    return ApiError(503, message, type="service_unavailable", code="rank_lost",
+                    headers={"Retry-After": str(RANK_LOST_RETRY_AFTER_S)})

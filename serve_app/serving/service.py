@@ -28,10 +28,10 @@ from serve_app.config.profile import ModelProfile, source_kind
 from serve_app.metrics.table import Recorder, replica_samples
 from serve_app.models.compat import download_model, token_bytes_table
 from serve_app.models.embedded import materialize
-from serve_app.serving.admission import QueueFullError, refusal
+from serve_app.serving.admission import QueueFullError, RankLostError, refusal
 from serve_app.serving.engine import Engine
 from serve_app.serving.engine_events import EngineEvent
-from serve_app.serving.errors import queue_full_error
+from serve_app.serving.errors import queue_full_error, rank_lost_error
 from serve_app.serving.events import Event, TokenLogprob
 from serve_app.serving.prepare import PreparedRequest, Preparer
 from serve_app.serving.replica_stats import CacheView, NormalizationStats, PhaseTimes, ReplicaStats
@@ -235,10 +235,12 @@ class ModelService:
         events = EventChannel(asyncio.get_running_loop())
         try:
             rid = self._submit(prepared, processors, plan, events.put)
-        except QueueFullError as exc:
+        except (QueueFullError, RankLostError) as exc:
             self.cache.settle(plan)
             await lease.release()
-            yield [queue_full_error(str(exc)).to_failure()]
+            refused = (rank_lost_error if isinstance(exc, RankLostError)
+                       else queue_full_error)(str(exc))
+            yield [refused.to_failure()]
             return
         except BaseException:
             self.cache.settle(plan)

@@ -240,6 +240,11 @@ class RequestStream:
         """One engine event into ``out``; True when it ends the request."""
         if event.restored is not None:  # the engine took it out of the queue
             self._restored(event.restored, event.at)
+        if event.error is not None and event.unavailable:
+            from serve_app.serving.errors import rank_lost_error
+
+            out.append(rank_lost_error(event.error).to_failure())
+            return True
         if event.error is not None:
             from serve_app.models.compat import log_dir
 
