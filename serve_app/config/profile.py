@@ -421,6 +421,10 @@ def _cross_checks(profile: Profile) -> list[tuple[tuple[Any, ...], str]]:
             out.append((("models", i, "speculative"),
                         "speculative decoding is not available on a model sharded over "
                         "ranks (parallel): drop one of them"))
+        if m.parallel is not None and m.revision is not None:
+            out.append((("models", i, "revision"),
+                        "a model sharded over ranks loads its source's default revision "
+                        "(mlx-lm's sharded_load takes none): drop revision"))
         if m.parallel is not None and m.num_replicas > 1:
             out.append((("models", i, "num_replicas"),
                         "a model sharded over ranks (parallel) runs as one replica: its "

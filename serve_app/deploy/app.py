@@ -58,7 +58,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     # The model pool: the models loaded at start (the others load on their first request).
     at_start = loaded_at_start(profile, plan)
     handles: dict[str, Any] = {}
-    for m in profile.models:
+    for i, m in enumerate(profile.models):
         threads = m.cpu_threads or os.cpu_count() or 1
         options: dict[str, Any] = {}
         if m.max_replicas_per_node is not None:
@@ -70,6 +70,13 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                 request_router_kwargs={"model": m.name,
                                        "load_cost_tokens": m.routing.load_cost_tokens},
                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)  # type: ignore[arg-type]
+        if m.parallel is not None:
+            # One bundle per rank; the replica (rank 0) runs in the first, its ranks in the
+            # others: on as many nodes (spread) or on one (pack).
+            options["placement_group_bundles"] = [{"CPU": 0.01}] * m.parallel.size
+            options["placement_group_strategy"] = (
+                "STRICT_SPREAD" if m.parallel.placement == "spread" else "STRICT_PACK")
+            check_nodes(m.name, i, m.parallel.size, m.parallel.placement)
         # serve.deployment(**options)(cls): Ray's annotation says a call given the class
         # returns the decorator too, where it returns the deployment
         replica = serve.deployment(
@@ -98,6 +105,21 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         max_ongoing_requests=1000,
     )(Ingress)
     return ingress.bind(profile, handles, digests, plan)
+
+
+def check_nodes(name: str, index: int, size: int, placement: str) -> None:
+    """A model spread over ``size`` nodes on a cluster with fewer: a clear error now,
+    not a placement group pending for ever."""
+    import ray
+
+    if placement != "spread" or not ray.is_initialized():
+        return
+    alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    if alive < size:
+        raise ProfileError(
+            f"models[{index}].parallel: model {name!r} needs {size} nodes (one rank each, "
+            f"placement: spread) and the cluster has {alive}; add nodes, or use "
+            "placement: pack to run every rank on one node")
 
 
 def keyed_profile(profile: Profile, keys_on: bool) -> Profile:

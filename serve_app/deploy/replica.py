@@ -43,6 +43,7 @@ from serve_app.serving.replica_stats import ReplicaProcess, ReplicaStats
 from serve_app.serving.request import ApiError, Caller, OpenAIRequest
 
 if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
+    from serve_app.deploy.ranks import Ranks
     from serve_app.serving.prepare import PreparedRequest, Preparer
     from serve_app.serving.service import ModelService
     from serve_app.store.client import RayCacheClient
@@ -109,6 +110,9 @@ class ModelReplica:
         # no call before __init__ returns).
         self.board = PhaseBoard(*replica_identity(profile.name))
         self.load_error: str | None = None
+        # A model sharded over ranks: the other ranks, and why one was lost (if it was).
+        self.ranks: Ranks | None = None
+        self.lost: str | None = None
         if load_at_start:
             # Serve routes nothing here before __init__ returns: loading and warming up
             # now keeps MLX's first-use cost out of the first user request. A failed load
@@ -132,11 +136,14 @@ class ModelReplica:
 
         tic = time.perf_counter()
         try:
-            model, tokenizer, model_dir = load_model(self.profile, self.model_home,
-                                                     self._progress())
-            self.board.set("loading")
-            service = ModelService(self.profile, model, tokenizer, model_dir, self.client,
-                                   self.recorder)
+            if self.profile.parallel is not None:
+                service = self._load_sharded()
+            else:
+                model, tokenizer, model_dir = load_model(self.profile, self.model_home,
+                                                         self._progress())
+                self.board.set("loading")
+                service = ModelService(self.profile, model, tokenizer, model_dir,
+                                       self.client, self.recorder)
         except Exception as exc:
             raise self._failed(exc) from exc
         try:
@@ -157,6 +164,58 @@ class ModelReplica:
         logger.info("model %s ready (source %s; loaded in %.2f s, warm-up %.2f s)",
                     self.profile.name, self.profile.source, took, seconds)
         return service
+
+    def _load_sharded(self) -> ModelService:
+        """Rank 0 of a model sharded over ranks: start the others (``deploy/ranks.py``),
+        join their group, load this rank's share; a watchdog then pings them."""
+        from serve_app.deploy.ranks import Ranks
+        from serve_app.parallel.group import load_shard
+        from serve_app.parallel.lockstep import Channel
+        from serve_app.serving.service import ModelService, source_path
+
+        source_path(self.profile.source, self.model_home, self._progress())  # materialize
+        self.board.set("loading")
+        home = str(self.model_home) if self.model_home else None
+        ranks = self.ranks = Ranks(self.profile, home)
+        ranks.start_others()
+        group = ranks.join()
+        model, tokenizer, model_dir = load_shard(self.profile, group, self.model_home)
+        service = ModelService(self.profile, model, tokenizer, model_dir, self.client,
+                               self.recorder, lockstep=Channel(group))
+        try:
+            ranks.wait_started()
+        except BaseException:
+            service.shutdown()
+            raise
+        service.engine.describe_loss = ranks.describe_loss
+        self.board.parallel = ranks.parallel_entry()
+        threading.Thread(target=self._watch_ranks, name="rank-watchdog", daemon=True).start()
+        return service
+
+    def _watch_ranks(self) -> None:
+        """Ping the other ranks; one that is lost or does not answer in time ends every
+        request of the model with 503 naming it, and fails the health check (Serve then
+        replaces this replica, its ranks with it)."""
+        ranks = self.ranks
+        assert ranks is not None and self.profile.parallel is not None
+        while self.lost is None:
+            why = ranks.ping()
+            service = self.service
+            broken = service.engine.broken if service is not None else None
+            if why is not None or broken is not None:
+                self.lost = (f"model {self.profile.name!r}: {why}" if why is not None
+                             else str(broken))
+                logger.error("%s; the replica is unhealthy until Serve replaces it",
+                             self.lost)
+                if service is not None:
+                    service.engine.abandon(self.lost)
+                return
+            time.sleep(1.0)
+
+    def check_health(self) -> None:
+        """Serve's health check: a sharded model that lost a rank is unhealthy."""
+        if self.lost is not None:
+            raise RuntimeError(self.lost)
 
     def _progress(self):
         """Download and materialize progress: to the console and to the phase board."""
@@ -376,7 +435,9 @@ class ModelReplica:
             unloads=dict(self.unloads),
             last_unload_demoted={"blocks": self.demoted[0], "bytes": self.demoted[1]},
             preparing=self.stage.busy, prepare_runs=self.stage.runs,
-            memory=self._memory_stats(service))
+            memory=self._memory_stats(service),
+            ranks=(self.ranks.stats(service.engine)
+                   if self.ranks is not None and service is not None else ()))
 
     def report_stats(self) -> ReplicaStats | None:
         """What this replica reports to its node's store: its own stats (no store call;

@@ -28,6 +28,8 @@ class ModelPhase:
     total_bytes: int | None = None
     reason: str | None = None
     since: float = 0.0  # time.time() when the replica entered it
+    # A model sharded over ranks: {mode, size, ranks: [{rank, node}, ...]} once they run.
+    parallel: dict | None = None
 
     def public(self) -> dict:
         """The fields a user sees (``/health``, ``/v1/models``): none that are empty."""
@@ -37,6 +39,8 @@ class ModelPhase:
                                "total_bytes": self.total_bytes}
         if self.reason:
             out["reason"] = self.reason
+        if self.parallel:
+            out["parallel"] = self.parallel
         return out
 
     def encode(self) -> bytes:
@@ -77,13 +81,15 @@ class PhaseBoard:
     def __init__(self, app: str, model: str, replica: str) -> None:
         self.key = f"{app}/{model}/{replica}"
         self.current = ModelPhase("starting", since=time.time())
+        self.parallel: dict | None = None  # the ranks, once a sharded model's run
 
     def set(self, phase: str, done_bytes: int | None = None, total_bytes: int | None = None,
             reason: str | None = None) -> None:
         from serve_app.models.compat import kv_put
 
         since = self.current.since if phase == self.current.phase else time.time()
-        self.current = ModelPhase(phase, done_bytes, total_bytes, reason, since)
+        self.current = ModelPhase(phase, done_bytes, total_bytes, reason, since,
+                                  self.parallel)
         try:
             kv_put(PHASE_NAMESPACE, self.key, self.current.encode())
         except Exception:  # a phase is information: never fail a load for it

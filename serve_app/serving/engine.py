@@ -91,6 +91,8 @@ class Engine:
         self.follower_plan = follower_plan
         self._sent: list = []  # commands for the other ranks since the last step
         self.broken: str | None = None  # why a sharded engine stopped (a rank was lost)
+        # Rank 0: names the lost rank when a collective fails (the replica's ranks).
+        self.describe_loss: Callable[[BaseException], str] | None = None
         # Speculative decode steps (None: plain ones); it reports each step to the counters.
         self.speculator = speculator
         if speculator is not None:
@@ -298,7 +300,9 @@ class Engine:
             except Exception as exc:  # the engine must outlive any one bad batch
                 logger.exception("engine %s step failed", self.name)
                 if self.lockstep is not None:  # the ranks are out of step: no way back
-                    self._break(f"engine error on a sharded model: {exc}")
+                    describe = self.describe_loss
+                    self._break(describe(exc) if describe is not None
+                                else f"engine error on a sharded model: {exc}")
                     break
                 self._fail_all(f"engine error: {exc}")
                 self._generator = self._new_generator()

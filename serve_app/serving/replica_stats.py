@@ -12,6 +12,7 @@ from serve_app.cache.manager_stats import CacheStats
 from serve_app.cache.merge import merged
 from serve_app.memory.plan import ReplicaMemory
 from serve_app.metrics.table import PHASES
+from serve_app.parallel.group import RankStatus
 from serve_app.serving.engine_events import EngineStats
 
 # The parts of ``cache_store`` that belong to a replica, not to its node's store: they
@@ -71,6 +72,8 @@ class ReplicaProcess:
     preparing: int = 0
     prepare_runs: int = 0
     memory: ReplicaMemory | None = None
+    # A model sharded over ranks: each rank's node, steps, step and collective seconds.
+    ranks: tuple[RankStatus, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

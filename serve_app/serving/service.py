@@ -28,6 +28,7 @@ from serve_app.config.profile import ModelProfile, source_kind
 from serve_app.metrics.table import Recorder, replica_samples
 from serve_app.models.compat import download_model, token_bytes_table
 from serve_app.models.embedded import materialize
+from serve_app.parallel.lockstep import Channel
 from serve_app.serving.admission import QueueFullError, RankLostError, refusal
 from serve_app.serving.engine import Engine
 from serve_app.serving.engine_events import EngineEvent
@@ -146,6 +147,7 @@ class ModelService:
         model_dir: Path | None = None,
         cache_client: CacheClient | None = None,
         metrics: Recorder | None = None,
+        lockstep: Channel | None = None,
     ) -> None:
         self.profile = profile
         self.metrics = metrics or Recorder()
@@ -163,6 +165,7 @@ class ModelService:
                 profile.speculative, self.eos_ids,
                 lambda source: load_draft_model(source, tokenizer),
                 lambda: load_mtp_head(model, _checkpoint_dir(model_dir))),
+            lockstep=lockstep,
         )
         try:
             # The engine thread probes the layout: every cached array's shape and dtype.

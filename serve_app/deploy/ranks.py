@@ -1,0 +1,170 @@
+"""The ranks of a model sharded over several processes, as Ray actors.
+
+The model's Serve replica is rank 0: it holds a placement group of ``size`` bundles
+(Serve's ``placement_group_bundles``: one per node with ``placement: spread``), starts
+ranks 1.. as ``Rank`` actors in bundles 1.., hands every rank the hostfile built from
+their addresses, and joins the group itself. Each rank loads its share of the model and
+runs an engine that replays rank 0's (``serve_app.parallel.lockstep``). The actors are
+owned by the replica: when Serve replaces it, its ranks go with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from serve_app.config.profile import ModelProfile
+from serve_app.parallel.group import (
+    RankAddress,
+    RankStatus,
+    free_port,
+    hostfile,
+    join_group,
+    load_shard,
+)
+
+logger = logging.getLogger("ray.serve")
+
+
+def _address(rank: int, pack: bool) -> RankAddress:
+    host = "127.0.0.1" if pack else ray.util.get_node_ip_address()
+    return RankAddress(rank, ray.get_runtime_context().get_node_id(), host, free_port(host))
+
+
+class RankProcess:
+    """Rank ``rank`` (>= 1) of a sharded model: its share of the weights and an engine
+    that follows rank 0's."""
+
+    def __init__(self, profile: ModelProfile, model_home: str | None, rank: int) -> None:
+        self.profile, self.rank = profile, rank
+        self.home = Path(model_home).expanduser() if model_home else None
+        assert profile.parallel is not None
+        self.where = _address(rank, profile.parallel.placement == "pack")
+        self.engine: Any = None
+
+    def address(self) -> RankAddress:
+        return self.where
+
+    def start(self, hosts: list[list[str]]) -> RankStatus:
+        """Join the group, load this rank's share, start the following engine; returns
+        once it probed the model with rank 0 (a forward of every rank together)."""
+        from serve_app.parallel.lockstep import Channel
+        from serve_app.serving.engine import Engine
+
+        profile = self.profile
+        assert profile.parallel is not None
+        group = join_group(self.rank, hosts, profile.parallel)
+        model, tokenizer, _ = load_shard(profile, group, self.home)
+        self.engine = Engine(model, stop_tokens=set(tokenizer.eos_token_ids),
+                             max_batch_size=profile.max_batch_size,
+                             max_queued_requests=profile.max_queued_requests,
+                             prefill_step_size=profile.prefill_step_size,
+                             name=f"{profile.name}-rank{self.rank}", lockstep=Channel(group))
+        self.engine.wait_ready(600)
+        return self.status()
+
+    def status(self) -> RankStatus:
+        engine = self.engine
+        stats = engine.snapshot() if engine is not None else None
+        return RankStatus(
+            self.rank, self.where.node_id, self.where.host, os.getpid(),
+            steps=stats.decode_steps if stats else 0,
+            step_seconds=stats.step_seconds if stats else 0.0,
+            channel_seconds=engine.lockstep.seconds if engine is not None else 0.0,
+            broken=engine.broken if engine is not None else None)
+
+
+# Threaded: rank 0 pings while ``start`` loads. (Ray's typed overloads of ray.remote omit
+# actor-only options such as max_concurrency.)
+Rank = ray.remote(num_cpus=0, max_concurrency=4)(RankProcess)  # type: ignore[call-overload]
+
+
+class Ranks:
+    """Rank 0's view of the other ranks: started, pinged, described."""
+
+    def __init__(self, profile: ModelProfile, model_home: str | None) -> None:
+        parallel = profile.parallel
+        assert parallel is not None
+        self.profile = profile
+        group = get_current_placement_group()
+        if group is None:
+            raise RuntimeError(f"model {profile.name!r} is sharded (parallel) but its replica "
+                               "has no placement group (deploy it with build_app)")
+        self.actors = [
+            Rank.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=rank),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get(
+                    "OMP_NUM_THREADS", "1")}},
+            ).remote(profile, model_home, rank)
+            for rank in range(1, parallel.size)]
+        self.me = _address(0, parallel.placement == "pack")
+        others: list[RankAddress] = ray.get([a.address.remote() for a in self.actors],
+                                            timeout=600)
+        self.addresses = [self.me, *others]
+        self.hosts = hostfile(self.addresses)
+        self._starting: list = []
+        self.statuses: list[RankStatus] = [RankStatus(0, self.me.node_id, self.me.host,
+                                                      os.getpid())]
+        self.lost: str | None = None
+
+    def start_others(self) -> None:
+        """Ranks 1..: join and load (they wait for rank 0 to join)."""
+        self._starting = [a.start.remote(self.hosts) for a in self.actors]
+
+    def join(self) -> Any:
+        """Rank 0 joins the group (blocks until the others did)."""
+        assert self.profile.parallel is not None
+        return join_group(0, self.hosts, self.profile.parallel)
+
+    def wait_started(self, timeout: float = 600) -> None:
+        self.statuses[1:] = ray.get(self._starting, timeout=timeout)
+
+    def ping(self) -> str | None:
+        """Why a rank is lost (named, with its node), or None when every rank answers."""
+        assert self.profile.parallel is not None
+        timeout = self.profile.parallel.rank_timeout_s
+        refs = [a.status.remote() for a in self.actors]
+        for rank, ref in enumerate(refs, start=1):
+            node = self.addresses[rank].node_id
+            try:
+                status = ray.get(ref, timeout=timeout)
+            except ray.exceptions.GetTimeoutError:
+                return f"rank {rank} on node {node} did not answer within {timeout:g} s"
+            except ray.exceptions.RayError as exc:
+                return f"rank {rank} on node {node} was lost ({type(exc).__name__})"
+            if status.broken:
+                return f"rank {rank} on node {node} stopped: {status.broken}"
+            self.statuses[rank] = status
+        return None
+
+    def describe_loss(self, error: BaseException) -> str:
+        """The message a lost rank's requests end with: which rank, on which node."""
+        tic = time.monotonic()
+        why = self.ping()
+        while why is None and time.monotonic() - tic < 5:  # a dying rank: give it a moment
+            time.sleep(0.2)
+            why = self.ping()
+        return f"model {self.profile.name!r}: {why or f'a rank failed ({error})'}"
+
+    def parallel_entry(self) -> dict:
+        """What ``/v1/models`` shows of the ranks."""
+        parallel = self.profile.parallel
+        assert parallel is not None
+        return {"mode": parallel.mode, "size": parallel.size,
+                "ranks": [s.public() for s in self.statuses]}
+
+    def stats(self, engine: Any) -> tuple[RankStatus, ...]:
+        """Every rank's status: rank 0's from its own ``engine``, the others' as of the
+        last ping."""
+        snap = engine.snapshot()
+        own = RankStatus(0, self.me.node_id, self.me.host, os.getpid(), snap.decode_steps,
+                         snap.step_seconds, engine.lockstep.seconds, engine.broken)
+        return (own, *self.statuses[1:])
