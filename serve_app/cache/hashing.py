@@ -135,6 +135,12 @@ def model_identity(model_dir: Path, source: str, chat_template: str | None,
     return _h(b"model", json.dumps(desc, sort_keys=True).encode())
 
 
+def shard_identity(identity: str, shard: str) -> str:
+    """A rank's own identity of a model sharded over ranks (``shard``: ``tensor:0/2``):
+    its blocks hold its share of the KV, which no other rank, size or mode can read."""
+    return _h(b"shard", identity.encode(), shard.encode())
+
+
 def root_id(identity: str, layout_digest: str, block_size: int) -> str:
     return _h(b"root", identity.encode(), layout_digest.encode(), str(block_size).encode())
 

@@ -30,7 +30,13 @@ from serve_app.cache.client import (
 from serve_app.cache.divergence import (
     DivergenceTracker,
 )
-from serve_app.cache.hashing import chain, model_identity, root_id, salted_root
+from serve_app.cache.hashing import (
+    chain,
+    model_identity,
+    root_id,
+    salted_root,
+    shard_identity,
+)
 from serve_app.cache.inflight import InflightBlocks
 from serve_app.cache.manager_stats import CacheStats
 from serve_app.cache.match import Tier
@@ -83,8 +89,11 @@ class CacheManager:
 
     @classmethod
     def for_model(cls, profile: ModelProfile, layout: Layout, client: CacheClient | None,
-                  model_dir: Path | None, chat_template: str | None) -> CacheManager:
-        """The manager of a loaded model; caching is off (and logged) where it cannot work."""
+                  model_dir: Path | None, chat_template: str | None,
+                  shard: str | None = None) -> CacheManager:
+        """The manager of a loaded model; caching is off (and logged) where it cannot work.
+        ``shard``: this rank's part of a model sharded over ranks (``tensor:0/2``): its
+        blocks are its own, never read by another rank, size or mode."""
         settings = CacheSettings.from_profile(profile, layout.hybrid, layout)
         reason = disabled_reason(profile, layout, client, model_dir)
         if reason is not None:
@@ -93,6 +102,8 @@ class CacheManager:
         assert model_dir is not None  # else disabled: "no cache store"
         identity = model_identity(model_dir, profile.source, chat_template,
                                   memo=default_home() / "weights-digests.json")
+        if shard is not None:
+            identity = shard_identity(identity, shard)
         return cls(settings, layout, client, identity)
 
     @property
@@ -101,12 +112,14 @@ class CacheManager:
 
     async def plan(self, prompt: list[int], *, salt: str | None = None,
                    api_key_digest: str | None = None,
-                   branch_points: tuple[int, ...] = ()) -> RequestPlan | None:
+                   branch_points: tuple[int, ...] = (),
+                   limit: int | None = None) -> RequestPlan | None:
         """Look the prompt's blocks up and fetch what can be restored (None: caching off).
 
         Hybrid models restore only up to a block whose recurrent checkpoint is
         present and valid; each step back is a walkback. At least one prompt
-        token is always left to compute.
+        token is always left to compute; at most ``limit`` are restored (the ranks of a
+        sharded model restore what all of them hold).
         """
         stats = self.stats
         client = self.client
@@ -117,7 +130,8 @@ class CacheManager:
         root = salted_root(self.root, salt, api_key_digest)
         self._diagnose(root, prompt)
         ids = chain(root, prompt, bs)
-        restorable = min(len(ids), (len(prompt) - 1) // bs)
+        readable = len(prompt) - 1 if limit is None else min(len(prompt) - 1, limit)
+        restorable = min(len(ids), readable // bs)
         await self._wait_for_inflight(ids[:restorable])
         # Claimed before the lookup, so that a request arriving during it waits too.
         claim = self.inflight.claim(ids[:restorable])
@@ -125,7 +139,7 @@ class CacheManager:
         tic = time.perf_counter()
         req = FetchRequest(self.settings.model, ids[:restorable], self.layout, bs, self._expect,
                            exact=self.settings.codec == codecs.EXACT,
-                           root=root, tokens=tuple(prompt[:-1]))
+                           root=root, tokens=tuple(prompt[:readable]))
         found = await self._fetch(client, req)
         try:
             found = await self._extend_from_remote(client, req, found)

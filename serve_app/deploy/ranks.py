@@ -10,17 +10,20 @@ owned by the replica: when Serve replaces it, its ranks go with it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from serve_app.config.profile import ModelProfile
+from serve_app.config.profile import CacheStoreProfile, ModelProfile
 from serve_app.parallel.group import (
     RankAddress,
     RankStatus,
@@ -30,7 +33,34 @@ from serve_app.parallel.group import (
     load_shard,
 )
 
+if TYPE_CHECKING:
+    from serve_app.parallel.lockstep import Insert
+    from serve_app.serving.engine_events import EngineEvent
+
 logger = logging.getLogger("ray.serve")
+
+
+PLAN_TTL_S = 120.0  # a rank forgets a plan rank 0 never inserted after this long
+
+
+def shard_name(profile: ModelProfile, rank: int) -> str:
+    """A rank's part of the model, in its cache identity: ``tensor:0/2``."""
+    assert profile.parallel is not None
+    return f"{profile.parallel.mode}:{rank}/{profile.parallel.size}"
+
+
+def open_cache(profile: ModelProfile, layout: Any, cache_store: CacheStoreProfile,
+               model_dir: Path, chat_template: str | None, rank: int) -> Any:
+    """A rank's prefix cache, in its node's store, under its own identity."""
+    from serve_app.cache.manager import CacheManager
+    from serve_app.store.client import connect_store
+
+    client = connect_store(cache_store, directory=False) if profile.cache.enabled else None
+    cache = CacheManager.for_model(profile, layout, client, model_dir, chat_template,
+                                   shard=shard_name(profile, rank))
+    if client is not None and cache.enabled:
+        client.activate(profile.name, cache.identity, layout.digest, timeout=120)
+    return cache
 
 
 def _address(rank: int, pack: bool) -> RankAddress:
@@ -42,12 +72,21 @@ class RankProcess:
     """Rank ``rank`` (>= 1) of a sharded model: its share of the weights and an engine
     that follows rank 0's."""
 
-    def __init__(self, profile: ModelProfile, model_home: str | None, rank: int) -> None:
+    def __init__(self, profile: ModelProfile, model_home: str | None, rank: int,
+                 cache_store: CacheStoreProfile) -> None:
         self.profile, self.rank = profile, rank
         self.home = Path(model_home).expanduser() if model_home else None
         assert profile.parallel is not None
         self.where = _address(rank, profile.parallel.placement == "pack")
         self.engine: Any = None
+        self.cache_store = cache_store
+        self.cache: Any = None  # this rank's prefix cache (its share of every block)
+        # Cache plans rank 0 asked for, by request key, with when they were made.
+        self.plans: dict[str, tuple[Any, float]] = {}
+        self._plans_lock = threading.Lock()
+        # The cache's lookups are coroutines: they run on this loop's thread.
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="rank-cache", daemon=True).start()
 
     def address(self) -> RankAddress:
         return self.where
@@ -61,14 +100,73 @@ class RankProcess:
         profile = self.profile
         assert profile.parallel is not None
         group = join_group(self.rank, hosts, profile.parallel)
-        model, tokenizer, _ = load_shard(profile, group, self.home)
+        model, tokenizer, model_dir = load_shard(profile, group, self.home)
         self.engine = Engine(model, stop_tokens=set(tokenizer.eos_token_ids),
                              max_batch_size=profile.max_batch_size,
                              max_queued_requests=profile.max_queued_requests,
                              prefill_step_size=profile.prefill_step_size,
-                             name=f"{profile.name}-rank{self.rank}", lockstep=Channel(group))
-        self.engine.wait_ready(600)
+                             name=f"{profile.name}-rank{self.rank}", lockstep=Channel(group),
+                             follower_plan=self._plan_for)
+        layout = self.engine.wait_ready(600)
+        self.cache = open_cache(profile, layout, self.cache_store, model_dir,
+                                tokenizer.chat_template, self.rank)
         return self.status()
+
+    # ---- this rank's prefix cache ----------------------------------------------------------
+
+    def plan(self, key: str, prompt: list[int], limit: int, salt: str | None,
+             api_key_digest: str | None, branch_points: tuple[int, ...]) -> int:
+        """Plan a request's restore here (at most ``limit`` tokens) under ``key``; how
+        many tokens this rank can restore. Asked again, the plan before is let go."""
+        self.drop(key)
+        now = time.monotonic()
+        with self._plans_lock:
+            stale = [k for k, (_, at) in self.plans.items() if now - at > PLAN_TTL_S]
+        for k in stale:  # planned, then never inserted (rank 0 refused the request)
+            self.drop(k)
+        plan = asyncio.run_coroutine_threadsafe(
+            self.cache.plan(prompt, salt=salt, api_key_digest=api_key_digest,
+                            branch_points=branch_points, limit=limit),
+            self.loop).result(timeout=PLAN_TTL_S)
+        with self._plans_lock:
+            self.plans[key] = (plan, now)
+        return plan.restore_tokens if plan is not None else 0
+
+    def drop(self, key: str) -> None:
+        with self._plans_lock:
+            entry = self.plans.pop(key, None)
+        if entry is not None and entry[0] is not None:
+            self._let_go(entry[0], lease=True)
+
+    def _let_go(self, plan: Any, lease: bool) -> None:
+        """On the cache's loop: the plan's claims (and its pins, with ``lease``)."""
+        cache = self.cache
+
+        def settle() -> None:
+            cache.settle(plan)
+            if lease:
+                asyncio.ensure_future(cache.release(plan.lease))
+
+        self.loop.call_soon_threadsafe(settle)
+
+    def _plan_for(self, command: Insert) -> tuple[Any, Callable]:
+        """The engine thread: the plan rank 0's request was planned with here, and what
+        lets its pins go once restored and its claims once it ends."""
+        with self._plans_lock:
+            entry = self.plans.pop(command.plan_key, None) if command.plan_key else None
+        plan = entry[0] if entry is not None else None
+        if plan is None:
+            return None, lambda event: None
+        cache, loop = self.cache, self.loop
+
+        def sink(event: EngineEvent) -> None:
+            if event.restored is not None:  # the engine copied the restored blocks
+                lease = plan.lease
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(cache.release(lease)))
+            if event.finish_reason is not None or event.error is not None:
+                self._let_go(plan, lease=False)
+
+        return plan, sink
 
     def status(self) -> RankStatus:
         engine = self.engine
@@ -89,7 +187,8 @@ Rank = ray.remote(num_cpus=0, max_concurrency=4)(RankProcess)  # type: ignore[ca
 class Ranks:
     """Rank 0's view of the other ranks: started, pinged, described."""
 
-    def __init__(self, profile: ModelProfile, model_home: str | None) -> None:
+    def __init__(self, profile: ModelProfile, model_home: str | None,
+                 cache_store: CacheStoreProfile) -> None:
         parallel = profile.parallel
         assert parallel is not None
         self.profile = profile
@@ -103,7 +202,7 @@ class Ranks:
                     placement_group=group, placement_group_bundle_index=rank),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get(
                     "OMP_NUM_THREADS", "1")}},
-            ).remote(profile, model_home, rank)
+            ).remote(profile, model_home, rank, cache_store)
             for rank in range(1, parallel.size)]
         self.me = _address(0, parallel.placement == "pack")
         others: list[RankAddress] = ray.get([a.address.remote() for a in self.actors],
@@ -153,6 +252,18 @@ class Ranks:
             time.sleep(0.2)
             why = self.ping()
         return f"model {self.profile.name!r}: {why or f'a rank failed ({error})'}"
+
+    async def plan(self, key: str, prompt: list[int], limit: int, *, salt: str | None,
+                   api_key_digest: str | None, branch_points: tuple[int, ...]
+                   ) -> list[int]:
+        """``ShardPlanner``: every other rank plans the request; what each can restore."""
+        return list(await asyncio.gather(*(
+            a.plan.remote(key, prompt, limit, salt, api_key_digest, branch_points)
+            for a in self.actors)))
+
+    def drop(self, key: str) -> None:
+        for a in self.actors:
+            a.drop.remote(key)
 
     def parallel_entry(self) -> dict:
         """What ``/v1/models`` shows of the ranks."""

@@ -63,10 +63,7 @@ class ModelReplica:
     def __init__(self, profile: ModelProfile, model_home: str | None,
                  cache_store: CacheStoreProfile, memory: ModelMemory | None = None,
                  load_at_start: bool = True) -> None:
-        from serve_app.cache.client import CircuitBreaker
-        from serve_app.cluster.directory_service import DirectoryFollower
-        from serve_app.store.actor import get_or_create_actor
-        from serve_app.store.client import RayCacheClient
+        from serve_app.store.client import connect_store
 
         self.profile = profile  # validated by the builder, pickled to this replica as is
         self.model_home = Path(model_home).expanduser() if model_home else None
@@ -74,20 +71,12 @@ class ModelReplica:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.loop_thread: str | None = None  # where Serve runs our async code (stats)
         if self.profile.cache.enabled:
-            # Waits for the actor (and replaces one of older code), here, not in the
-            # first request; a store that never starts fails this replica with a reason.
-            actor = get_or_create_actor(cache_store)
-            # The replica's copy of the cluster's block directory: which other node holds
-            # more of a prompt (then it fetches those blocks instead of prefilling them).
-            follower = DirectoryFollower().start() if cache_store.directory != "off" else None
-            # A store that fails costs requests their cache, never the request: calls are
-            # bounded, a failing store is skipped for a while, a dead one is replaced.
-            client = RayCacheClient(
-                actor, follower, timeout=cache_store.call_timeout_s,
-                reconnect=lambda: get_or_create_actor(cache_store),
-                breaker=CircuitBreaker(cache_store.breaker_failures,
-                                       cache_store.breaker_cool_down_s))
+            # Waits for the store (here, not in the first request); one that never starts
+            # fails this replica with a reason. A sharded model's ranks (one model, one
+            # replica) fetch nothing from other nodes: each holds its own share.
+            client = connect_store(cache_store, directory=self.profile.parallel is None)
         self.client = client
+        self.cache_store = cache_store
         self.recorder = RayRecorder("replica", serve=True)
         # This model's part of the memory plan: MLX's limits (on Metal; advisory elsewhere)
         # and its KV budget, applied at every load.
@@ -168,7 +157,7 @@ class ModelReplica:
     def _load_sharded(self) -> ModelService:
         """Rank 0 of a model sharded over ranks: start the others (``deploy/ranks.py``),
         join their group, load this rank's share; a watchdog then pings them."""
-        from serve_app.deploy.ranks import Ranks
+        from serve_app.deploy.ranks import Ranks, shard_name
         from serve_app.parallel.group import load_shard
         from serve_app.parallel.lockstep import Channel
         from serve_app.serving.service import ModelService, source_path
@@ -176,17 +165,19 @@ class ModelReplica:
         source_path(self.profile.source, self.model_home, self._progress())  # materialize
         self.board.set("loading")
         home = str(self.model_home) if self.model_home else None
-        ranks = self.ranks = Ranks(self.profile, home)
+        ranks = self.ranks = Ranks(self.profile, home, self.cache_store)
         ranks.start_others()
         group = ranks.join()
         model, tokenizer, model_dir = load_shard(self.profile, group, self.model_home)
         service = ModelService(self.profile, model, tokenizer, model_dir, self.client,
-                               self.recorder, lockstep=Channel(group))
+                               self.recorder, lockstep=Channel(group),
+                               shard=shard_name(self.profile, 0))
         try:
             ranks.wait_started()
         except BaseException:
             service.shutdown()
             raise
+        service.shards = ranks  # requests restore what every rank holds
         service.engine.describe_loss = ranks.describe_loss
         self.board.parallel = ranks.parallel_entry()
         threading.Thread(target=self._watch_ranks, name="rank-watchdog", daemon=True).start()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -33,6 +33,7 @@ class Insert:
     max_tokens: int
     segments: list[list[int]]
     restored: int
+    plan_key: str | None = None  # the cache plans every rank made for it (None: none)
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,16 @@ class Channel:
         self.steps += 1
         self.seconds += time.perf_counter() - tic
         return commands
+
+
+class ShardPlanner(Protocol):
+    """Rank 0's way to the other ranks' prefix caches: each plans a request's restore
+    (at most ``limit`` tokens) under ``key`` and answers how many tokens it can restore;
+    the request then restores what every rank can. ``drop`` forgets a key's plans (the
+    request never reached the engine)."""
+
+    async def plan(self, key: str, prompt: list[int], limit: int, *, salt: str | None,
+                   api_key_digest: str | None, branch_points: tuple[int, ...]
+                   ) -> list[int]: ...
+
+    def drop(self, key: str) -> None: ...

@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 _live_engines: weakref.WeakSet = weakref.WeakSet()
 
 
+def _ignore(event: EngineEvent) -> None:
+    """The events of a request a follower rank replays: nobody waits for them."""
+
+
 @atexit.register
 def _park_engines() -> None:
     """Park every engine before the interpreter finalizes: an MLX thread that is
@@ -80,7 +84,7 @@ class Engine:
         name: str = "model",
         speculator: Speculator | None = None,
         lockstep: Channel | None = None,
-        follower_plan: Callable[[Insert], RequestPlan | None] | None = None,
+        follower_plan: Callable[[Insert], tuple[RequestPlan | None, EventSink]] | None = None,
     ) -> None:
         self.model = model
         # A model sharded over ranks: rank 0's engine (this one, when the channel's rank is
@@ -134,8 +138,10 @@ class Engine:
         params: SamplingParams,
         sink: EventSink,
         cache: RequestPlan | None = None,
+        plan_key: str | None = None,
     ) -> int:
-        """Queue a request; events for it arrive through ``sink`` on the engine thread."""
+        """Queue a request; events for it arrive through ``sink`` on the engine thread.
+        ``plan_key``: a sharded model's other ranks planned its cache under it."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if cache is not None and (self.layout is None or not self.layout.supported):
@@ -152,7 +158,8 @@ class Engine:
             self.stats.in_flight += 1
             self.stats.submitted += 1
             rid = next(self._ids)
-        self._commands.put(("submit", EngineRequest(rid, list(prompt), params, sink, cache)))
+        self._commands.put(("submit", EngineRequest(rid, list(prompt), params, sink, cache,
+                                                    plan_key=plan_key)))
         return rid
 
     def set_kv_budget(self, budget_bytes: int | None) -> None:
@@ -357,10 +364,10 @@ class Engine:
         self._stopping.set()
 
     def _follow_insert(self, command: Insert) -> None:
-        plan = self.follower_plan(command) if self.follower_plan is not None else None
+        plan, sink = (self.follower_plan(command) if self.follower_plan is not None
+                      else (None, _ignore))
         req = EngineRequest(command.rid, list(command.prompt),
-                            SamplingParams(max_tokens=command.max_tokens),
-                            lambda event: None, plan)
+                            SamplingParams(max_tokens=command.max_tokens), sink, plan)
         with self._lock:
             self.stats.in_flight += 1
             self.stats.submitted += 1
@@ -487,7 +494,7 @@ class Engine:
         """Into the batch. A follower rank passes rank 0's ``segments`` and what rank 0
         ``restored`` (its own restore must give as many tokens, or the ranks part)."""
         caches, all_tokens = None, None
-        cache = self._restore(req)
+        cache = self._restore(req) if restored != 0 else None  # 0: rank 0's failed
         if restored is not None and req.restored != restored:
             raise RuntimeError(f"request {req.rid}: this rank restored {req.restored} "
                                f"tokens where rank 0 restored {restored}")
@@ -513,7 +520,7 @@ class Engine:
         req.uid = uid
         if self._leads:
             self._sent.append(Insert(req.rid, req.prompt, req.params.max_tokens, segments,
-                                     req.restored))
+                                     req.restored, req.plan_key))
         if self.speculator is not None:
             self.speculator.add(uid, req.params, len(req.prompt))
         self._requests[req.rid] = req

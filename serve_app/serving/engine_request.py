@@ -26,6 +26,8 @@ class EngineRequest:
     output: list[int] = field(default_factory=list)
     restored: int = 0  # tokens the request really started from
     kv_bytes: int = 0  # KV reserved while in the batch (admission), released at its end
+    # A sharded model: the key of the cache plans the other ranks made for this request.
+    plan_key: str | None = None
 
 
 def deliver(req: EngineRequest, event: EngineEvent) -> None:

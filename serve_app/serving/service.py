@@ -13,6 +13,7 @@ import asyncio
 import copy
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +29,7 @@ from serve_app.config.profile import ModelProfile, source_kind
 from serve_app.metrics.table import Recorder, replica_samples
 from serve_app.models.compat import download_model, token_bytes_table
 from serve_app.models.embedded import materialize
-from serve_app.parallel.lockstep import Channel
+from serve_app.parallel.lockstep import Channel, ShardPlanner
 from serve_app.serving.admission import QueueFullError, RankLostError, refusal
 from serve_app.serving.engine import Engine
 from serve_app.serving.engine_events import EngineEvent
@@ -40,6 +41,8 @@ from serve_app.serving.request import ApiError, Caller, ChatCompletionRequest, C
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.speculative import speculator_for
 from serve_app.serving.stream import EventChannel, Lease, Pacer, RequestClock, RequestStream
+
+AGREE_ROUNDS = 3  # a sharded model's ranks agreeing on a restore: then none is restored
 
 
 def source_path(source: str, home: Path | None = None, progress=None) -> str:
@@ -148,7 +151,10 @@ class ModelService:
         cache_client: CacheClient | None = None,
         metrics: Recorder | None = None,
         lockstep: Channel | None = None,
+        shard: str | None = None,
     ) -> None:
+        # Rank 0 of a sharded model: the other ranks' cache plans (set by the replica).
+        self.shards: ShardPlanner | None = None
         self.profile = profile
         self.metrics = metrics or Recorder()
         self._labels = {"model": profile.name}
@@ -171,7 +177,7 @@ class ModelService:
             # The engine thread probes the layout: every cached array's shape and dtype.
             self.layout = self.engine.wait_ready()
             self.cache = CacheManager.for_model(profile, self.layout, cache_client, model_dir,
-                                                tokenizer.chat_template)
+                                                tokenizer.chat_template, shard)
         except BaseException:  # its thread would hold the weights on (a pool loads again)
             self.engine.shutdown()
             raise
@@ -230,16 +236,16 @@ class ModelService:
         if refused is not None:
             yield [refused.to_failure()]
             return
-        plan = await self.cache.plan(prepared.prompt, salt=prepared.salt,
-                                     api_key_digest=prepared.api_key_digest,
-                                     branch_points=prepared.branch_points)
+        plan, key = await self._plan(prepared)
         clock = RequestClock(self, arrived, prepared.prepare_seconds)
         lease = Lease(self.cache, plan.lease if plan is not None else None)
         events = EventChannel(asyncio.get_running_loop())
         try:
-            rid = self._submit(prepared, processors, plan, events.put)
+            rid = self._submit(prepared, processors, plan, events.put, key)
         except (QueueFullError, RankLostError) as exc:
             self.cache.settle(plan)
+            if key is not None and self.shards is not None:
+                self.shards.drop(key)
             await lease.release()
             refused = (rank_lost_error if isinstance(exc, RankLostError)
                        else queue_full_error)(str(exc))
@@ -247,6 +253,8 @@ class ModelService:
             return
         except BaseException:
             self.cache.settle(plan)
+            if key is not None and self.shards is not None:
+                self.shards.drop(key)
             raise
         request = RequestStream(self, prepared, rid,
                                  plan.restore_tokens if plan is not None else 0, clock)
@@ -284,12 +292,37 @@ class ModelService:
         return None, processors
 
     def _submit(self, prepared: PreparedRequest, processors: tuple,
-                plan: RequestPlan | None, sink: Callable[[EngineEvent], None]) -> int:
+                plan: RequestPlan | None, sink: Callable[[EngineEvent], None],
+                key: str | None = None) -> int:
         """Into the engine with its plan; its events go to ``sink`` (on the engine's
         thread). Raises ``QueueFullError`` when the engine's queue is full."""
         params = replace(prepared.params, logprobs=prepared.logprobs,
                          logits_processors=processors)
-        return self.engine.submit(prepared.prompt, params, sink, plan)
+        return self.engine.submit(prepared.prompt, params, sink, plan, key)
+
+    async def _plan(self, prepared: PreparedRequest) -> tuple[RequestPlan | None, str | None]:
+        """The request's cache plan. On a model sharded over ranks every rank plans its
+        own share (under the key returned) and the request restores what all of them
+        hold: rank 0 plans again, with that as its limit, until they agree (a few rounds
+        at most; past them, nothing is restored, which every rank can do)."""
+        kw = {"salt": prepared.salt, "api_key_digest": prepared.api_key_digest,
+              "branch_points": prepared.branch_points}
+        plan = await self.cache.plan(prepared.prompt, **kw)  # type: ignore[arg-type]
+        shards = self.shards
+        if shards is None or plan is None:
+            return plan, None
+        key = uuid.uuid4().hex
+        for round_ in range(AGREE_ROUNDS + 1):
+            want = plan.restore_tokens if round_ < AGREE_ROUNDS else 0
+            got = await shards.plan(key, prepared.prompt, want, **kw)  # type: ignore[arg-type]
+            if min(got, default=want) >= plan.restore_tokens:
+                return plan, key
+            self.cache.settle(plan)
+            await self.cache.release(plan.lease)
+            plan = await self.cache.plan(prepared.prompt, limit=min([want, *got]),
+                                         **kw)  # type: ignore[arg-type]
+            assert plan is not None
+        return plan, key
 
     def constraints(self, prepared: PreparedRequest) -> tuple:
         """The request's own logits processors: a fresh matcher of its grammar, if any

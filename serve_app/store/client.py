@@ -429,3 +429,20 @@ class RayCacheClient(CacheClient):
         if self.report_failures == 1 or self.report_failures % 100 == 0:
             logger.warning("reporting replica stats to the cache store failed (%d so far): "
                            "%r", self.report_failures, error)
+
+
+def connect_store(cache_store: CacheStoreProfile, directory: bool = True) -> RayCacheClient:
+    """A client of this node's cache store, waiting for the store actor (and replacing one
+    of older code). ``directory``: follow the cluster's block directory (which other node
+    holds more of a prompt: those blocks are fetched instead of prefilled). A store that
+    fails costs requests their cache, never the request: calls are bounded, a failing
+    store is skipped for a while, a dead one is replaced."""
+    from serve_app.store.actor import get_or_create_actor
+
+    actor = get_or_create_actor(cache_store)
+    follower = (DirectoryFollower().start()
+                if directory and cache_store.directory != "off" else None)
+    return RayCacheClient(actor, follower, timeout=cache_store.call_timeout_s,
+                          reconnect=lambda: get_or_create_actor(cache_store),
+                          breaker=CircuitBreaker(cache_store.breaker_failures,
+                                                 cache_store.breaker_cool_down_s))
