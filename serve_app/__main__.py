@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         except ProfileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        if check_drafts(args.config, apps):
+        if check_drafts(args.config, apps) | check_parallel(args.config, apps):
             return 2
         return check_memory(args.config, apps, args.hub, args.mac_gb)
     if args.command == "status":
@@ -133,6 +133,32 @@ def check_drafts(config: str, apps: list) -> bool:
                     print(f"error: {config}: applications[{k}].args.models[{i}]."
                           f"speculative.{key}: {problem}", file=sys.stderr)
                     bad = True
+    return bad
+
+
+def check_parallel(config: str, apps: list) -> bool:
+    """Print (to stderr) every sharded model that cannot be sharded as asked (read from
+    its config, local files only; a hub model not here is left to its load); True if any."""
+    import json
+    from pathlib import Path
+
+    from serve_app.config.profile import source_kind
+    from serve_app.parallel.support import parallel_problem
+    from serve_app.serving.service import source_path
+
+    bad = False
+    for k, (_, profile) in enumerate(apps):
+        for i, model in enumerate(profile.models):
+            if model.parallel is None or source_kind(model.source) == "hub":
+                continue
+            path = Path(source_path(model.source))
+            problem = parallel_problem(json.loads((path / "config.json").read_text()),
+                                       model.parallel, path)
+            if problem:
+                key, why = problem
+                print(f"error: {config}: applications[{k}].args.models[{i}].parallel.{key}: "
+                      f"{why}", file=sys.stderr)
+                bad = True
     return bad
 
 

@@ -94,6 +94,7 @@ class ModelFootprint:
     shape: CacheShape
     pinned: bool = False
     hot_share_bytes: int = 0
+    ranks: int = 1  # a sharded model spread over nodes: one rank's share of this many
 
     @property
     def resident_bytes(self) -> int:
@@ -110,16 +111,23 @@ class ModelFootprint:
         if self.shape.state_bytes_per_sequence:
             kv += (f" and {fmt_bytes(self.shape.state_bytes_per_sequence)} of recurrent state "
                    "a sequence")
-        return f"weights {fmt_bytes(self.weights_bytes)} + {kv} = {fmt_bytes(self.resident_bytes)}"
+        share = f" (one rank's share of {self.ranks})" if self.ranks > 1 else ""
+        return (f"weights {fmt_bytes(self.weights_bytes)} + {kv}{share} = "
+                f"{fmt_bytes(self.resident_bytes)}")
 
 
 def footprint(model: ModelProfile, weights_bytes: int, shape: CacheShape) -> ModelFootprint:
-    """A model profile's footprint: ``max_batch_size`` sequences of ``context_length``."""
+    """A model profile's footprint: ``max_batch_size`` sequences of ``context_length``.
+    A model sharded over ranks spread one per node takes one rank's share on a node: its
+    weights and KV over the ranks (each holds its heads, or its layers)."""
+    kv_bytes = shape.bytes_for(model.max_batch_size, model.context_length)
+    parallel = model.parallel
+    ranks = parallel.size if parallel is not None and parallel.placement == "spread" else 1
     return ModelFootprint(
-        name=model.name, weights_bytes=weights_bytes,
-        kv_bytes=shape.bytes_for(model.max_batch_size, model.context_length),
+        name=model.name, weights_bytes=-(-weights_bytes // ranks),
+        kv_bytes=-(-kv_bytes // ranks),
         sequences=model.max_batch_size, tokens=model.context_length, shape=shape,
-        pinned=model.pinned)
+        pinned=model.pinned, ranks=ranks)
 
 
 @dataclass(frozen=True)
