@@ -12,6 +12,8 @@ from serve_app.config.profile import ParallelProfile
 TENSOR_SPLIT = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
                 "moe_intermediate_size", "shared_expert_intermediate_size",
                 "linear_num_key_heads", "linear_num_value_heads")
+# Model types whose shard() splits the vocabulary (the output head) too (mlx-lm 0.32).
+VOCAB_SPLIT = ("qwen3_5", "qwen3_5_moe")
 
 
 def parallel_problem(config: dict, parallel: ParallelProfile, model_dir: Path | None = None
@@ -31,7 +33,8 @@ def parallel_problem(config: dict, parallel: ParallelProfile, model_dir: Path | 
         if not hasattr(model, "shard"):
             return mode, (f"mlx-lm's {model_type!r} model has no tensor-parallel shard(): "
                           "use pipeline, or a model type that has it")
-        for key in TENSOR_SPLIT:
+        keys = TENSOR_SPLIT + (("vocab_size",) if model_type in VOCAB_SPLIT else ())
+        for key in keys:
             value = text.get(key)
             if isinstance(value, int) and value > 0 and value % n:
                 return mode, f"{n} does not divide the model's {key} ({value})"
