@@ -100,6 +100,15 @@ SERVING = (
         "Per drafting request and verify step: tokens emitted (1 + drafts kept) and the "
         "share of drafted tokens kept; verify steps a second; requests drafting now. "
         "Adaptive depth stops drafting where a verify costs more than it saves."),
+    PanelSpec("Sharded models: time in steps and on the command channel, by rank", "s", (
+        Query(rate("ray_serve_app_rank_step_seconds_total", "model, rank"),
+              "steps {{model}} rank {{rank}}"),
+        Query(rate("ray_serve_app_rank_collective_seconds_total", "model, rank"),
+              "channel {{model}} rank {{rank}}")),
+        "Seconds a second each rank of a model sharded over ranks (parallel:) spends in the "
+        "model's steps (collectives included) and on the engine's command channel: rank 0 "
+        "sending each step's commands, the others waiting for them (a rank that waits "
+        "while the others compute shows here)."),
     PanelSpec("Running batch and queue", "short", (
         Query(f"sum by (model) (ray_serve_app_running_requests{{{MODEL}}})",
               "running {{model}}"),

@@ -28,10 +28,12 @@ from serve_app.metrics.table import (
     Sample,
     markdown_table,
     pool_samples,
+    rank_samples,
     replica_samples,
     store_samples,
     zero_at_start,
 )
+from serve_app.parallel.group import RankStatus
 from serve_app.serving.engine_events import EngineStats
 from serve_app.serving.request import CompletionRequest
 from tests.test_cache_exact import make_services
@@ -121,6 +123,7 @@ def test_every_labelled_counter_a_dashboard_queries_starts_at_zero():
                                  dict.fromkeys(RULE_NAMES, 0)))
     pump.publish(store_samples(TieredStore(1 << 20, None, 1 << 20).stats(), {"0" * 16: "m"}))
     pump.publish(pool_samples("m", True, 0, 0.0, dict.fromkeys(UNLOAD_REASONS, 0)))
+    pump.publish(rank_samples("m", [RankStatus(r, "node", "127.0.0.1", 1) for r in (0, 1)]))
     for where in ("ingress", "router"):
         zero_at_start(recorder, where, "m")
     assert not [call for call in recorder.calls if call[0] == "inc"]  # fresh: nothing yet

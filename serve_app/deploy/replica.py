@@ -27,7 +27,13 @@ from serve_app.deploy.pool import UNLOAD_REASONS
 from serve_app.deploy.stage import PrepareStage
 from serve_app.memory.machine import probe_machine, process_rss_bytes, trim_malloc
 from serve_app.memory.plan import ModelMemory, PlannedMemory, ReplicaMemory
-from serve_app.metrics.table import MetricsPump, RayRecorder, memory_samples, pool_samples
+from serve_app.metrics.table import (
+    MetricsPump,
+    RayRecorder,
+    memory_samples,
+    pool_samples,
+    rank_samples,
+)
 from serve_app.models.compat import TOKENIZER_FILES, download_model
 from serve_app.models.phase import (
     ModelLoadError,
@@ -371,6 +377,8 @@ class ModelReplica:
         """The service's samples and this model's memory (the metrics pump's thread)."""
         service = self.service
         own = service.metric_samples() if service is not None else []
+        if self.ranks is not None and service is not None:
+            own += rank_samples(self.profile.name, self.ranks.stats(service.engine))
         return [*own, *memory_samples(self.profile.name, self._memory_stats(service)),
                 *pool_samples(self.profile.name, service is not None, self.loads,
                               self.load_seconds, self.unloads)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the engine imports MLX; the store and the ingress load this
     from serve_app.cache.manager_stats import CacheStats
     from serve_app.cache.stats import StoreStats
     from serve_app.memory.plan import ReplicaMemory
+    from serve_app.parallel.group import RankStatus
     from serve_app.serving.engine_events import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,13 @@ METRICS: tuple[MetricDef, ...] = (
        ("model", "method")),
     _g("serve_app_speculating_rows", "replica",
        "Requests that drafted in the last decode step."),
+    _c("serve_app_rank_step_seconds", "replica",
+       "A model sharded over ranks (`parallel:`): seconds each rank spent in the model's "
+       "steps, its collectives included.", ("model", "rank")),
+    _c("serve_app_rank_collective_seconds", "replica",
+       "A model sharded over ranks: seconds each rank spent on the engine's command "
+       "channel (rank 0 sending each step's commands, the others waiting for them).",
+       ("model", "rank")),
     _g("serve_app_kv_waiting_requests", "replica",
        "Admitted requests waiting for the running requests to free KV (the model's KV "
        "budget in the memory plan)."),
@@ -408,6 +416,16 @@ class MetricsPump:
 
 
 # ---- stats to samples ---------------------------------------------------------------------
+
+
+def rank_samples(model: str, ranks: Sequence[RankStatus]) -> list[Sample]:
+    """Samples of a sharded model's ranks (none for a model in one process)."""
+    out = []
+    for r in ranks:
+        labels = {"model": model, "rank": str(r.rank)}
+        out.append(Sample("serve_app_rank_step_seconds", labels, r.step_seconds))
+        out.append(Sample("serve_app_rank_collective_seconds", labels, r.channel_seconds))
+    return out
 
 
 def replica_samples(model: str, engine: EngineStats, cache: CacheStats,
