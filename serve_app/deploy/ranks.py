@@ -30,7 +30,6 @@ from serve_app.parallel.group import (
     free_port,
     hostfile,
     join_group,
-    load_shard,
 )
 
 if TYPE_CHECKING:
@@ -61,6 +60,24 @@ def open_cache(profile: ModelProfile, layout: Any, cache_store: CacheStoreProfil
     if client is not None and cache.enabled:
         client.activate(profile.name, cache.identity, layout.digest, timeout=120)
     return cache
+
+
+def load_shard(profile: ModelProfile, group: Any, home: Path | None = None):
+    """This rank's share of the model: (model, tokenizer, model directory). From a hub
+    each rank downloads only the weight files of its share (``sharded_load``)."""
+    from mlx_lm.utils import sharded_load
+
+    from serve_app.models.compat import TOKENIZER_FILES, download_model
+    from serve_app.serving.service import source_path
+
+    assert profile.parallel is not None
+    source = source_path(profile.source, home)
+    tensor = profile.parallel.mode == "tensor"
+    model, tokenizer = sharded_load(source,
+                                    pipeline_group=None if tensor else group,
+                                    tensor_group=group if tensor else None,
+                                    tokenizer_config=profile.tokenizer_config())
+    return model, tokenizer, download_model(source, allow_patterns=TOKENIZER_FILES)
 
 
 def _address(rank: int, pack: bool) -> RankAddress:
@@ -168,6 +185,11 @@ class RankProcess:
 
         return plan, sink
 
+    def wake(self, number: int) -> None:
+        """Rank 0 has work again (its engine sleeps outside the group meanwhile)."""
+        if self.engine is not None:
+            self.engine.wake(number)
+
     def status(self) -> RankStatus:
         engine = self.engine
         stats = engine.snapshot() if engine is not None else None
@@ -176,6 +198,8 @@ class RankProcess:
             steps=stats.decode_steps if stats else 0,
             step_seconds=stats.step_seconds if stats else 0.0,
             channel_seconds=engine.lockstep.seconds if engine is not None else 0.0,
+            command_messages=engine.lockstep.messages if engine is not None else 0,
+            command_bytes=engine.lockstep.message_bytes if engine is not None else 0,
             broken=engine.broken if engine is not None else None)
 
 
@@ -265,6 +289,11 @@ class Ranks:
         for a in self.actors:
             a.drop.remote(key)
 
+    def wake(self, number: int) -> None:
+        """Wake the other ranks after rank 0's ``Idle(number)`` (never waits)."""
+        for a in self.actors:
+            a.wake.remote(number)
+
     def parallel_entry(self) -> dict:
         """What ``/v1/models`` shows of the ranks."""
         parallel = self.profile.parallel
@@ -276,6 +305,8 @@ class Ranks:
         """Every rank's status: rank 0's from its own ``engine``, the others' as of the
         last ping."""
         snap = engine.snapshot()
+        channel = engine.lockstep
         own = RankStatus(0, self.me.node_id, self.me.host, os.getpid(), snap.decode_steps,
-                         snap.step_seconds, engine.lockstep.seconds, engine.broken)
+                         snap.step_seconds, channel.seconds, channel.messages,
+                         channel.message_bytes, engine.broken)
         return (own, *self.statuses[1:])

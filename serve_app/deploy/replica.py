@@ -163,8 +163,7 @@ class ModelReplica:
     def _load_sharded(self) -> ModelService:
         """Rank 0 of a model sharded over ranks: start the others (``deploy/ranks.py``),
         join their group, load this rank's share; a watchdog then pings them."""
-        from serve_app.deploy.ranks import Ranks, shard_name
-        from serve_app.parallel.group import load_shard
+        from serve_app.deploy.ranks import Ranks, load_shard, shard_name
         from serve_app.parallel.lockstep import Channel
         from serve_app.serving.service import ModelService, source_path
 
@@ -177,7 +176,7 @@ class ModelReplica:
         model, tokenizer, model_dir = load_shard(self.profile, group, self.model_home)
         service = ModelService(self.profile, model, tokenizer, model_dir, self.client,
                                self.recorder, lockstep=Channel(group),
-                               shard=shard_name(self.profile, 0))
+                               shard=shard_name(self.profile, 0), wake_others=ranks.wake)
         try:
             ranks.wait_started()
         except BaseException:

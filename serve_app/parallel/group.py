@@ -1,6 +1,6 @@
-"""The ranks' group: addresses, the hostfile ``mx.distributed`` reads, and each rank's
-share of the model (``mlx_lm.utils.sharded_load``). No Ray here: ``deploy/ranks.py``
-places the ranks and calls these in each."""
+"""The ranks' group: addresses, the hostfile ``mx.distributed`` reads, joining it, and
+what rank 0 knows of each rank. No Ray here: ``deploy/ranks.py`` places the ranks and
+calls these in each."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import os
 import socket
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from serve_app.config.profile import ModelProfile, ParallelProfile
+from serve_app.config.profile import ParallelProfile
 
 
 @dataclass(frozen=True)
@@ -42,6 +41,10 @@ class RankStatus:
     steps: int = 0
     step_seconds: float = 0.0  # in the model's forwards, their collectives included
     channel_seconds: float = 0.0
+    # Steps whose command message carried commands (inserts, cancels), and their bytes:
+    # every other step costs one collective of a single int.
+    command_messages: int = 0
+    command_bytes: int = 0
     broken: str | None = None
 
     def public(self) -> dict:
@@ -85,21 +88,3 @@ def join_group(rank: int, hosts: list[list[str]], parallel: ParallelProfile) -> 
         raise RuntimeError(f"joined as rank {group.rank()} of {group.size()}, expected rank "
                            f"{rank} of {parallel.size}")
     return group
-
-
-def load_shard(profile: ModelProfile, group: Any, home: Path | None = None):
-    """This rank's share of the model: (model, tokenizer, model directory). From a hub
-    each rank downloads only the weight files of its share (``sharded_load``)."""
-    from mlx_lm.utils import sharded_load
-
-    from serve_app.models.compat import TOKENIZER_FILES, download_model
-    from serve_app.serving.service import source_path
-
-    assert profile.parallel is not None
-    source = source_path(profile.source, home)
-    tensor = profile.parallel.mode == "tensor"
-    model, tokenizer = sharded_load(source,
-                                    pipeline_group=None if tensor else group,
-                                    tensor_group=group if tensor else None,
-                                    tokenizer_config=profile.tokenizer_config())
-    return model, tokenizer, download_model(source, allow_patterns=TOKENIZER_FILES)

@@ -9,7 +9,9 @@ the other ranks need neither the requests' samplers nor their grammars.
 
 The commands travel over the model's own group, like mlx_lm.server's: one collective per
 step carries their size (0 for a bare step, the common case while decoding), a second
-one the pickled commands when there are any.
+one the pickled commands when there are any. A rank waiting in a collective spins a core
+(MLX's ring backend polls its sockets): when rank 0 runs out of work it says so
+(``Idle``) and the others sleep until it wakes them by a call outside the group.
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ class Cancel:
 @dataclass(frozen=True)
 class Stop:
     """Rank 0's engine stopped: the others stop too."""
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Rank 0 has nothing to run: wait until it wakes you with ``wake`` (a call outside
+    the group), not inside a collective, where MLX's ring backend spins a core."""
+
+    wake: int
 
 
 @dataclass

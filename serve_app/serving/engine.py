@@ -32,7 +32,7 @@ from serve_app.models.compat import (
     install_decode_step,
     sync_sampled_tokens,
 )
-from serve_app.parallel.lockstep import Cancel, Channel, Insert, Stop
+from serve_app.parallel.lockstep import Cancel, Channel, Idle, Insert, Stop
 from serve_app.serving.admission import (
     KVBudget,
     KVBudgetError,
@@ -97,6 +97,12 @@ class Engine:
         self.broken: str | None = None  # why a sharded engine stopped (a rank was lost)
         # Rank 0: names the lost rank when a collective fails (the replica's ranks).
         self.describe_loss: Callable[[BaseException], str] | None = None
+        # Rank 0: wakes the other ranks (a call outside the group) after it told them it
+        # is idle; None: they keep waiting inside the group's collectives.
+        self.wake_others: Callable[[int], None] | None = None
+        self._wakes = 0  # rank 0: Idle messages sent; the others: the last wake received
+        self._idle = False  # rank 0: the others were told it is idle and not woken since
+        self._woken = threading.Condition()
         # Speculative decode steps (None: plain ones); it reports each step to the counters.
         self.speculator = speculator
         if speculator is not None:
@@ -300,6 +306,11 @@ class Engine:
             self._follow()
         while not self._stopping.is_set():
             try:
+                if not self._requests and self._leads and self.wake_others is not None \
+                        and not self._idle:
+                    self._wakes += 1
+                    self._tell(Idle(self._wakes))  # they sleep until the next command
+                    self._idle = True
                 self._drain_commands(block=not self._requests)
                 if self._requests:
                     self._step()
@@ -341,8 +352,23 @@ class Engine:
         """Rank 0: what it did since the last step, then a step (or ``Stop``), to the
         other ranks."""
         assert self.lockstep is not None
+        if self._idle and not any(isinstance(c, Idle) for c in commands):
+            assert self.wake_others is not None
+            self.wake_others(self._wakes)  # out of their sleep, into the collective
+            self._idle = False
         sent, self._sent = [*self._sent, *commands], []
         self.lockstep.send(sent)
+
+    def wake(self, number: int) -> None:
+        """A rank other than 0: rank 0 has work again after its ``Idle(number)``."""
+        with self._woken:
+            self._wakes = max(self._wakes, number)
+            self._woken.notify_all()
+
+    def _sleep_until_woken(self, number: int) -> None:
+        with self._woken:
+            while self._wakes < number and not self._stopping.is_set():
+                self._woken.wait(0.5)
 
     def _follow(self) -> None:
         """A rank other than 0: replay rank 0's commands until it stops (or is lost)."""
@@ -352,12 +378,18 @@ class Engine:
                 commands = self.lockstep.receive()
                 if any(isinstance(c, Stop) for c in commands):
                     break
+                idle = None
                 for command in commands:
                     if isinstance(command, Insert):
                         self._follow_insert(command)
                     elif isinstance(command, Cancel):
                         self._cancel(command.rid)
-                self._step()
+                    elif isinstance(command, Idle):
+                        idle = command
+                if idle is not None:
+                    self._sleep_until_woken(idle.wake)
+                else:
+                    self._step()
         except Exception as exc:
             logger.exception("engine %s (rank %d) stopped", self.name, self.lockstep.rank)
             self.broken = f"rank {self.lockstep.rank}: {exc}"

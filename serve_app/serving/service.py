@@ -152,6 +152,7 @@ class ModelService:
         metrics: Recorder | None = None,
         lockstep: Channel | None = None,
         shard: str | None = None,
+        wake_others: Callable[[int], None] | None = None,
     ) -> None:
         # Rank 0 of a sharded model: the other ranks' cache plans (set by the replica).
         self.shards: ShardPlanner | None = None
@@ -173,6 +174,7 @@ class ModelService:
                 lambda: load_mtp_head(model, _checkpoint_dir(model_dir))),
             lockstep=lockstep,
         )
+        self.engine.wake_others = wake_others  # before its first idle: set on its thread
         try:
             # The engine thread probes the layout: every cached array's shape and dtype.
             self.layout = self.engine.wait_ready()
