@@ -8,8 +8,9 @@
   they do alone.
 - ``/v1/models`` lists the ranks and their nodes, ``/v1/stats`` their steps and their
   time in collectives.
-- A rank killed mid-request ends it with 503 ``rank_lost`` naming the rank, never a
-  hang; Serve replaces the replica and its ranks, and the model answers again.
+- A rank killed mid-request, or one that hangs (stopped), ends it with 503 ``rank_lost``
+  naming the rank, never a hang; Serve replaces the replica and its ranks, and the model
+  answers again.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tests.servers import running
 
 BS = 16
 SHARDED = {"t2": ("tiny-dense", {"tensor": 2, "placement": "pack"}),
-           "p2": ("tiny-hybrid", {"pipeline": 2, "placement": "pack"})}
+           "p2": ("tiny-hybrid", {"pipeline": 2, "placement": "pack", "rank_timeout_s": 3})}
 REFERENCE = {"t2": "dense", "p2": "hybrid"}  # the same weights, unsharded
 MODELS = [
     *({"name": name, "source": f"embedded:{src}", "context_length": 4096,
@@ -184,19 +185,17 @@ def test_a_restart_restores_every_ranks_share_from_ssd(sharded):
         assert tiers.get("ssd", 0) >= 4 * BS, (name, tiers)
 
 
-def test_a_killed_rank_ends_its_requests_with_503_and_serve_recovers(sharded):
-    """Rank 1 of the tensor-parallel model is killed while a long answer is decoding: the
-    request ends with 503 ``rank_lost`` naming rank 1 and its node (never a hang); once
-    Serve has replaced the replica and its ranks, the model answers again, exactly."""
+def lose_a_rank_mid_answer(sharded, name: str, fault: signal.Signals) -> tuple[dict, dict]:
+    """Send ``fault`` to rank 1 of ``name`` while a long answer decodes; the request's
+    outcome (its error and seconds) and rank 1 as it was."""
     client = sharded.client()
-    expected = text(ask(client, "t2", chat("after recovery")))
-    rank1 = model_stats(sharded, "t2")["replica"]["ranks"][1]
+    rank1 = model_stats(sharded, name)["replica"]["ranks"][1]
     outcome: dict = {}
 
     def long_answer() -> None:
         tic = time.monotonic()
         try:
-            ask(client, "t2", [{"role": "user", "content": "Write at length."}], n=3500)
+            ask(client, name, [{"role": "user", "content": "Write at length."}], n=3500)
             outcome["error"] = None
         except APIStatusError as exc:
             outcome["error"] = exc
@@ -205,26 +204,71 @@ def test_a_killed_rank_ends_its_requests_with_503_and_serve_recovers(sharded):
     worker = threading.Thread(target=long_answer)
     worker.start()
     deadline = time.monotonic() + 60
-    while model_stats(sharded, "t2")["engine"]["running_batch_size"] == 0:
+    while model_stats(sharded, name)["engine"]["running_batch_size"] == 0:
         assert time.monotonic() < deadline, "the long request never started decoding"
         time.sleep(0.1)
-    os.kill(rank1["pid"], signal.SIGKILL)
+    os.kill(rank1["pid"], fault)
     worker.join(60)
-    assert not worker.is_alive(), "the request hung after its rank was killed"
-    error = outcome["error"]
-    assert error is not None and error.status_code == 503, outcome
-    body = error.response.json()["error"]
-    assert body["code"] == "rank_lost", body
-    assert "rank 1" in body["message"] and rank1["node_id"] in body["message"], body
+    assert not worker.is_alive(), "the request hung after its rank was lost"
+    return outcome, rank1
+
+
+def answers_again(sharded, name: str, expected: str, lost: dict) -> None:
+    """Serve replaces the replica and its ranks; the model then answers, exactly."""
+    client = sharded.client()
     deadline = time.monotonic() + 240
     while True:
         try:
-            again = ask(client, "t2", chat("after recovery"))
+            again = ask(client, name, chat("after recovery"))
             break
         except APIStatusError as exc:
             assert exc.status_code == 503, exc
             assert time.monotonic() < deadline, "Serve never replaced the replica"
             time.sleep(2)
     assert text(again) == expected
-    ranks = model_stats(sharded, "t2")["replica"]["ranks"]
-    assert ranks[1]["pid"] != rank1["pid"]
+    assert model_stats(sharded, name)["replica"]["ranks"][1]["pid"] != lost["pid"]
+
+
+def rank_lost(outcome: dict) -> dict:
+    error = outcome["error"]
+    assert error is not None and error.status_code == 503, outcome
+    body = error.response.json()["error"]
+    assert body["code"] == "rank_lost", body
+    return body
+
+
+def test_a_killed_rank_ends_its_requests_with_503_and_serve_recovers(sharded):
+    """Rank 1 of the tensor-parallel model is killed while a long answer is decoding: the
+    request ends with 503 ``rank_lost`` naming rank 1 and its node (never a hang); once
+    Serve has replaced the replica and its ranks, the model answers again, exactly."""
+    expected = text(ask(sharded.client(), "t2", chat("after recovery")))
+    outcome, rank1 = lose_a_rank_mid_answer(sharded, "t2", signal.SIGKILL)
+    body = rank_lost(outcome)
+    assert "rank 1" in body["message"] and rank1["node_id"] in body["message"], body
+    answers_again(sharded, "t2", expected, rank1)
+
+
+def test_a_hung_rank_ends_its_requests_with_503_within_its_timeout(sharded):
+    """Rank 1 of the pipeline-parallel model stops (SIGSTOP: alive, answering nothing)
+    mid-answer: rank 0 waits in a collective that never completes, its ping times out
+    after ``rank_timeout_s`` (3 s here), and the request ends with 503 naming the rank;
+    Serve replaces the replica (the stopped rank with it)."""
+    expected = text(ask(sharded.client(), "p2", chat("after recovery")))
+    outcome, rank1 = lose_a_rank_mid_answer(sharded, "p2", signal.SIGSTOP)
+    try:
+        body = rank_lost(outcome)
+        assert "rank 1" in body["message"] and "did not answer within 3 s" in body["message"]
+        assert outcome["seconds"] < 30, outcome
+        answers_again(sharded, "p2", expected, rank1)
+    finally:
+        if stopped(rank1["pid"]):  # never leave it stopped (Serve's kill reaped it, else)
+            os.kill(rank1["pid"], signal.SIGKILL)
+
+
+def stopped(pid: int) -> bool:
+    """Whether ``pid`` is a stopped process (the one this test stopped, not a reused pid)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
