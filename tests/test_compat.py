@@ -248,3 +248,42 @@ def test_trunk_parts_and_the_recorded_final_hidden_state(name, tmp_path):
         pass
     model(tokens)
     assert seen == []
+
+
+def test_sync_sampled_tokens_patches_the_step_that_samples(hybrid_dir):
+    """``sync_sampled_tokens`` relies on ``GenerationBatch._step`` leaving every row's
+    sampled token in ``_next_tokens``: with the group of this one process (size 1, the
+    sum of rank 0's tokens alone) a batch decodes exactly as without it, and the tokens
+    it feeds are the synced array. Two ranks: ``tests/test_sharded.py``."""
+    from mlx_lm.generate import GenerationBatch
+
+    model, _ = mlx_lm.load(str(hybrid_dir))
+
+    def decode() -> list[int]:
+        gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=2)
+        (uid,) = gen.insert([[5, 6, 7, 8, 9]], max_tokens=[6])
+        out: list[int] = []
+        while len(out) < 6:
+            _, responses = gen.next()
+            out += [r.token for r in responses if r.uid == uid]
+        gen.close()
+        return out
+
+    plain = decode()
+    compat.sync_sampled_tokens(mx.distributed.init())  # installs the patch
+    seen = []
+    original = GenerationBatch._step  # the patched step
+
+    def watch(self):
+        out = original(self)
+        seen.append(self._next_tokens)
+        return out
+
+    try:
+        GenerationBatch._step = watch  # under the patch: sees what it left
+        synced = decode()
+    finally:
+        GenerationBatch._step = original
+        compat.sync_sampled_tokens(None)
+    assert synced == plain and seen
+    assert GenerationBatch.__dict__.get("_serve_app_syncs_tokens")
