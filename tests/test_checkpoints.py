@@ -21,6 +21,7 @@ from serve_app.cache.settings import CacheSettings, default_checkpoint_interval
 from serve_app.cache.tiers import TieredStore
 from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize
+from serve_app.serving import engine_cache
 from serve_app.serving.engine_request import EngineRequest
 from serve_app.serving.request import CompletionRequest
 from serve_app.serving.sampling import SamplingParams
@@ -77,7 +78,7 @@ def segments(service: ModelService, prompt: list[int], restored: int = 0) -> lis
                        checkpoint_every=service.cache.settings.checkpoint_every)
     req = EngineRequest(1, prompt, SamplingParams(max_tokens=1), lambda e: None, plan,
                    restored=restored)
-    return [len(s) for s in service.engine._segments(req)]
+    return [len(s) for s in engine_cache.segments(req)]
 
 
 def test_attention_only_prefill_is_not_cut_at_block_boundaries(models):

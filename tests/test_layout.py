@@ -2,9 +2,10 @@
 
 Each package of ``serve_app`` has a rank (``RANKS``); a module may import its own package
 and packages of a lower rank only. ``api`` and ``cluster`` share a rank and do not import
-each other. Imports under ``if TYPE_CHECKING`` are annotations, not dependencies, and do not
-count; imports inside functions do. The package graph has no cycle, the top of the
-package holds at most three modules, and no module is over ``MAX_LINES``.
+each other, nor do ``cache`` and ``parallel``. Imports under ``if TYPE_CHECKING`` are
+annotations, not dependencies, and do not count; imports inside functions do. The package
+graph has no cycle, the top of the package holds at most three modules, and no module is
+over ``MAX_LINES``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ RANKS = {
     "config": 0,   # the YAML profile and its checks, user directories, the model catalog
     "models": 1,   # materializing models, the compat seam over mlx-lm's and Ray's internals
     "cache": 2,    # the prefix cache: hashing, codecs, tiers, the SSD store, the manager
+    "parallel": 2,  # one model over several ranks: what splits, the group, the commands
     "memory": 3,   # what models need and machines have; the plan
     "metrics": 4,  # the one metrics table, recording, samples
     "serving": 5,  # preparing requests, the engine, the model service

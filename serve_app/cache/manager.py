@@ -113,7 +113,8 @@ class CacheManager:
     async def plan(self, prompt: list[int], *, salt: str | None = None,
                    api_key_digest: str | None = None,
                    branch_points: tuple[int, ...] = (),
-                   limit: int | None = None) -> RequestPlan | None:
+                   limit: int | None = None, wait_inflight: bool = True
+                   ) -> RequestPlan | None:
         """Look the prompt's blocks up and fetch what can be restored (None: caching off).
 
         Hybrid models restore only up to a block whose recurrent checkpoint is
@@ -132,7 +133,8 @@ class CacheManager:
         ids = chain(root, prompt, bs)
         readable = len(prompt) - 1 if limit is None else min(len(prompt) - 1, limit)
         restorable = min(len(ids), readable // bs)
-        await self._wait_for_inflight(ids[:restorable])
+        if wait_inflight:  # (a rank other than 0 does not: rank 0 has waited)
+            await self._wait_for_inflight(ids[:restorable])
         # Claimed before the lookup, so that a request arriving during it waits too.
         claim = self.inflight.claim(ids[:restorable])
         stats.lookups += 1

@@ -35,11 +35,15 @@ from serve_app.parallel.group import (
 if TYPE_CHECKING:
     from serve_app.parallel.lockstep import Insert
     from serve_app.serving.engine_events import EngineEvent
+    from serve_app.serving.engine_ranks import RankEngine
 
 logger = logging.getLogger("ray.serve")
 
 
-PLAN_TTL_S = 120.0  # a rank forgets a plan rank 0 never inserted after this long
+# A plan rank 0 neither inserts nor forgets (``Forget``) is let go after this long: a
+# last resort, far longer than a request waits in rank 0's queue.
+PLAN_TTL_S = 3600.0
+PLAN_WAIT_S = 60.0  # the longest a rank plans a request (store calls are bounded well below)
 
 
 def shard_name(profile: ModelProfile, rank: int) -> str:
@@ -112,44 +116,60 @@ class RankProcess:
         """Join the group, load this rank's share, start the following engine; returns
         once it probed the model with rank 0 (a forward of every rank together)."""
         from serve_app.parallel.lockstep import Channel
-        from serve_app.serving.engine import Engine
+        from serve_app.serving.engine_ranks import RankEngine
 
         profile = self.profile
         assert profile.parallel is not None
         group = join_group(self.rank, hosts, profile.parallel)
         model, tokenizer, model_dir = load_shard(profile, group, self.home)
-        self.engine = Engine(model, stop_tokens=set(tokenizer.eos_token_ids),
-                             max_batch_size=profile.max_batch_size,
-                             max_queued_requests=profile.max_queued_requests,
-                             prefill_step_size=profile.prefill_step_size,
-                             name=f"{profile.name}-rank{self.rank}", lockstep=Channel(group),
-                             follower_plan=self._plan_for)
+        self.engine = RankEngine(model, channel=Channel(group), follower_plan=self._plan_for,
+                                 stop_tokens=set(tokenizer.eos_token_ids),
+                                 max_batch_size=profile.max_batch_size,
+                                 max_queued_requests=profile.max_queued_requests,
+                                 prefill_step_size=profile.prefill_step_size,
+                                 name=f"{profile.name}-rank{self.rank}")
         layout = self.engine.wait_ready(600)
         self.cache = open_cache(profile, layout, self.cache_store, model_dir,
                                 tokenizer.chat_template, self.rank)
-        return self.status()
+        return self._status()
 
     # ---- this rank's prefix cache ----------------------------------------------------------
 
+    @ray.method(concurrency_group="plans")
     def plan(self, key: str, prompt: list[int], limit: int, salt: str | None,
              api_key_digest: str | None, branch_points: tuple[int, ...]) -> int:
         """Plan a request's restore here (at most ``limit`` tokens) under ``key``; how
         many tokens this rank can restore. Asked again, the plan before is let go."""
-        self.drop(key)
+        self._drop(key)
         now = time.monotonic()
         with self._plans_lock:
             stale = [k for k, (_, at) in self.plans.items() if now - at > PLAN_TTL_S]
-        for k in stale:  # planned, then never inserted (rank 0 refused the request)
-            self.drop(k)
-        plan = asyncio.run_coroutine_threadsafe(
+        for k in stale:  # planned, then neither inserted nor forgotten by rank 0
+            self._drop(k)
+        future = asyncio.run_coroutine_threadsafe(
             self.cache.plan(prompt, salt=salt, api_key_digest=api_key_digest,
-                            branch_points=branch_points, limit=limit),
-            self.loop).result(timeout=PLAN_TTL_S)
+                            branch_points=branch_points, limit=limit, wait_inflight=False),
+            self.loop)
+        try:
+            plan = future.result(timeout=PLAN_WAIT_S)
+        except BaseException:
+            future.add_done_callback(self._let_go_late)  # rank 0 gave up on it
+            raise
         with self._plans_lock:
             self.plans[key] = (plan, now)
         return plan.restore_tokens if plan is not None else 0
 
+    @ray.method(concurrency_group="plans")
     def drop(self, key: str) -> None:
+        self._drop(key)
+
+    def _let_go_late(self, future: Any) -> None:
+        """A plan made after rank 0 stopped waiting for it: its claims and pins go."""
+        if not future.cancelled() and future.exception() is None \
+                and future.result() is not None:
+            self._let_go(future.result(), lease=True)
+
+    def _drop(self, key: str) -> None:
         with self._plans_lock:
             entry = self.plans.pop(key, None)
         if entry is not None and entry[0] is not None:
@@ -185,27 +205,34 @@ class RankProcess:
 
         return plan, sink
 
+    @ray.method(concurrency_group="control")
     def wake(self, number: int) -> None:
         """Rank 0 has work again (its engine sleeps outside the group meanwhile)."""
         if self.engine is not None:
-            self.engine.wake(number)
+            self.engine.ranks.wake(number)
 
+    @ray.method(concurrency_group="control")
     def status(self) -> RankStatus:
+        return self._status()
+
+    def _status(self) -> RankStatus:
         engine = self.engine
         stats = engine.snapshot() if engine is not None else None
         return RankStatus(
             self.rank, self.where.node_id, self.where.host, os.getpid(),
             steps=stats.decode_steps if stats else 0,
             step_seconds=stats.step_seconds if stats else 0.0,
-            channel_seconds=engine.lockstep.seconds if engine is not None else 0.0,
-            command_messages=engine.lockstep.messages if engine is not None else 0,
-            command_bytes=engine.lockstep.message_bytes if engine is not None else 0,
+            channel_seconds=engine.ranks.channel.seconds if engine is not None else 0.0,
+            command_messages=engine.ranks.channel.messages if engine is not None else 0,
+            command_bytes=engine.ranks.channel.message_bytes if engine is not None else 0,
             broken=engine.broken if engine is not None else None)
 
 
-# Threaded: rank 0 pings while ``start`` loads. (Ray's typed overloads of ray.remote omit
-# actor-only options such as max_concurrency.)
-Rank = ray.remote(num_cpus=0, max_concurrency=4)(RankProcess)  # type: ignore[call-overload]
+# Threaded, in groups: rank 0's pings and wake-ups (``control``) are never queued behind
+# cache plans (``plans``) or the load (the default group). (Ray's typed overloads of
+# ray.remote omit actor-only options such as concurrency_groups.)
+Rank = ray.remote(num_cpus=0, max_concurrency=2,  # type: ignore[call-overload]
+                  concurrency_groups={"control": 2, "plans": 8})(RankProcess)
 
 
 class Ranks:
@@ -236,6 +263,8 @@ class Ranks:
         self._starting: list = []
         self.statuses: list[RankStatus] = [RankStatus(0, self.me.node_id, self.me.host,
                                                       os.getpid())]
+        # ``ShardPlanner``: a planning round longer than this fails (a rank is lost).
+        self.timeout_s = PLAN_WAIT_S + parallel.rank_timeout_s
         self.lost: str | None = None
 
     def start_others(self) -> None:
@@ -301,11 +330,11 @@ class Ranks:
         return {"mode": parallel.mode, "size": parallel.size,
                 "ranks": [s.public() for s in self.statuses]}
 
-    def stats(self, engine: Any) -> tuple[RankStatus, ...]:
+    def stats(self, engine: RankEngine) -> tuple[RankStatus, ...]:
         """Every rank's status: rank 0's from its own ``engine``, the others' as of the
         last ping."""
         snap = engine.snapshot()
-        channel = engine.lockstep
+        channel = engine.ranks.channel
         own = RankStatus(0, self.me.node_id, self.me.host, os.getpid(), snap.decode_steps,
                          snap.step_seconds, channel.seconds, channel.messages,
                          channel.message_bytes, engine.broken)

@@ -41,6 +41,7 @@ from serve_app.models.phase import (
     load_failure_reason,
     replica_identity,
 )
+from serve_app.parallel.group import RankStatus
 from serve_app.serving.errors import (
     model_load_failed_error,
 )
@@ -50,6 +51,7 @@ from serve_app.serving.request import ApiError, Caller, OpenAIRequest
 
 if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
     from serve_app.deploy.ranks import Ranks
+    from serve_app.serving.engine_ranks import RankEngine
     from serve_app.serving.prepare import PreparedRequest, Preparer
     from serve_app.serving.service import ModelService
     from serve_app.store.client import RayCacheClient
@@ -165,6 +167,7 @@ class ModelReplica:
         join their group, load this rank's share; a watchdog then pings them."""
         from serve_app.deploy.ranks import Ranks, load_shard, shard_name
         from serve_app.parallel.lockstep import Channel
+        from serve_app.serving.engine_ranks import RankEngine
         from serve_app.serving.service import ModelService, source_path
 
         source_path(self.profile.source, self.model_home, self._progress())  # materialize
@@ -183,12 +186,15 @@ class ModelReplica:
             service.shutdown()
             raise
         service.shards = ranks  # requests restore what every rank holds
-        service.engine.describe_loss = ranks.describe_loss
+        engine = service.engine
+        assert isinstance(engine, RankEngine)
+        engine.ranks.describe_loss = ranks.describe_loss
         self.board.parallel = ranks.parallel_entry()
-        threading.Thread(target=self._watch_ranks, name="rank-watchdog", daemon=True).start()
+        threading.Thread(target=self._watch_ranks, args=(engine,), name="rank-watchdog",
+                         daemon=True).start()
         return service
 
-    def _watch_ranks(self) -> None:
+    def _watch_ranks(self, engine: RankEngine) -> None:
         """Ping the other ranks; one that is lost or does not answer in time ends every
         request of the model with 503 naming it, and fails the health check (Serve then
         replaces this replica, its ranks with it)."""
@@ -196,15 +202,13 @@ class ModelReplica:
         assert ranks is not None and self.profile.parallel is not None
         while self.lost is None:
             why = ranks.ping()
-            service = self.service
-            broken = service.engine.broken if service is not None else None
+            broken = engine.broken
             if why is not None or broken is not None:
                 self.lost = (f"model {self.profile.name!r}: {why}" if why is not None
                              else str(broken))
                 logger.error("%s; the replica is unhealthy until Serve replaces it",
                              self.lost)
-                if service is not None:
-                    service.engine.abandon(self.lost)
+                engine.abandon(self.lost)
                 return
             time.sleep(1.0)
 
@@ -376,8 +380,8 @@ class ModelReplica:
         """The service's samples and this model's memory (the metrics pump's thread)."""
         service = self.service
         own = service.metric_samples() if service is not None else []
-        if self.ranks is not None and service is not None:
-            own += rank_samples(self.profile.name, self.ranks.stats(service.engine))
+        if service is not None:  # a model in one process is its own rank 0
+            own += rank_samples(self.profile.name, self._rank_stats(service))
         return [*own, *memory_samples(self.profile.name, self._memory_stats(service)),
                 *pool_samples(self.profile.name, service is not None, self.loads,
                               self.load_seconds, self.unloads)]
@@ -434,8 +438,19 @@ class ModelReplica:
             last_unload_demoted={"blocks": self.demoted[0], "bytes": self.demoted[1]},
             preparing=self.stage.busy, prepare_runs=self.stage.runs,
             memory=self._memory_stats(service),
-            ranks=(self.ranks.stats(service.engine)
+            ranks=(self._rank_stats(service)
                    if self.ranks is not None and service is not None else ()))
+
+    def _rank_stats(self, service: ModelService) -> tuple[RankStatus, ...]:
+        """Each rank's status; a model in one process: rank 0, with no channel."""
+        if self.ranks is not None:
+            from serve_app.serving.engine_ranks import RankEngine
+
+            assert isinstance(service.engine, RankEngine)
+            return self.ranks.stats(service.engine)
+        snap = service.engine.snapshot()
+        return (RankStatus(0, self.node_id, "", os.getpid(), snap.decode_steps,
+                           snap.step_seconds),)
 
     def report_stats(self) -> ReplicaStats | None:
         """What this replica reports to its node's store: its own stats (no store call;

@@ -124,8 +124,9 @@ METRICS: tuple[MetricDef, ...] = (
     _g("serve_app_speculating_rows", "replica",
        "Requests that drafted in the last decode step."),
     _c("serve_app_rank_step_seconds", "replica",
-       "A model sharded over ranks (`parallel:`): seconds each rank spent in the model's "
-       "steps, its collectives included.", ("model", "rank")),
+       "Seconds each rank of a model spent in its steps, collectives included (a model in "
+       "one process is its own rank 0; one sharded over ranks, `parallel:`, has several).",
+       ("model", "rank")),
     _c("serve_app_rank_collective_seconds", "replica",
        "A model sharded over ranks: seconds each rank spent on the engine's command "
        "channel (rank 0 sending each step's commands, the others waiting for them).",

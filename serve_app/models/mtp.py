@@ -145,11 +145,18 @@ def load_mtp_head(model: Any, model_dir: Path) -> tuple[MTPHead, TrunkParts]:
     weights = sanitize(raw, hf_layout, getattr(parts.args, "num_experts", 0) or 0)
     head = MTPHead(parts)
     config = _config(model_dir)
-    quantization = config.get("quantization") or config.get("quantization_config")
+    quantization = config.get("quantization") or config.get("quantization_config") or {}
+    group, bits = quantization.get("group_size", 64), quantization.get("bits", 4)
     if quantization and any(k.endswith(".scales") for k in weights):
-        # stored quantized: quantize the modules the checkpoint holds quantized
-        nn.quantize(head, group_size=quantization["group_size"], bits=quantization["bits"],
-                    class_predicate=lambda path, _: f"{path}.scales" in weights)
+        # stored quantized: the modules the checkpoint holds quantized, each with its
+        # own settings where the config gives them (mlx-lm's per-path overrides)
+        def stored(path: str, _: nn.Module) -> bool | dict:
+            if f"{path}.scales" not in weights:
+                return False
+            own = quantization.get(f"{PREFIX}{path}")
+            return own if isinstance(own, dict) else True
+
+        nn.quantize(head, group_size=group, bits=bits, class_predicate=stored)
     dtype = parts.inner.norm.weight.dtype
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
                for k, v in weights.items()}
@@ -159,7 +166,6 @@ def load_mtp_head(model: Any, model_dir: Path) -> tuple[MTPHead, TrunkParts]:
         raise MTPUnavailable(f"the {PREFIX}* weights in {model_dir} do not fit an MTP head "
                              f"for this model: {e}") from e
     if quantization and not any(k.endswith(".scales") for k in weights):
-        group, bits = quantization["group_size"], quantization["bits"]
         predicate = getattr(model, "quant_predicate", None)
 
         def quantizable(path: str, module: nn.Module) -> bool | dict:

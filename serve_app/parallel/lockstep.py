@@ -44,6 +44,14 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Forget:
+    """A request every rank planned a restore for never reaches the batch (cancelled
+    while it waited, or refused): the others let their plans go."""
+
+    plan_key: str
+
+
+@dataclass(frozen=True)
 class Stop:
     """Rank 0's engine stopped: the others stop too."""
 
@@ -105,7 +113,9 @@ class ShardPlanner(Protocol):
     """Rank 0's way to the other ranks' prefix caches: each plans a request's restore
     (at most ``limit`` tokens) under ``key`` and answers how many tokens it can restore;
     the request then restores what every rank can. ``drop`` forgets a key's plans (the
-    request never reached the engine)."""
+    request never reached the engine); a round that takes over ``timeout_s`` fails."""
+
+    timeout_s: float
 
     async def plan(self, key: str, prompt: list[int], limit: int, *, salt: str | None,
                    api_key_digest: str | None, branch_points: tuple[int, ...]

@@ -16,23 +16,18 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from serve_app.cache.blocks import build_cache, capture_block
 from serve_app.cache.layout import Layout, probe_layout
 from serve_app.cache.request_plan import Published, RequestPlan
 from serve_app.memory.plan import MemoryLimits
 from serve_app.memory.shapes import cache_shape_from_layout
-from serve_app.models.compat import (
-    batch_row_caches,
-    install_decode_step,
-    sync_sampled_tokens,
-)
-from serve_app.parallel.lockstep import Cancel, Channel, Idle, Insert, Stop
+from serve_app.models.compat import batch_row_caches, install_decode_step
+from serve_app.parallel.lockstep import Cancel, Forget, Insert
+from serve_app.serving import engine_cache
 from serve_app.serving.admission import (
     KVBudget,
     KVBudgetError,
@@ -50,10 +45,6 @@ logger = logging.getLogger(__name__)
 
 
 _live_engines: weakref.WeakSet = weakref.WeakSet()
-
-
-def _ignore(event: EngineEvent) -> None:
-    """The events of a request a follower rank replays: nobody waits for them."""
 
 
 @atexit.register
@@ -83,26 +74,10 @@ class Engine:
         prefill_batch_size: int | None = None,
         name: str = "model",
         speculator: Speculator | None = None,
-        lockstep: Channel | None = None,
-        follower_plan: Callable[[Insert], tuple[RequestPlan | None, EventSink]] | None = None,
     ) -> None:
         self.model = model
-        # A model sharded over ranks: rank 0's engine (this one, when the channel's rank is
-        # 0) sends what it does to the others, whose engines replay it
-        # (``serve_app.parallel.lockstep``); ``follower_plan`` is a follower's own cache
-        # plan for a request rank 0 inserted.
-        self.lockstep = lockstep
-        self.follower_plan = follower_plan
-        self._sent: list = []  # commands for the other ranks since the last step
         self.broken: str | None = None  # why a sharded engine stopped (a rank was lost)
-        # Rank 0: names the lost rank when a collective fails (the replica's ranks).
-        self.describe_loss: Callable[[BaseException], str] | None = None
-        # Rank 0: wakes the other ranks (a call outside the group) after it told them it
-        # is idle; None: they keep waiting inside the group's collectives.
-        self.wake_others: Callable[[int], None] | None = None
-        self._wakes = 0  # rank 0: Idle messages sent; the others: the last wake received
-        self._idle = False  # rank 0: the others were told it is idle and not woken since
-        self._woken = threading.Condition()
+        self._abandoned: set[int] = set()  # requests ``RankEngine.abandon`` already ended
         # Speculative decode steps (None: plain ones); it reports each step to the counters.
         self.speculator = speculator
         if speculator is not None:
@@ -286,14 +261,9 @@ class Engine:
             mx.set_cache_limit(limits.cache_bytes)
         self.applied_limits = limits
 
-    @property
-    def _leads(self) -> bool:
-        return self.lockstep is not None and self.lockstep.rank == 0
-
     def _run(self) -> None:
         try:
-            if self.lockstep is not None:
-                sync_sampled_tokens(self.lockstep.group)
+            self._begin()
             self.layout = probe_layout(self.model)
             if self.speculator is not None:
                 self.speculator.calibrate(self.model, self.max_batch_size)
@@ -302,33 +272,8 @@ class Engine:
             self._start_error = exc
             self._stopping.set()
         self._ready.set()
-        if self.lockstep is not None and self.lockstep.rank != 0:
-            self._follow()
-        while not self._stopping.is_set():
-            try:
-                if not self._requests and self._leads and self.wake_others is not None \
-                        and not self._idle:
-                    self._wakes += 1
-                    self._tell(Idle(self._wakes))  # they sleep until the next command
-                    self._idle = True
-                self._drain_commands(block=not self._requests)
-                if self._requests:
-                    self._step()
-                self._admit_waiting()
-            except Exception as exc:  # the engine must outlive any one bad batch
-                logger.exception("engine %s step failed", self.name)
-                if self.lockstep is not None:  # the ranks are out of step: no way back
-                    describe = self.describe_loss
-                    self._break(describe(exc) if describe is not None
-                                else f"engine error on a sharded model: {exc}")
-                    break
-                self._fail_all(f"engine error: {exc}")
-                self._generator = self._new_generator()
-        if self._leads and self.broken is None:
-            try:
-                self._tell(Stop())
-            except Exception:  # a rank already gone: nothing to stop there
-                logger.info("engine %s: the other ranks were gone at stop", self.name)
+        self._serve()
+        self._on_stop()
         self._fail_all(self.broken or "engine shut down")
         self._fail_queued("engine shut down")
         while self._kv_waiting:
@@ -348,78 +293,41 @@ class Engine:
         # process (std::terminate). A parked daemon thread dies with the process.
         threading.Event().wait()
 
-    def _tell(self, *commands) -> None:
-        """Rank 0: what it did since the last step, then a step (or ``Stop``), to the
-        other ranks."""
-        assert self.lockstep is not None
-        if self._idle and not any(isinstance(c, Idle) for c in commands):
-            assert self.wake_others is not None
-            self.wake_others(self._wakes)  # out of their sleep, into the collective
-            self._idle = False
-        sent, self._sent = [*self._sent, *commands], []
-        self.lockstep.send(sent)
-
-    def wake(self, number: int) -> None:
-        """A rank other than 0: rank 0 has work again after its ``Idle(number)``."""
-        with self._woken:
-            self._wakes = max(self._wakes, number)
-            self._woken.notify_all()
-
-    def _sleep_until_woken(self, number: int) -> None:
-        with self._woken:
-            while self._wakes < number and not self._stopping.is_set():
-                self._woken.wait(0.5)
-
-    def _follow(self) -> None:
-        """A rank other than 0: replay rank 0's commands until it stops (or is lost)."""
-        assert self.lockstep is not None
-        try:
-            while not self._stopping.is_set():
-                commands = self.lockstep.receive()
-                if any(isinstance(c, Stop) for c in commands):
-                    break
-                idle = None
-                for command in commands:
-                    if isinstance(command, Insert):
-                        self._follow_insert(command)
-                    elif isinstance(command, Cancel):
-                        self._cancel(command.rid)
-                    elif isinstance(command, Idle):
-                        idle = command
-                if idle is not None:
-                    self._sleep_until_woken(idle.wake)
-                else:
+    def _serve(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                if not self._requests:
+                    self._idle()
+                self._drain_commands(block=not self._requests)
+                if self._requests:
                     self._step()
-        except Exception as exc:
-            logger.exception("engine %s (rank %d) stopped", self.name, self.lockstep.rank)
-            self.broken = f"rank {self.lockstep.rank}: {exc}"
-        self._stopping.set()
+                self._admit_waiting()
+            except Exception as exc:  # the engine must outlive any one bad batch
+                logger.exception("engine %s step failed", self.name)
+                if self._on_error(exc):
+                    return
+                self._fail_all(f"engine error: {exc}")
+                self._generator = self._new_generator()
 
-    def _follow_insert(self, command: Insert) -> None:
-        plan, sink = (self.follower_plan(command) if self.follower_plan is not None
-                      else (None, _ignore))
-        req = EngineRequest(command.rid, list(command.prompt),
-                            SamplingParams(max_tokens=command.max_tokens), sink, plan)
-        with self._lock:
-            self.stats.in_flight += 1
-            self.stats.submitted += 1
-        self._insert(req, command.segments, command.restored)
+    # ---- what a model sharded over ranks adds (``engine_ranks.RankEngine``): no-ops here
 
-    def _break(self, message: str) -> None:
-        """A sharded engine cannot go on (a rank was lost, or the ranks fell out of step):
-        every request ends with ``message`` and nothing more is taken."""
-        self.broken = self.broken or message
-        self._stopping.set()
+    def _begin(self) -> None:  # on the engine thread, before it probes the model
+        pass
 
-    def abandon(self, message: str) -> None:
-        """A rank was lost while this (rank 0's) engine may be waiting on it inside a
-        collective: its requests end with ``message`` now, from the calling thread."""
-        self.broken = self.broken or message
-        self._stopping.set()
-        with self._lock:
-            requests = [*self._requests.values(), *self._kv_waiting]
-        for req in requests:
-            deliver(req, EngineEvent(error=message, unavailable=True))
+    def _idle(self) -> None:  # nothing runs: the engine is about to wait for commands
+        pass
+
+    def _before_step(self) -> None:
+        pass
+
+    def _record(self, command: Insert | Cancel | Forget) -> None:  # done to the batch
+        pass
+
+    def _on_error(self, exc: Exception) -> bool:  # a step failed; True: stop for good
+        return False
+
+    def _on_stop(self) -> None:
+        pass
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -483,43 +391,9 @@ class Engine:
             self.stats.kv_in_use_bytes = max(0, self.stats.kv_in_use_bytes - req.kv_bytes)
         req.kv_bytes = 0
 
-    def _segments(self, req: EngineRequest) -> list[list[int]]:
-        """What is left of the prompt, cut only where a checkpoint needs the batch to pause.
-
-        KV blocks need no pause (they are sliced out of the cache once it covers
-        them); a recurrent checkpoint exists only at the end of a segment.
-        BatchGenerator cuts the segments further by ``prefill_step_size``.
-        """
-        rest = req.prompt[req.restored :]
-        if req.cache is None:
-            return [rest]
-        cuts = [p - req.restored for p in req.cache.checkpoints(len(req.prompt), req.restored)]
-        return [rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)], strict=True)]
-
     def _restore(self, req: EngineRequest) -> list | None:
-        """The request's restored cache, or None to prefill it cold.
-
-        A restore that fails to build (a payload that does not fit the model)
-        costs that one request its cache hit, never the running batch.
-        """
-        plan = req.cache.restore if req.cache else None
-        if plan is None or not plan.tokens:
-            return None
-        tic = time.perf_counter()
-        try:
-            cache = build_cache(self.model, self._probed_layout, plan)
-        except Exception:
-            logger.exception("engine %s: restore of request %d failed; prefilling it cold",
-                             self.name, req.rid)
-            with self._lock:
-                self.stats.restore_failures += 1
-            return None
-        req.restored = plan.tokens
-        with self._lock:
-            self.stats.restored_tokens += plan.tokens
-            self.stats.restored_bytes += plan.nbytes
-            self.stats.restore_seconds += time.perf_counter() - tic
-        return cache
+        return engine_cache.restore(self.model, self._probed_layout, req, self.stats,
+                                    self._lock, self.name)
 
     def _insert(self, req: EngineRequest, segments: list[list[int]] | None = None,
                 restored: int | None = None) -> None:
@@ -537,7 +411,7 @@ class Engine:
         # Every request learns when it left the queue and what it really restored.
         deliver(req, EngineEvent(restored=req.restored))
         if segments is None:
-            segments = self._segments(req)
+            segments = engine_cache.segments(req)
         (uid,) = self._batch.insert_segments(
             [segments],
             max_tokens=[req.params.max_tokens],
@@ -550,9 +424,8 @@ class Engine:
             logits_processors=[list(req.params.logits_processors)],
         )
         req.uid = uid
-        if self._leads:
-            self._sent.append(Insert(req.rid, req.prompt, req.params.max_tokens, segments,
-                                     req.restored, req.plan_key))
+        self._record(Insert(req.rid, req.prompt, req.params.max_tokens, segments,
+                            req.restored, req.plan_key))
         if self.speculator is not None:
             self.speculator.add(uid, req.params, len(req.prompt))
         self._requests[req.rid] = req
@@ -573,8 +446,7 @@ class Engine:
             self._capture(req, len(req.prompt) + req.generated, None, state_valid=True,
                           decoding=True, ended=True)
         self._batch.remove([req.uid])
-        if self._leads:
-            self._sent.append(Cancel(rid))
+        self._record(Cancel(rid))
         self._publish_held(req)
         self._release_kv(req)
         with self._lock:
@@ -591,13 +463,13 @@ class Engine:
                 with self._lock:
                     self.stats.cancelled += 1
                     self.stats.in_flight -= 1
+                self._forget_unstarted(req)
                 deliver(req, EngineEvent(finish_reason="cancelled"))
                 return
 
     def _step(self) -> None:
         tic = time.perf_counter()
-        if self._leads:
-            self._tell()
+        self._before_step()
         prompt_responses, responses = self._batch.next()
         toc = time.perf_counter()
         # A speculative step returns several tokens of a row, in order.
@@ -653,39 +525,15 @@ class Engine:
 
     def _capture(self, req: EngineRequest, covered: int, finished_cache: list | None, *,
                  state_valid: bool, decoding: bool = False, ended: bool = False) -> None:
-        """Slice out what the request's plan says is due, now that the cache covers
-        ``covered`` tokens (``state_valid``: the recurrent state is exactly there).
-
-        ``finished_cache``: the request's own cache once it has left the batch.
-        A tail that fails to capture is logged and skipped: a cache that misses
-        a tail is slower, never wrong.
-        """
-        plan = req.cache
-        if plan is None:  # a request without a plan captures nothing
-            return
-        captures = plan.captures(covered, req.prompt, req.output, state_valid=state_valid,
-                                 decoding=decoding, ended=ended)
-        if not captures:
-            return
-        tic = time.perf_counter()
-        source = (finished_cache, 0) if finished_cache is not None else None
-        for capture in captures:
-            try:
-                if source is None:
-                    assert req.uid is not None  # in the batch: inserted
-                    source = self._batch_caches(req.uid)
-                payload = capture_block(source[0], source[1], self._probed_layout,
-                                        capture.start, capture.end, capture.with_state)
-                published = plan.publish(capture, payload)
-            except Exception:
-                if not capture.tail:
-                    raise
-                logger.exception("engine %s: capturing a tail of request %d failed", self.name,
-                                 req.rid)
-                continue
-            self._count(published)
-        with self._lock:
-            self.stats.capture_seconds += time.perf_counter() - tic
+        """What the request's plan says is due, now that its cache covers ``covered``
+        tokens (``engine_cache.capture``)."""
+        seconds = engine_cache.capture(req, covered, finished_cache, self._probed_layout,
+                                       self._batch_caches, self._count, self.name,
+                                       state_valid=state_valid, decoding=decoding,
+                                       ended=ended)
+        if seconds:
+            with self._lock:
+                self.stats.capture_seconds += seconds
 
     def _count(self, published: list[Published]) -> None:
         with self._lock:
@@ -723,7 +571,14 @@ class Engine:
         with self._lock:
             self.stats.failed += 1
             self.stats.in_flight -= 1
-        deliver(req, EngineEvent(error=message, unavailable=self.broken is not None))
+        self._forget_unstarted(req)
+        if req.rid not in self._abandoned:
+            deliver(req, EngineEvent(error=message, unavailable=self.broken is not None))
+
+    def _forget_unstarted(self, req: EngineRequest) -> None:
+        """A request that never joined the batch: the plans made for it elsewhere go."""
+        if req.uid is None and req.plan_key is not None:
+            self._record(Forget(req.plan_key))
 
     def _fail_all(self, message: str) -> None:
         for req in list(self._requests.values()):

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from serve_app.cache.client import CacheClient
 from serve_app.cache.manager import CacheManager
@@ -33,6 +34,7 @@ from serve_app.parallel.lockstep import Channel, ShardPlanner
 from serve_app.serving.admission import QueueFullError, RankLostError, refusal
 from serve_app.serving.engine import Engine
 from serve_app.serving.engine_events import EngineEvent
+from serve_app.serving.engine_ranks import RankEngine
 from serve_app.serving.errors import queue_full_error, rank_lost_error
 from serve_app.serving.events import Event, TokenLogprob
 from serve_app.serving.prepare import PreparedRequest, Preparer
@@ -161,20 +163,19 @@ class ModelService:
         self._labels = {"model": profile.name}
         self.tokenizer = tokenizer
         self.eos_ids = set(tokenizer.eos_token_ids)
-        self.engine = Engine(
-            model,
-            stop_tokens=self.eos_ids,
-            max_batch_size=profile.max_batch_size,
-            max_queued_requests=profile.max_queued_requests,
-            prefill_step_size=profile.prefill_step_size,
-            name=profile.name,
-            speculator=speculator_for(
+        kwargs: dict[str, Any] = {
+            "stop_tokens": self.eos_ids, "max_batch_size": profile.max_batch_size,
+            "max_queued_requests": profile.max_queued_requests,
+            "prefill_step_size": profile.prefill_step_size, "name": profile.name}
+        if lockstep is None:
+            self.engine: Engine = Engine(model, speculator=speculator_for(
                 profile.speculative, self.eos_ids,
                 lambda source: load_draft_model(source, tokenizer),
-                lambda: load_mtp_head(model, _checkpoint_dir(model_dir))),
-            lockstep=lockstep,
-        )
-        self.engine.wake_others = wake_others  # before its first idle: set on its thread
+                lambda: load_mtp_head(model, _checkpoint_dir(model_dir))), **kwargs)
+        else:  # rank 0 of a model sharded over ranks (no speculation: the profile refuses)
+            engine = RankEngine(model, channel=lockstep, **kwargs)
+            engine.ranks.wake_others = wake_others  # before its first idle (it checks)
+            self.engine = engine
         try:
             # The engine thread probes the layout: every cached array's shape and dtype.
             self.layout = self.engine.wait_ready()
@@ -238,7 +239,11 @@ class ModelService:
         if refused is not None:
             yield [refused.to_failure()]
             return
-        plan, key = await self._plan(prepared)
+        try:
+            plan, key = await self._plan(prepared)
+        except RankLostError as exc:
+            yield [rank_lost_error(str(exc)).to_failure()]
+            return
         clock = RequestClock(self, arrived, prepared.prepare_seconds)
         lease = Lease(self.cache, plan.lease if plan is not None else None)
         events = EventChannel(asyncio.get_running_loop())
@@ -314,17 +319,30 @@ class ModelService:
         if shards is None or plan is None:
             return plan, None
         key = uuid.uuid4().hex
-        for round_ in range(AGREE_ROUNDS + 1):
-            want = plan.restore_tokens if round_ < AGREE_ROUNDS else 0
-            got = await shards.plan(key, prepared.prompt, want, **kw)  # type: ignore[arg-type]
-            if min(got, default=want) >= plan.restore_tokens:
-                return plan, key
+        try:
+            for round_ in range(AGREE_ROUNDS + 1):
+                want = plan.restore_tokens if round_ < AGREE_ROUNDS else 0
+                got = await asyncio.wait_for(
+                    shards.plan(key, prepared.prompt, want, **kw),  # type: ignore[arg-type]
+                    shards.timeout_s)
+                if min(got, default=want) >= plan.restore_tokens:
+                    return plan, key
+                self.cache.settle(plan)
+                await self.cache.release(plan.lease)
+                plan = await self.cache.plan(prepared.prompt, limit=min([want, *got]),
+                                             **kw)  # type: ignore[arg-type]
+                assert plan is not None
+            return plan, key
+        except BaseException as exc:  # cancelled, or a rank failed: nothing is kept
             self.cache.settle(plan)
-            await self.cache.release(plan.lease)
-            plan = await self.cache.plan(prepared.prompt, limit=min([want, *got]),
-                                         **kw)  # type: ignore[arg-type]
-            assert plan is not None
-        return plan, key
+            if plan is not None:
+                await asyncio.shield(self.cache.release(plan.lease))
+            shards.drop(key)
+            if isinstance(exc, Exception) and not isinstance(exc, asyncio.CancelledError):
+                raise RankLostError(f"model {self.profile.name!r}: the other ranks did not "
+                                    f"plan the request's cache ({type(exc).__name__}: "
+                                    f"{exc})") from exc
+            raise
 
     def constraints(self, prepared: PreparedRequest) -> tuple:
         """The request's own logits processors: a fresh matcher of its grammar, if any

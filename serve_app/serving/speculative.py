@@ -56,6 +56,7 @@ PRIOR_ACCEPTANCE = 0.5  # what a row's acceptance is taken to be before it is me
 PRIOR_WEIGHT = 1.0  # in outcomes: how soon measurements outweigh the prior
 DECAY = 0.8  # each new outcome's weight against the ones before (recent acceptance counts)
 MIN_GAIN = 1.02  # a step drafts only when it expects at least this over plain decoding
+PROBE_EVERY = 256  # steps that cannot pay before a model-backed source is asked again
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,8 @@ class Speculator:
         # What proposing one token costs a row, in seconds (decayed mean; sources that run
         # a model: a draft model, an MTP head), against the plain step it must beat.
         self._draft_seconds = 0.0
+        self._draft_samples = 0  # the first is not counted: it holds one-time costs
+        self._unpaid = 0  # steps in a row on which no depth could pay
 
     @property
     def method(self) -> str:
@@ -256,7 +259,7 @@ class Speculator:
         states = [self._row(uid, rows, i) for i, uid in enumerate(rows.uids)]
         for i, state in enumerate(states):
             self._score_shadow(state, rows.tokens(i))
-        if not self.supported or not self._may_pay(states):
+        if not self.supported or not (self._may_pay(states) or self._probe()):
             # Nothing can pay at this batch size: not even the pending tokens are read
             # (that would stall mlx-lm's pipelined step); cheap sources keep proposing in
             # the shadow, so acceptance keeps being learnt. No hidden state is recorded
@@ -339,6 +342,18 @@ class Speculator:
             state.record(kept, 0)
             state.shadow = []
 
+    def _probe(self) -> bool:
+        """Now and then a source that costs a forward to ask is asked although nothing
+        could pay: what drafting costs is measured again (it was high once: a cold
+        start), and new requests learn their own acceptance."""
+        if getattr(self.source, "cheap", False):
+            return False  # it keeps proposing in the shadow instead
+        self._unpaid += 1
+        if self._unpaid < PROBE_EVERY:
+            return False
+        self._unpaid = 0
+        return True
+
     def _may_pay(self, states: list[_Row]) -> bool:
         """Whether any depth could beat plain decoding for this batch, were every row to
         find drafts: an upper bound of ``_depth``'s gain."""
@@ -371,9 +386,13 @@ class Speculator:
             draft = self.source.propose(
                 DraftRow(rows.uids[i], [*rows.tokens(i), y], state.prompt_len), room)
             if draft and not getattr(self.source, "cheap", False):
+                # A row's first proposal catches the source up on its history (and MLX
+                # compiles): only the ones after measure what drafting costs.
                 spent = (time.perf_counter() - tic) / len(draft)
-                self._draft_seconds = (spent if not self._draft_seconds
-                                       else DECAY * self._draft_seconds + (1 - DECAY) * spent)
+                self._draft_samples += 1
+                if self._draft_samples > 1:
+                    self._draft_seconds = (spent if self._draft_samples == 2 else
+                                           DECAY * self._draft_seconds + (1 - DECAY) * spent)
             for j, token in enumerate(draft):
                 if token in self.stop_tokens:
                     draft = draft[: j + 1]
