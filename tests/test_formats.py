@@ -322,7 +322,7 @@ def test_restore_failure_is_reported_as_a_miss(home, monkeypatch):
     A payload that passed every check can still fail to build (MLX out of
     memory, say): a fault we cannot cause here, so ``build_cache`` is made to fail.
     """
-    import serve_app.serving.engine as engine_module
+    import serve_app.serving.engine_cache as engine_module
 
     server = Server("tiny-dense-q4", home)
     prompt = prompt_of(37, 3)
