@@ -65,30 +65,10 @@ def cluster_server(tmp_path_factory, model_home):
         proc = ServerProcess([serve_bin, "run", "--address", cluster.address, str(config)],
                              port, tmp / "serve.log", env={"SERVE_APP_HOME": str(model_home)})
         with running(proc, [MODEL], timeout=400):
-            wait_ranked(proc)
             yield proc
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-
-def wait_ranked(server, timeout: float = 90.0) -> None:
-    """Until the prefix router ranks requests: Serve polls the replicas' routing stats
-    every 2 s, and until one has reported its layout the router sends requests to the
-    least loaded replica, unranked. A probe conversation (its own blocks) at a time, until
-    one's decision is ranked; the tests then count from there."""
-    client = client_of(server)
-    deadline = time.monotonic() + timeout
-    for i in range(1000):
-        before = counters(server)
-        chat(client, first_turn(i, "probe"), n=1)
-        delta = wait_counts(server, before,
-                            lambda d: count(d, "routing_decisions") >= 1, timeout=15)
-        if count(delta, "routing_decisions") >= 1 and \
-                count(delta, "routing_decisions", reason="unranked") == 0:
-            return
-        assert time.monotonic() < deadline, routing_counts(delta)
-        time.sleep(1.0)
 
 
 def client_of(server) -> OpenAI:
