@@ -173,6 +173,17 @@ _COMMON = {
     "eos_token_id": 256 + SPECIAL_TOKENS.index(EOS_TOKEN),
 }
 
+# The hybrids' layer layout: GDN layers, every second one full attention, no experts.
+_GDN_LAYERS = {
+    "full_attention_interval": 2,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 0,
+}
+
 _BASE_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-dense": EmbeddedSpec(
         name="tiny-dense",
@@ -185,13 +196,7 @@ _BASE_MODELS: dict[str, EmbeddedSpec] = {
             **_COMMON,
             "model_type": "qwen3_next",
             "num_hidden_layers": 4,
-            "full_attention_interval": 2,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 32,
-            "linear_value_head_dim": 32,
-            "linear_conv_kernel_dim": 4,
-            "num_experts": 0,
+            **_GDN_LAYERS,
             "num_experts_per_tok": 0,
             "decoder_sparse_step": 1,
             "shared_expert_intermediate_size": 0,
@@ -207,13 +212,7 @@ _BASE_MODELS: dict[str, EmbeddedSpec] = {
             **_COMMON,
             "model_type": "qwen3_5",
             "num_hidden_layers": 4,
-            "full_attention_interval": 2,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 32,
-            "linear_value_head_dim": 32,
-            "linear_conv_kernel_dim": 4,
-            "num_experts": 0,
+            **_GDN_LAYERS,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                 "partial_rotary_factor": 0.25},
             "mtp_num_hidden_layers": 1,
