@@ -67,7 +67,7 @@ def server(tmp_path_factory, model_home):
 
 # ---- markers: what a test starts, read from its source and its fixtures' --------------
 
-STARTS_SERVER = re.compile(r"ServerProcess|serve_run|ray\.init|local_ray|start_ours|"
+STARTS_SERVER = re.compile(r"ServerProcess|serve_run|ray\.init|local_ray|start_ours|open_page|"
                            r"start_mlx_lm_server|subprocess|Popen|cluster_utils")
 STARTS_CLUSTER = re.compile(r"cluster_utils|\bCluster\(|LocalCluster|local_cluster")
 REAL_MODEL = re.compile(r"smollm2")

@@ -6,7 +6,8 @@ process that builds the application, and from the profile's ``ingress.api_keys_f
 reads them (``serve_app.config.api_keys``) and hands the ingress only their SHA-256
 digests: no key is ever in a Serve config, an actor's arguments, a log line or ``/v1/stats``.
 
-With keys configured, every route but ``/health`` needs ``Authorization: Bearer KEY``
+With keys configured, every route but ``/health`` and the status page's own files (``GET
+/`` for a browser, ``/status/*``: no data in them) needs ``Authorization: Bearer KEY``
 or ``x-api-key: KEY``; the presented key's digest is compared with every configured
 digest in constant time (``hmac.compare_digest``, no early exit). The answer otherwise
 is 401 in the API's own shape, sent by an ASGI middleware before the route runs, so
@@ -25,7 +26,8 @@ from starlette.responses import JSONResponse
 
 from serve_app.config.api_keys import ENV_VAR
 
-OPEN_PATHS = frozenset({"/health"})
+# The status page's files hold no data (its data, /v1/status, needs a key like the rest).
+OPEN_PATHS = frozenset({"/health", "/status/status.js", "/status/status.css"})
 
 logger = logging.getLogger("ray.serve")
 
@@ -81,6 +83,11 @@ def configure(keys: ApiKeys) -> None:
     keys.log_startup()
 
 
+def keys_enabled() -> bool:
+    """Whether this process's ingress requires API keys."""
+    return _keys.enabled
+
+
 def _anthropic_route(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
@@ -111,16 +118,24 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         keys = _keys
         path = _route_path(scope)
-        if scope["type"] != "http" or not keys.enabled or path in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", ())}
+        if (scope["type"] != "http" or not keys.enabled or path in OPEN_PATHS
+                or _page(path, scope, headers)):
+            await self.app(scope, receive, send)
+            return
         key = presented_key(headers)
         if keys.allows(key):
             await self.app(scope, receive, send)
             return
         await unauthorized(path, bool(key))(scope, receive, send)
+
+
+def _page(path: str, scope: dict, headers: dict[str, str]) -> bool:
+    """A browser asking for the status page (``GET /`` wanting HTML): open, it holds no
+    data; ``GET /`` as JSON (what this server serves) needs a key."""
+    return (path == "/" and scope.get("method") == "GET"
+            and "text/html" in headers.get("accept", "").split(",")[0])
 
 
 def _route_path(scope: dict) -> str:

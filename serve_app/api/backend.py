@@ -13,11 +13,13 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from serve_app.cache.tiers import Cleared
     from serve_app.config.profile import Profile
     from serve_app.metrics.table import Recorder
     from serve_app.models.phase import ModelPhase
     from serve_app.serving.events import Event
     from serve_app.serving.request import Caller, ChatCompletionRequest, OpenAIRequest
+    from serve_app.serving.selfbench import SelfBenchmark
 
 
 class ModelBackend(Protocol):
@@ -56,6 +58,10 @@ class ModelBackend(Protocol):
         """A model's planned footprint; None where there is no plan or it is unknown."""
         ...
 
+    def pool_report(self) -> dict | None:
+        """``/v1/stats``' ``pool``: the model pool's limits and models; None without one."""
+        ...
+
     async def stats(self) -> dict:
         """``/v1/stats``: each model's totals over its replicas, the memory plan and what
         each node's replicas hold, the model pool."""
@@ -63,4 +69,26 @@ class ModelBackend(Protocol):
 
     async def metrics_text(self) -> str:
         """``/metrics``: every node's export of our families, merged."""
+        ...
+
+    # ---- the status page's controls (each raises ``ApiError``: 409 when refused) ----
+
+    async def load_model(self, name: str) -> None:
+        """Load ``name`` now (the model pool), as a request for it would."""
+        ...
+
+    async def unload_model(self, name: str) -> None:
+        """Unload ``name`` now; refused while it is pinned or serving a request."""
+        ...
+
+    def pin_model(self, name: str, pinned: bool) -> None:
+        """Pin ``name`` (never unloaded) or take its pin off."""
+        ...
+
+    async def clear_cache(self, name: str) -> Cleared:
+        """Forget ``name``'s cached prefixes on every node: what went."""
+        ...
+
+    async def self_benchmark(self, name: str, ssd_bytes: int) -> SelfBenchmark:
+        """Measure the SSD cache directory and ``name``'s prefill and decode speed."""
         ...

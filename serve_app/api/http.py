@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ from serve_app.api.openai_api import (
     completion_collector,
 )
 from serve_app.api.sse import DONE, data_event, sse_event
+from serve_app.api.status import ErrorLog, ServerInfo
 from serve_app.config import api_keys
 from serve_app.metrics.table import Recorder
 from serve_app.models.compat import log_dir
@@ -86,6 +88,16 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 
+def release() -> str | None:
+    """This package's version, as installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("serve_app")
+    except PackageNotFoundError:
+        return None
+
+
 def caller_of(request: Request) -> Caller:
     """Who is asking, from the headers only (a body can never choose its cache salt):
     the key the auth middleware checked, when keys are configured."""
@@ -126,6 +138,9 @@ class OpenAIIngress:
         self.backend = backend
         self.profile = backend.profile
         self.recorder: Recorder = backend.recorder
+        self.errors = ErrorLog()  # the last error answers, for the status page
+        self.server = ServerInfo(release(), time.time(), auth.keys_enabled(),
+                                 backend.pool_report() is not None)
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
@@ -147,6 +162,10 @@ class OpenAIIngress:
             err = not_ready_error([f"{n} ({models[n]['phase']})" for n in waiting])
         body = {**err.body(), "status": "failed" if failed else "starting", "models": models}
         return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+    def _log_error(self, request: Request, labels: dict[str, str], err: ApiError) -> None:
+        model = labels["model"]
+        self.errors.add(request.url.path, None if model == "unknown" else model, err)
 
     async def _model_entry(self, m: Any) -> dict:
         """A model in ``/v1/models``: its ``status`` (``model_status``) and
@@ -174,24 +193,14 @@ class OpenAIIngress:
 
     @api.get("/v1/stats")
     async def stats(self) -> dict:
-        return await self.backend.stats()
-
-    @api.get("/")
-    async def root(self) -> dict:
-        """What this server is and where to go: its models' phases and its endpoints."""
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            release = version("serve_app")
-        except PackageNotFoundError:
-            release = None
+        """Each model's totals over its replicas with its phase, the memory plan, the model
+        pool, the cluster's nodes, the self-benchmarks, this ingress's last errors."""
         names = [m.name for m in self.profile.models]
-        phases = await asyncio.gather(*(self.backend.model_phase(n) for n in names))
-        return {"name": "serve_app", "version": release,
-                "models": {n: p.public() for n, p in zip(names, phases, strict=True)},
-                "endpoints": ["/health", "/v1/models", "/v1/chat/completions",
-                              "/v1/completions", "/v1/responses", "/v1/messages",
-                              "/v1/stats", "/metrics"]}
+        stats, phases = await asyncio.gather(
+            self.backend.stats(), asyncio.gather(*(self.backend.model_phase(n) for n in names)))
+        for name, phase in zip(names, phases, strict=True):
+            stats["models"].setdefault(name, {"model": name})["phase"] = phase.public()
+        return {"server": self.server.to_json(), **stats, "errors": self.errors.report()}
 
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
@@ -215,6 +224,10 @@ class OpenAIIngress:
             return response
         except ApiError as exc:
             labels["status"] = str(exc.status)
+            self._log_error(request, labels, exc)
+            raise
+        except Exception:
+            self._log_error(request, labels, internal_error())
             raise
         finally:
             self.recorder.inc("serve_app_requests", 1, labels)
@@ -227,7 +240,8 @@ class OpenAIIngress:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
             stream = CompletionStream(wire, parsed.model, include_usage=include_usage)
             return StreamingResponse(
-                self._stream(events, stream, start, parsed.model, data_event, end=DONE),
+                self._stream(events, stream, start, parsed.model, data_event, end=DONE,
+                             path=request.url.path),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
@@ -308,13 +322,18 @@ class OpenAIIngress:
             if parsed.stream:
                 stream = responses_api.ResponseStream(parsed, **defaults)
                 return StreamingResponse(
-                    self._stream(events, stream, start, parsed.model, sse_event),
+                    self._stream(events, stream, start, parsed.model, sse_event,
+                                 path=request.url.path),
                     media_type="text/event-stream", headers=SSE_HEADERS)
             collector = responses_api.response_collector(parsed, **defaults)
             await self._collect(events, collector, start, parsed.model, deadline)
             return JSONResponse(collector.response())
         except ApiError as exc:
             labels["status"] = str(exc.status)
+            self._log_error(request, labels, exc)
+            raise
+        except Exception:
+            self._log_error(request, labels, internal_error())
             raise
         finally:
             self.recorder.inc("serve_app_requests", 1, labels)
@@ -335,19 +354,22 @@ class OpenAIIngress:
             if parsed.stream:
                 stream = anthropic.MessageStream(parsed.model)
                 return StreamingResponse(
-                    self._stream(events, stream, start, parsed.model, sse_event),
+                    self._stream(events, stream, start, parsed.model, sse_event,
+                                 path=request.url.path),
                     media_type="text/event-stream", headers=SSE_HEADERS)
             collector = anthropic.message_collector(parsed.model)
             await self._collect(events, collector, start, parsed.model, deadline)
             return JSONResponse(collector.response())
         except ApiError as exc:
             labels["status"] = str(exc.status)
+            self._log_error(request, labels, exc)
             return _anthropic_error(exc)
         except Exception as exc:  # still Anthropic's shape for a client of that API
             logger.exception("/v1/messages failed")
-            if self.backend.replica_lost(labels["model"], exc):
-                return _anthropic_error(replica_lost_error(labels["model"]))
-            return _anthropic_error(internal_error())
+            err = (replica_lost_error(labels["model"])
+                   if self.backend.replica_lost(labels["model"], exc) else internal_error())
+            self._log_error(request, labels, err)
+            return _anthropic_error(err)
         finally:
             self.recorder.inc("serve_app_requests", 1, labels)
 
@@ -369,6 +391,7 @@ class OpenAIIngress:
                 raise timeout_error(m.name, timeout) from None
             return JSONResponse(anthropic.count_tokens_response(n))
         except ApiError as exc:
+            self.errors.add(request.url.path, None, exc)
             return _anthropic_error(exc)
 
     async def _body(self, request: Request, parse: Callable[[Any], T],
@@ -387,14 +410,16 @@ class OpenAIIngress:
                                  bounded)
 
     async def _stream(self, events, stream: Any, start: Start, model: str,
-                      encode: Callable[[dict], bytes], end: bytes = b""):
+                      encode: Callable[[dict], bytes], end: bytes = b"", path: str = ""):
         """An API's SSE body: ``stream`` (that API's consumer) fed ``start`` and then the
         replica's events until it is done, each of its outputs through ``encode``; then
-        ``end``."""
+        ``end``. A failure after the start is an error event (and in the error log)."""
         try:
             for out in stream.feed(start):
                 yield encode(out)
             async for e in self._iter(events, model):
+                if isinstance(e, Failure):
+                    self.errors.add(path, model, ApiError.from_failure(e))
                 for out in stream.feed(e):
                     yield encode(out)
                 if stream.done:

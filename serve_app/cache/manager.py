@@ -70,6 +70,9 @@ class CacheManager:
         self.client = client if disabled is None else None
         self.stats = CacheStats(disabled is None, disabled, settings.block_size)
         self.identity = identity
+        # A rank's identity is its shard's: this is the model's, which every rank's derives
+        # from (``shard_identity``); a cache clear reaches every rank's blocks through it.
+        self.model_identity = identity
         self.root = root_id(identity, layout.digest, settings.block_size)
         self._expect = {"model": identity, "layout": layout.digest,
                         "block_size": str(settings.block_size)}
@@ -102,9 +105,10 @@ class CacheManager:
         assert model_dir is not None  # else disabled: "no cache store"
         identity = model_identity(model_dir, profile.source, chat_template,
                                   memo=default_home() / "weights-digests.json")
-        if shard is not None:
-            identity = shard_identity(identity, shard)
-        return cls(settings, layout, client, identity)
+        manager = cls(settings, layout, client,
+                      identity if shard is None else shard_identity(identity, shard))
+        manager.model_identity = identity
+        return manager
 
     @property
     def enabled(self) -> bool:

@@ -382,6 +382,22 @@ class SSDStore:
             self._unlink(entry.path)
             return True
 
+    def remove_model(self, identities: frozenset[str]) -> tuple[int, int, int]:
+        """Delete every file of the model identities given (a cache clear): blocks with
+        their sidecars, and sidecars alone. A file a restore has pinned stays. Returns the
+        files and bytes deleted and the files kept (pinned)."""
+        files = nbytes = kept = 0
+        with self._lock:
+            entries = [e for e in [*self._blocks.values(), *self._sidecars.values()]
+                       if e.model in identities]
+            for entry in entries:
+                if self._pins.get(entry.block_id):
+                    kept += 1
+                elif self._indexed(entry) and self.remove(entry):
+                    files += 1
+                    nbytes += entry.nbytes
+        return files, nbytes, kept
+
     def remove_file(self, kind: str, layout: str, block_id: str, digest: str | None) -> bool:
         """Remove the indexed file of a key if it is the one ``digest`` names (None: any)."""
         with self._lock:

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, astuple, dataclass, replace
 from typing import Any, NamedTuple
 
 from serve_app.cache import codecs
@@ -51,6 +51,20 @@ REMEMBER_SKIPPED = 65536  # ids of blocks kept out of RAM, for miss reasons
 GONE = "gone"  # the digest of a file evicted before a lookup could capture it: matches none
 LEASE_TTL_S = 120.0  # a restore copies its blocks in well under this
 MIN_CUT_TOKENS = 1  # the fewest tokens worth cutting a stored block to
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """What a cache clear took out of one node's store."""
+
+    hot_blocks: int = 0
+    hot_bytes: int = 0
+    ssd_files: int = 0  # blocks and sidecars
+    ssd_bytes: int = 0
+    kept_in_use: int = 0  # blocks and files a restore held: they stay
+
+    def __add__(self, other: Cleared) -> Cleared:
+        return Cleared(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 @dataclass
@@ -509,6 +523,32 @@ class TieredStore:
             self.staging.demoted_blocks += blocks
             self.staging.demoted_bytes += nbytes
         return blocks, nbytes
+
+    def clear(self, model: str, identities: frozenset[str], wait_s: float) -> Cleared:
+        """Forget a model's blocks in every tier (asked for: ``POST
+        /admin/models/{name}/cache/clear``): its hot blocks (by name), then its files on SSD
+        (by identity: ``model_identity``, and each rank's for a sharded model). Waits up
+        to ``wait_s`` for the model's staged writes first, so none lands after; a block a
+        restore holds right now stays (counted in ``kept``)."""
+        hot_blocks = hot_bytes = kept = 0
+        with self._lock:
+            self._cv.wait_for(lambda: not any(p.entry.model == model
+                                              for p in self._pending.values()),
+                              timeout=wait_s)
+            for bid in self.hot.ids():
+                entry = self.hot.entry(bid)
+                if entry is None or entry.model != model:
+                    continue
+                if entry.pins:
+                    kept += 1
+                elif self.hot.remove(bid, count=False):
+                    hot_blocks += 1
+                    hot_bytes += entry.nbytes
+        files = file_bytes = 0
+        if self.ssd is not None:
+            files, file_bytes, kept_files = self.ssd.remove_model(identities)
+            kept += kept_files
+        return Cleared(hot_blocks, hot_bytes, files, file_bytes, kept)
 
     def release(self, lease: int | None) -> None:
         with self._lock:

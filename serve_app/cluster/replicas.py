@@ -119,7 +119,7 @@ class ModelView:
         the answering replica's."""
         out = self.answered.to_json()
         totals = self.totals.to_json()
-        for key in ("engine", "cache", "phases", "normalization"):
+        for key in ("engine", "cache", "phases", "normalization", "recent"):
             if key in totals:
                 out[key] = totals[key]
         out["replicas"] = [e.to_json() for e in self.replicas]

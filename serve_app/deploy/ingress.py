@@ -16,18 +16,20 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.api import auth
-from serve_app.api.http import OpenAIIngress, api
+from serve_app.api.http import api
+from serve_app.api.status_routes import StatusRoutes
 from serve_app.cluster.replicas import Gathered, ModelView, model_view
 from serve_app.config.profile import Profile
 from serve_app.deploy.pool import (
     PoolCapacityError,
     PoolGate,
     PoolLoadError,
+    PoolRefused,
     pool_for,
     pooled,
 )
 from serve_app.deploy.replica import load_preparer
-from serve_app.deploy.scrape import StoreReports, gather_node_metrics
+from serve_app.deploy.scrape import StoreReports, gather_node_metrics, node_list
 from serve_app.deploy.stage import PrepareStage
 from serve_app.memory.plan import MemoryPlan, memory_report
 from serve_app.metrics.table import RayRecorder, Recorder, zero_at_start
@@ -38,29 +40,33 @@ from serve_app.models.phase import (
     replica_identity,
 )
 from serve_app.serving.errors import (
+    conflict_error,
     model_capacity_error,
     model_load_failed_error,
     queue_full_error,
 )
 from serve_app.serving.events import Event
 from serve_app.serving.replica_stats import ReplicaStats
-from serve_app.serving.request import Caller, OpenAIRequest
+from serve_app.serving.request import ApiError, Caller, OpenAIRequest
 
 if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
+    from serve_app.cache.tiers import Cleared
     from serve_app.serving.prepare import PreparedRequest
+    from serve_app.serving.selfbench import SelfBenchmark
 
 logger = logging.getLogger("ray.serve")
 
 
 READY_PROBE_TIMEOUT_S = 0.5  # how long /health or a request waits on a model's probe
+CLEAR_WAIT_S = 10.0  # a cache clear waits this long for the model's staged SSD writes
 
 
 # Applied at import time, in every process that loads this module: the replica
 # re-imports it, so routes must be bound here, not inside the builder.
 @serve.ingress(api)
-class Ingress(OpenAIIngress):
-    """The OpenAI-compatible HTTP front (the routes of ``OpenAIIngress``) on the models'
-    Ray Serve handles (``RayModels``)."""
+class Ingress(StatusRoutes):
+    """The OpenAI-compatible HTTP front (the routes of ``OpenAIIngress``) and the status
+    page (``StatusRoutes``) on the models' Ray Serve handles (``RayModels``)."""
 
     def __init__(self, profile: Profile, handles: dict[str, DeploymentHandle],
                  api_key_digests: list[str] | None = None,
@@ -108,6 +114,8 @@ class RayModels:
                 pass
         # Every node's cache store, where each model replica reports its stats.
         self.stores = StoreReports(self.profile.cache_store.call_timeout_s)
+        self.benchmarks: dict[str, SelfBenchmark] = {}  # the last self-benchmark by model
+        self.benchmarking: str | None = None  # the model a self-benchmark runs on now
         self.app_name = replica_identity("")[0]  # where the replicas write their phases
 
     async def stream_events(self, name: str, request: OpenAIRequest, caller: Caller):
@@ -249,7 +257,66 @@ class RayModels:
             self.plan, self.profile.memory.budget,
             [r for view in views.values() for r in view.memory()])
         return {"models": {name: view.to_json() for name, view in views.items()},
-                "memory": memory, "pool": self.pool_report()}
+                "memory": memory, "pool": self.pool_report(),
+                "nodes": [n.to_json() for n in await node_list()],
+                "benchmarks": {n: b.to_json() for n, b in self.benchmarks.items()}}
+
+    # ---- asked for on the status page (POST /admin/...) ------------------------------
+
+    def _gate(self) -> PoolGate:
+        if self.gate is None:
+            raise conflict_error("there is no model pool: with ingress.num_replicas > 1 "
+                                 "every model is loaded at start and stays", "no_model_pool")
+        return self.gate
+
+    async def load_model(self, name: str) -> None:
+        self._gate()
+        await self._pool_ready(name)
+
+    async def unload_model(self, name: str) -> None:
+        try:
+            await self._gate().unload(name)
+        except PoolRefused as exc:
+            raise conflict_error(str(exc), exc.code) from None
+
+    def pin_model(self, name: str, pinned: bool) -> None:
+        try:
+            self._gate().pool.pin(name, pinned)
+        except PoolRefused as exc:
+            raise conflict_error(str(exc), exc.code) from None
+
+    async def clear_cache(self, name: str) -> Cleared:
+        """Forget the model's blocks in every node's store (hot and SSD)."""
+        m = self.profile.model(name)
+        if m is not None and not m.cache.enabled:
+            raise conflict_error(f"model {name!r} has no prefix cache (cache.enabled: "
+                                 "false)", "cache_disabled")
+        identities = await self.handles[name].cache_identities.remote()
+        if not identities:
+            raise conflict_error(
+                f"model {name!r} has not been loaded since its replica started, so its "
+                "cache identity (a hash of its weights and template) is not known yet: "
+                "load it, then clear its cache", "cache_identity_unknown")
+        cleared, unreachable = await self.stores.clear(name, identities, CLEAR_WAIT_S)
+        if unreachable:
+            raise ApiError(503, f"the cache stores of node(s) {', '.join(unreachable)} did "
+                                f"not answer; cleared elsewhere: {cleared}",
+                           type="service_unavailable", code="store_unavailable")
+        return cleared
+
+    async def self_benchmark(self, name: str, ssd_bytes: int) -> SelfBenchmark:
+        """The self-benchmark on the model's replica; one at a time (409 meanwhile)."""
+        if self.benchmarking is not None:
+            raise conflict_error(f"a self-benchmark is running (on model "
+                                 f"{self.benchmarking!r}); retry once it ends",
+                                 "benchmark_running")
+        self.benchmarking = name
+        try:
+            result = await self.handles[name].self_benchmark.remote(ssd_bytes)
+        finally:
+            self.benchmarking = None
+        self.benchmarks[name] = result
+        return result
 
     async def one_model_stats(self, name: str) -> ModelView:
         """A model's stats: the replica that takes this call (fresh), merged with every

@@ -39,12 +39,14 @@ from typing import TYPE_CHECKING, Any
 from serve_app.serving.errors import CAPACITY_RETRY_AFTER_S
 
 if TYPE_CHECKING:
-    from serve_app.config.profile import Profile
+    from serve_app.config.profile import ModelProfile, Profile
     from serve_app.memory.plan import MemoryPlan
 
 logger = logging.getLogger(__name__)
 
-UNLOAD_REASONS = ("capacity", "idle")  # to make room for another model; its idle_unload_s
+# To make room for another model; its idle_unload_s; asked for (the status page, POST
+# /admin/models/{name}/unload).
+UNLOAD_REASONS = ("capacity", "idle", "admin")
 IDLE_TICK_S = 1.0  # how often the ingress looks for idle models
 RECONCILE_S = 30.0  # how often it asks the replicas what they hold
 STATUS_TIMEOUT_S = 2.0  # a replica's answer to that, at most
@@ -71,9 +73,10 @@ class PoolModel:
     """One model as the pool sees it."""
 
     name: str
-    pinned: bool = False
+    pinned: bool = False  # at start (the profile's ``pinned``, or ``locked``)
     idle_unload_s: float | None = None
     footprint_bytes: int = 0  # planned weights + KV (0: unknown, counted for the cap only)
+    locked: str | None = None  # why it can never be unloaded (several replicas, sharded)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class PoolLimits:
 @dataclass
 class ModelState:
     status: Status = Status.UNLOADED
+    pinned: bool = False  # never unloaded; set at start, then by ``ModelPool.pin``
     last_used: float = 0.0  # when its last request arrived or ended (the pool's clock)
     loads: int = 0
     unloads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(UNLOAD_REASONS, 0))
@@ -110,6 +114,15 @@ class PoolLoadError(Exception):
     """The model's replica failed to load it (503 ``model_load_failed``)."""
 
 
+class PoolRefused(Exception):
+    """An asked-for change the pool cannot make now (409): the message says why, ``code``
+    names it (``model_pinned``, ``model_not_loaded``, ``model_busy``, ``pin_locked``)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class ModelPool:
     """The pool's state and decisions; no I/O, one thread (the ingress's event loop)."""
 
@@ -119,16 +132,17 @@ class ModelPool:
         self.limits = limits
         self.clock = clock
         now = clock()
-        self.states = {m.name: ModelState(last_used=now) for m in models}
+        self.states = {m.name: ModelState(last_used=now, pinned=m.pinned or bool(m.locked))
+                       for m in models}
 
     # ---- at start ----------------------------------------------------------------
 
     def initial(self) -> tuple[str, ...]:
         """The models loaded at start: every pinned one, then the others in the profile's
         order while they fit."""
-        chosen: list[str] = [m.name for m in self.models.values() if m.pinned]
+        chosen: list[str] = [n for n, s in self.states.items() if s.pinned]
         for m in self.models.values():
-            if not m.pinned and self._fits(m.name, chosen):
+            if not self.states[m.name].pinned and self._fits(m.name, chosen):
                 chosen.append(m.name)
         return tuple(chosen)
 
@@ -163,7 +177,7 @@ class ModelPool:
         out = []
         for n, s in self.states.items():
             limit = self.models[n].idle_unload_s
-            if (limit is not None and s.status is Status.LOADED and not self.models[n].pinned
+            if (limit is not None and s.status is Status.LOADED and not s.pinned
                     and busy(n) == 0 and now - s.last_used >= limit):
                 out.append(n)
         return out
@@ -171,7 +185,7 @@ class ModelPool:
     def _unloadable(self, busy: Callable[[str], int]) -> list[str]:
         """Loaded, unpinned models serving nothing, least recently used first."""
         out = [n for n, s in self.states.items()
-               if s.status is Status.LOADED and not self.models[n].pinned and busy(n) == 0]
+               if s.status is Status.LOADED and not s.pinned and busy(n) == 0]
         return sorted(out, key=lambda n: self.states[n].last_used)
 
     def _fits(self, name: str, others: Sequence[str]) -> bool:
@@ -190,7 +204,7 @@ class ModelPool:
         held = []
         for n in in_memory:
             s = self.states[n]
-            why = ("pinned" if self.models[n].pinned
+            why = ("pinned" if s.pinned
                    else f"{busy(n)} request{'s' if busy(n) > 1 else ''} in flight"
                    if busy(n)
                    else s.status.value)
@@ -205,6 +219,14 @@ class ModelPool:
 
     def status(self, name: str) -> Status:
         return self.states[name].status
+
+    def pin(self, name: str, pinned: bool) -> None:
+        """Pin ``name`` (never unloaded while pinned) or take its pin off; raises
+        ``PoolRefused`` for a model that must stay loaded (``PoolModel.locked``)."""
+        locked = self.models[name].locked
+        if not pinned and locked is not None:
+            raise PoolRefused(f"model {name!r} stays pinned: {locked}", "pin_locked")
+        self.states[name].pinned = pinned
 
     def used(self, name: str) -> None:
         """A request of ``name`` arrived or ended: its idle time starts again."""
@@ -224,7 +246,7 @@ class ModelPool:
             "room_bytes": self.limits.room_bytes,
             "loaded": self.loaded(),
             "models": {n: {"status": s.status.reported, "state": s.status.value,
-                           "pinned": self.models[n].pinned,
+                           "pinned": s.pinned, "pin_locked": self.models[n].locked,
                            "idle_unload_s": self.models[n].idle_unload_s,
                            "footprint_bytes": self.models[n].footprint_bytes,
                            "in_flight": busy(n), "idle_s": round(now - s.last_used, 3),
@@ -276,6 +298,28 @@ class PoolGate:
         if bringing is None:
             bringing = self._bringing[name] = asyncio.ensure_future(self._bring(name))
         await asyncio.shield(bringing)
+
+    async def load(self, name: str) -> None:
+        """Load ``name`` now, as a request for it would (unloading others to make room)."""
+        await self.ready(name)
+
+    async def unload(self, name: str) -> None:
+        """Unload ``name`` now, as asked (``PoolRefused`` when it is pinned, serving a
+        request, or not loaded)."""
+        async with self.lock:
+            state = self.pool.states[name]
+            if state.pinned:
+                raise PoolRefused(f"model {name!r} is pinned: unpin it first", "model_pinned")
+            if state.status is not Status.LOADED:
+                raise PoolRefused(f"model {name!r} is {state.status.value}, not loaded",
+                                  "model_not_loaded")
+            if self.busy(name):
+                raise PoolRefused(f"model {name!r} is serving {self.busy(name)} request(s); "
+                                  "retry once they end", "model_busy")
+            if not await self._unload_one(name, "admin"):
+                raise PoolRefused(f"model {name!r} did not unload: its replica is serving a "
+                                  "request or failed to (see last_error in the pool)",
+                                  "model_busy")
 
     async def _bring(self, name: str) -> None:
         try:
@@ -405,13 +449,21 @@ def pool_for(profile: Profile, plan: MemoryPlan | None) -> ModelPool:
     models (the budget less the hot tier and the SSD write buffer). An ``always_loaded``
     model (pinned, or with several replicas) is pinned here."""
     footprints = {m.name: m.resident_bytes for m in plan.models} if plan is not None else {}
-    models = [PoolModel(m.name, pinned=m.always_loaded,
-                        idle_unload_s=m.idle_unload_s,
-                        footprint_bytes=footprints.get(m.name, 0))
+    models = [PoolModel(m.name, pinned=m.pinned, idle_unload_s=m.idle_unload_s,
+                        footprint_bytes=footprints.get(m.name, 0), locked=_locked(m))
               for m in profile.models]
     room = (plan.budget_bytes - plan.hot_bytes - plan.staging_bytes
             if plan is not None else None)
     return ModelPool(models, PoolLimits(profile.memory.max_loaded_models, room))
+
+
+def _locked(m: ModelProfile) -> str | None:
+    """Why a model can never be unloaded by the pool, which unloads one replica."""
+    if m.parallel is not None:
+        return "it is sharded over ranks (models[].parallel)"
+    if m.num_replicas > 1:
+        return f"it has {m.num_replicas} replicas (models[].num_replicas)"
+    return None
 
 
 def pooled(profile: Profile) -> bool:

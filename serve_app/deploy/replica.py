@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and wher
     from serve_app.deploy.ranks import Ranks
     from serve_app.serving.engine_ranks import RankEngine
     from serve_app.serving.prepare import PreparedRequest, Preparer
+    from serve_app.serving.selfbench import SelfBenchmark
     from serve_app.serving.service import ModelService
     from serve_app.store.client import RayCacheClient
 
@@ -110,6 +111,7 @@ class ModelReplica:
         # A model sharded over ranks: the other ranks, and why one was lost (if it was).
         self.ranks: Ranks | None = None
         self.lost: str | None = None
+        self.identities: frozenset[str] = frozenset()  # its blocks' (cache_identities)
         if load_at_start:
             # Serve routes nothing here before __init__ returns: loading and warming up
             # now keeps MLX's first-use cost out of the first user request. A failed load
@@ -152,6 +154,7 @@ class ModelReplica:
                 raise self._failed(exc) from exc
             raise
         self.service = service
+        self.identities = self._identities(service)
         self.load_error = None
         self.board.set("ready")
         took = time.perf_counter() - tic
@@ -161,6 +164,18 @@ class ModelReplica:
         logger.info("model %s ready (source %s; loaded in %.2f s, warm-up %.2f s)",
                     self.profile.name, self.profile.source, took, seconds)
         return service
+
+    def _identities(self, service: ModelService) -> frozenset[str]:
+        cache = service.cache
+        if not cache.enabled:
+            return frozenset()
+        if self.profile.parallel is None:
+            return frozenset({cache.identity})
+        from serve_app.cache.hashing import shard_identity
+        from serve_app.deploy.ranks import shard_name
+
+        return frozenset(shard_identity(cache.model_identity, shard_name(self.profile, r))
+                         for r in range(self.profile.parallel.size))
 
     def _load_sharded(self) -> ModelService:
         """Rank 0 of a model sharded over ranks: start the others (``deploy/ranks.py``),
@@ -308,6 +323,27 @@ class ModelReplica:
     async def status(self) -> str:
         """``loaded`` or ``unloaded``: what the pool reconciles its view with."""
         return "unloaded" if self.service is None else "loaded"
+
+    def cache_identities(self) -> frozenset[str]:
+        """The identities this model's blocks are stored under (every rank's for a sharded
+        model): what a cache clear removes. Known once the model was loaded in this
+        process (a hash of its weights and template); empty before, or with the cache off."""
+        return self.identities
+
+    async def self_benchmark(self, ssd_bytes: int) -> SelfBenchmark:
+        """This node's SSD cache directory and this model (when loaded) measured
+        (``serve_app.serving.selfbench``); only when asked."""
+        from serve_app.serving.selfbench import run_self_benchmark
+        from serve_app.store.actor import ssd_dir_of
+
+        ssd_dir = (Path(ssd_dir_of(self.cache_store.ssd_dir)).expanduser()
+                   if self.cache_store.ssd else None)
+        self.active += 1  # the pool does not unload it meanwhile
+        try:
+            return await asyncio.to_thread(run_self_benchmark, self.profile.name,
+                                           self.node_id, ssd_dir, ssd_bytes, self.service)
+        finally:
+            self.active -= 1
 
     async def ready(self) -> bool:
         """Answered only once __init__ (load and warm-up, for a model loaded at start) is

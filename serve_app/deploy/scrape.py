@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import urllib.request
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
 
+from serve_app.cache.tiers import Cleared
 from serve_app.cluster.replicas import Gathered, ReplicaReport
 from serve_app.metrics.exposition import merge_exposition
 from serve_app.store.actor import store_name
@@ -33,10 +35,8 @@ class StoreReports:
         self.handles: dict[str, Any] = {}  # node id -> its store actor
 
     async def gather(self, model: str) -> Gathered:
-        from serve_app.cluster.directory_service import alive_node_ids
-
         try:
-            nodes = sorted(await asyncio.to_thread(alive_node_ids))
+            nodes = await self._nodes()
         except Exception as exc:  # the GCS busy: this replica's numbers, and why alone
             return Gathered(not_asked=f"Ray's list of nodes could not be read: {exc!r}")
         found = await asyncio.gather(*(self._of_node(node_id, model) for node_id in nodes))
@@ -44,9 +44,33 @@ class StoreReports:
         return Gathered(reports, tuple(n for n, part in zip(nodes, found, strict=True)
                                        if part is None))
 
+    async def clear(self, model: str, identities: frozenset[str],
+                    wait_s: float) -> tuple[Cleared, tuple[str, ...]]:
+        """A model's blocks forgotten in every node's store: what went, in all, and the
+        nodes whose store did not answer (their blocks stay)."""
+        nodes = await self._nodes()
+        got = await asyncio.gather(*(self._call(n, "clear", model, identities, wait_s,
+                                                 timeout=self.timeout + wait_s)
+                                     for n in nodes))
+        done = [c for c in got if isinstance(c, Cleared)]
+        return sum(done, Cleared()), tuple(n for n, c in zip(nodes, got, strict=True)
+                                           if c is _UNREACHABLE)
+
+    async def _nodes(self) -> list[str]:
+        from serve_app.cluster.directory_service import alive_node_ids
+
+        return sorted(await asyncio.to_thread(alive_node_ids))
+
     async def _of_node(self, node_id: str, model: str) -> list[ReplicaReport] | None:
         """The node's reports of ``model``; [] for a node without a store; None: its
         store did not answer."""
+        got = await self._call(node_id, "replica_reports", model)
+        return None if got is _UNREACHABLE else got
+
+    async def _call(self, node_id: str, method: str, *args: Any,
+                    timeout: float | None = None) -> Any:
+        """``method(*args)`` of the node's store: [] for a node without one,
+        ``_UNREACHABLE`` when it did not answer in time."""
         from serve_app.cluster.directory_service import NAMESPACE
 
         store: Any = self.handles.get(node_id)  # an actor handle
@@ -58,11 +82,51 @@ class StoreReports:
                 return []
             self.handles[node_id] = store
         try:
-            return await asyncio.wait_for(store.replica_reports.remote(model), self.timeout)
-        except Exception as exc:  # dead, frozen, or older code: leave its replicas out
-            logger.warning("replica stats from the cache store of node %s: %r", node_id, exc)
+            return await asyncio.wait_for(getattr(store, method).remote(*args),
+                                          timeout or self.timeout)
+        except Exception as exc:  # dead, frozen, or older code: leave it out
+            logger.warning("%s from the cache store of node %s: %r", method, node_id, exc)
             self.handles.pop(node_id, None)
-            return None
+            return _UNREACHABLE
+
+
+_UNREACHABLE = object()
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node of the Ray cluster, as the status page lists it."""
+
+    node_id: str
+    address: str
+    hostname: str
+    alive: bool
+    head: bool
+    cpus: float
+    gpus: float
+    object_store_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def node_list() -> list[NodeInfo]:
+    """Every node Ray knows (a GCS call, off the event loop), the head first; [] when the
+    GCS does not answer (the page shows the rest)."""
+    try:
+        nodes = await asyncio.to_thread(ray.nodes)
+    except Exception as exc:
+        logger.warning("reading Ray's node list failed: %r", exc)
+        return []
+    out = []
+    for n in nodes:
+        res = n.get("Resources") or {}
+        out.append(NodeInfo(
+            n.get("NodeID", ""), n.get("NodeManagerAddress", ""),
+            n.get("NodeManagerHostname", ""), bool(n.get("Alive")),
+            any(k.startswith("node:__internal_head__") for k in res), float(res.get("CPU", 0)),
+            float(res.get("GPU", 0)), int(res.get("object_store_memory", 0))))
+    return sorted(out, key=lambda n: (not n.head, not n.alive, n.node_id))
 
 
 class _ScrapeCache:

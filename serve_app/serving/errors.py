@@ -44,3 +44,9 @@ def rank_lost_error(message: str) -> ApiError:
     processes was lost (the message names it and its node); Serve replaces the replica."""
     return ApiError(503, message, type="service_unavailable", code="rank_lost",
                     headers={"Retry-After": str(RANK_LOST_RETRY_AFTER_S)})
+
+
+def conflict_error(message: str, code: str) -> ApiError:
+    """409: an asked-for change that the server's state refuses now (the message says
+    what would let it through)."""
+    return ApiError(409, message, type="invalid_request_error", code=code)

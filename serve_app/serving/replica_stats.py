@@ -14,6 +14,7 @@ from serve_app.memory.plan import ReplicaMemory
 from serve_app.metrics.table import PHASES
 from serve_app.parallel.group import RankStatus
 from serve_app.serving.engine_events import EngineStats
+from serve_app.serving.recent import RecentActivity
 
 # The parts of ``cache_store`` that belong to a replica, not to its node's store: they
 # travel in its report (the store's own stats are one per node, not per replica).
@@ -93,6 +94,7 @@ class ReplicaStats:
     # The answering replica's process and node store (never summed).
     replica: ReplicaProcess | None = merged("answering", default=None)
     cache_store: dict | None = merged("answering", default=None)
+    recent: RecentActivity | None = merged("nested", default=None)  # the last minute
 
     def own(self) -> ReplicaStats:
         """What a replica reports to its store: its node store's stats left out."""
@@ -120,6 +122,8 @@ class ReplicaStats:
             out["phases"] = self.phases.summary()
         if self.normalization is not None:
             out["normalization"] = asdict(self.normalization)
+        if self.recent is not None:
+            out["recent"] = self.recent.summary()
         if self.cache_store is not None:
             out["cache_store"] = self.cache_store
         if self.replica is not None:

@@ -38,6 +38,7 @@ from serve_app.serving.engine_ranks import RankEngine
 from serve_app.serving.errors import queue_full_error, rank_lost_error
 from serve_app.serving.events import Event, TokenLogprob
 from serve_app.serving.prepare import PreparedRequest, Preparer
+from serve_app.serving.recent import RecentWindow
 from serve_app.serving.replica_stats import CacheView, NormalizationStats, PhaseTimes, ReplicaStats
 from serve_app.serving.request import ApiError, Caller, ChatCompletionRequest, CompletionRequest
 from serve_app.serving.sampling import SamplingParams
@@ -185,6 +186,7 @@ class ModelService:
             self.engine.shutdown()
             raise
         self.phases = PhaseTimes()
+        self.recent = RecentWindow()  # the requests that ended in the last minute
         # Requests whose prompt a normalization rule changed, by rule (serve_app/normalize).
         self.normalized = dict.fromkeys(RULE_NAMES, 0)
         self.preparer = Preparer(profile, tokenizer, branch_points=self.cache.enabled)
@@ -423,7 +425,8 @@ class ModelService:
         return ReplicaStats(
             self.profile.name, self.engine.snapshot(), copy.deepcopy(self.cache_stats), view,
             copy.deepcopy(self.phases),
-            NormalizationStats(list(self.profile.normalize), dict(self.normalized)))
+            NormalizationStats(list(self.profile.normalize), dict(self.normalized)),
+            recent=self.recent.activity())
 
     def warm_up(self, timeout: float = 300.0) -> float:
         """One prefill and one decode through the engine; returns the seconds taken.

@@ -178,7 +178,9 @@ class RequestClock:
         self.arrived = arrived
         self.planned = time.perf_counter()
         self.joined: float | None = None  # when the engine took the request into its batch
+        self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.tokens = 0
         service._phase("prepare", prepare_seconds)
         service._phase("plan", self.planned - arrived)
 
@@ -194,12 +196,18 @@ class RequestClock:
             service._phase("prefill", at - self.joined)
             service._prefilled(prefilled_tokens, at - self.joined)
         service._observe_token(self.arrived, self.last_token_at, at)
+        if self.first_token_at is None:
+            self.first_token_at = at
         self.last_token_at = at
+        self.tokens += 1
 
     def finished(self) -> None:
         service = self._service
         service.metrics.observe("serve_app_request_duration_seconds",
                                 time.perf_counter() - self.arrived, service._labels)
+        first, last = self.first_token_at, self.last_token_at
+        service.recent.add(None if first is None else first - self.arrived, self.tokens,
+                           0.0 if first is None or last is None else last - first)
 
 
 class RequestStream:

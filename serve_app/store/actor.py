@@ -40,7 +40,7 @@ from serve_app.cache.payload import BlockPayload, CapturedBlock
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_format import DiskInfo
 from serve_app.cache.ssd_fs import auto_budget, untrusted_reason
-from serve_app.cache.tiers import TieredStore
+from serve_app.cache.tiers import Cleared, TieredStore
 from serve_app.cache.wear import auto_write_budget
 from serve_app.cluster.directory import EventBatch
 from serve_app.cluster.directory_service import (
@@ -121,9 +121,9 @@ class CacheStore:
 
     # Bumped whenever a method's signature changes: the actor is detached and outlives
     # a redeploy, so replicas of new code may find one running the old code.
-    PROTOCOL = 7  # 2: put carries the block's token ids; 3: export to other nodes;
+    PROTOCOL = 8  # 2: put carries the block's token ids; 3: export to other nodes;
     # 4: replicas report their stats (report_replica, replica_reports); 5: match;
-    # 6: put's keep_hot; 7: demote (a model the pool unloaded)
+    # 6: put's keep_hot; 7: demote (a model the pool unloaded); 8: clear
 
     def __init__(self, config: CacheStoreProfile,
                  feed_interval_s: float = FEED_INTERVAL_S) -> None:
@@ -165,6 +165,11 @@ class CacheStore:
         """The model pool unloaded ``model``'s replica: its blocks on SSD leave RAM
         (``TieredStore.demote``); the blocks and bytes taken out."""
         return self.tiers.demote(model, layout, wait_s)
+
+    @ray.method(concurrency_group="puts")
+    def clear(self, model: str, identities: frozenset[str], wait_s: float) -> Cleared:
+        """Forget a model's blocks on this node (``TieredStore.clear``)."""
+        return self.tiers.clear(model, identities, wait_s)
 
     def count_dropped(self, reason: str, n: int) -> None:
         """Blocks a replica could not hand over (``reason`` is "publish")."""
