@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import browser_missing, open_page, screenshot_dir
+from bench.browser import browser_missing, open_page, screenshot_dir
 
 # <link rel="icon" href="data:,">: no favicon request, so no 404 in the console.
 CLEAN = """<!doctype html><html><head><link rel="icon" href="data:,"><title>harness</title>

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from serve_app.cache.tiers import Cleared
+    from serve_app.cache.stats import Cleared
     from serve_app.config.profile import Profile
     from serve_app.metrics.table import Recorder
     from serve_app.models.phase import ModelPhase

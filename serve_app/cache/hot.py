@@ -132,6 +132,18 @@ class HotStore:
         self._evict(entry, count=count)
         return True
 
+    def remove_model(self, model: str) -> tuple[int, int, int]:
+        """Take a model's unpinned blocks out (not as evictions): blocks and bytes taken,
+        blocks kept (pinned by a restore)."""
+        blocks = nbytes = kept = 0
+        for entry in [e for e in self._entries.values() if e.model == model]:
+            if entry.pins:
+                kept += 1
+            elif self.remove(entry.block_id, count=False):
+                blocks += 1
+                nbytes += entry.nbytes
+        return blocks, nbytes, kept
+
     def pinned_ids(self) -> set[str]:
         return {bid for bid, e in self._entries.items() if e.pins}
 

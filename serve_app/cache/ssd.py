@@ -30,7 +30,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +57,7 @@ from serve_app.cache.ssd_fs import (
     open_dir,
     walk_files,
 )
-from serve_app.cache.stats import Usage
+from serve_app.cache.stats import SSDStats, Usage
 from serve_app.cache.wear import RollingByteBudget
 
 
@@ -71,22 +71,6 @@ class WriteResult(enum.Enum):
 
     def __bool__(self) -> bool:
         return self is WriteResult.DONE
-
-
-@dataclass
-class SSDStats:
-    writes_done: int = 0
-    writes_failed: int = 0
-    writes_skipped_low_space: int = 0
-    writes_skipped_budget: int = 0
-    writes_skipped_write_budget: int = 0  # the hourly write budget (SSD wear) was spent
-    bytes_written: int = 0  # bytes of files written (what wears the SSD)
-    reads: int = 0
-    read_failures: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    temp_files_removed: int = 0
-    foreign_files: int = 0
 
 
 class SSDStore:

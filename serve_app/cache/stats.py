@@ -7,7 +7,7 @@ into samples by attribute. ``/v1/stats`` shows the fuller dict of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,38 @@ class Usage:
         return Usage(self.blocks + other.blocks, self.block_bytes + other.block_bytes,
                      self.sidecars + other.sidecars, self.sidecar_bytes + other.sidecar_bytes,
                      self.evictions + other.evictions)
+
+
+@dataclass
+class SSDStats:
+    """The SSD tier's counters (``SSDStore.counters``)."""
+
+    writes_done: int = 0
+    writes_failed: int = 0
+    writes_skipped_low_space: int = 0
+    writes_skipped_budget: int = 0
+    writes_skipped_write_budget: int = 0  # the hourly write budget (SSD wear) was spent
+    bytes_written: int = 0  # bytes of files written (what wears the SSD)
+    reads: int = 0
+    read_failures: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    temp_files_removed: int = 0
+    foreign_files: int = 0
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """What a cache clear took out of one node's store."""
+
+    hot_blocks: int = 0
+    hot_bytes: int = 0
+    ssd_files: int = 0  # blocks and sidecars
+    ssd_bytes: int = 0
+    kept_in_use: int = 0  # blocks and files a restore held: they stay
+
+    def __add__(self, other: Cleared) -> Cleared:
+        return Cleared(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 @dataclass

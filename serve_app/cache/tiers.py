@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, astuple, dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
 from serve_app.cache import codecs
@@ -41,7 +41,7 @@ from serve_app.cache.payload import (
 )
 from serve_app.cache.ssd import SSDStore, WriteResult
 from serve_app.cache.ssd_format import DiskEntry, DiskInfo, digest_of
-from serve_app.cache.stats import StagingStats, StoreStats, Usage
+from serve_app.cache.stats import Cleared, StagingStats, StoreStats, Usage
 from serve_app.cache.tree import PrefixTree, Walk
 
 logger = logging.getLogger(__name__)
@@ -51,20 +51,6 @@ REMEMBER_SKIPPED = 65536  # ids of blocks kept out of RAM, for miss reasons
 GONE = "gone"  # the digest of a file evicted before a lookup could capture it: matches none
 LEASE_TTL_S = 120.0  # a restore copies its blocks in well under this
 MIN_CUT_TOKENS = 1  # the fewest tokens worth cutting a stored block to
-
-
-@dataclass(frozen=True)
-class Cleared:
-    """What a cache clear took out of one node's store."""
-
-    hot_blocks: int = 0
-    hot_bytes: int = 0
-    ssd_files: int = 0  # blocks and sidecars
-    ssd_bytes: int = 0
-    kept_in_use: int = 0  # blocks and files a restore held: they stay
-
-    def __add__(self, other: Cleared) -> Cleared:
-        return Cleared(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 @dataclass
@@ -504,9 +490,7 @@ class TieredStore:
         if self.ssd is None:
             return 0, 0
         with self._lock:
-            self._cv.wait_for(lambda: not any(p.entry.model == model
-                                              for p in self._pending.values()),
-                              timeout=wait_s)
+            self._wait_staged(model, wait_s)
             blocks = nbytes = 0
             for bid in self.hot.ids():
                 entry = self.hot.entry(bid)
@@ -514,7 +498,7 @@ class TieredStore:
                     continue
                 if not self.ssd.has_block(bid) or bid in self._pending:
                     continue
-                if entry.has_checkpoint and not (self._embedded_state(bid) or _exact_or_none(
+                if entry.has_checkpoint and not (self._embedded_state(bid) or _exact(
                         self.ssd.sidecar_entry(layout, bid))):
                     continue
                 if self.hot.remove(bid, count=False):  # on SSD: not an eviction
@@ -525,30 +509,17 @@ class TieredStore:
         return blocks, nbytes
 
     def clear(self, model: str, identities: frozenset[str], wait_s: float) -> Cleared:
-        """Forget a model's blocks in every tier (asked for: ``POST
-        /admin/models/{name}/cache/clear``): its hot blocks (by name), then its files on SSD
-        (by identity: ``model_identity``, and each rank's for a sharded model). Waits up
-        to ``wait_s`` for the model's staged writes first, so none lands after; a block a
-        restore holds right now stays (counted in ``kept``)."""
-        hot_blocks = hot_bytes = kept = 0
+        """Forget a model's blocks (asked for): in RAM by its name, on SSD by its identities
+        (every rank's), once its staged writes landed (``wait_s`` at most)."""
         with self._lock:
-            self._cv.wait_for(lambda: not any(p.entry.model == model
-                                              for p in self._pending.values()),
-                              timeout=wait_s)
-            for bid in self.hot.ids():
-                entry = self.hot.entry(bid)
-                if entry is None or entry.model != model:
-                    continue
-                if entry.pins:
-                    kept += 1
-                elif self.hot.remove(bid, count=False):
-                    hot_blocks += 1
-                    hot_bytes += entry.nbytes
-        files = file_bytes = 0
-        if self.ssd is not None:
-            files, file_bytes, kept_files = self.ssd.remove_model(identities)
-            kept += kept_files
-        return Cleared(hot_blocks, hot_bytes, files, file_bytes, kept)
+            self._wait_staged(model, wait_s)
+            hot = self.hot.remove_model(model)
+        ssd = self.ssd.remove_model(identities) if self.ssd else (0, 0, 0)
+        return Cleared(hot[0], hot[1], ssd[0], ssd[1], hot[2] + ssd[2])
+
+    def _wait_staged(self, model: str, wait_s: float) -> None:  # the lock held
+        self._cv.wait_for(lambda: not any(p.entry.model == model
+                                          for p in self._pending.values()), timeout=wait_s)
 
     def release(self, lease: int | None) -> None:
         with self._lock:
@@ -623,9 +594,5 @@ class TieredStore:
         return out
 
 
-def _exact_or_none(sidecar: DiskEntry | None) -> bool:
-    return sidecar is not None and _exact(sidecar)
-
-
-def _exact(sidecar: DiskEntry) -> bool:
-    return sidecar.meta.get("codec") == codecs.EXACT
+def _exact(sidecar: DiskEntry | None) -> bool:
+    return sidecar is not None and sidecar.meta.get("codec") == codecs.EXACT

@@ -50,7 +50,7 @@ from serve_app.serving.replica_stats import ReplicaStats
 from serve_app.serving.request import ApiError, Caller, OpenAIRequest
 
 if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
-    from serve_app.cache.tiers import Cleared
+    from serve_app.cache.stats import Cleared
     from serve_app.serving.prepare import PreparedRequest
     from serve_app.serving.selfbench import SelfBenchmark
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from serve_app.cache.tiers import Cleared
+from serve_app.cache.stats import Cleared
 from serve_app.cluster.replicas import Gathered, ReplicaReport
 from serve_app.metrics.exposition import merge_exposition
 from serve_app.store.actor import store_name

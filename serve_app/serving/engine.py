@@ -297,6 +297,9 @@ class Engine:
         while not self._stopping.is_set():
             try:
                 if not self._requests:
+                    if self.stats.running_batch_size:  # the last step's, not now's
+                        with self._lock:
+                            self.stats.running_batch_size = 0
                     self._idle()
                 self._drain_commands(block=not self._requests)
                 if self._requests:

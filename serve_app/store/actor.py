@@ -40,7 +40,8 @@ from serve_app.cache.payload import BlockPayload, CapturedBlock
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_format import DiskInfo
 from serve_app.cache.ssd_fs import auto_budget, untrusted_reason
-from serve_app.cache.tiers import Cleared, TieredStore
+from serve_app.cache.stats import Cleared
+from serve_app.cache.tiers import TieredStore
 from serve_app.cache.wear import auto_write_budget
 from serve_app.cluster.directory import EventBatch
 from serve_app.cluster.directory_service import (

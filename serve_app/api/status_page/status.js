@@ -35,12 +35,13 @@ function at(obj, path) {
   return v;
 }
 
-// A figure from the data: its text, with its path and raw value for checking.
-function fig(path, format) {
+// A figure from the data: its text, with its path and raw value for checking
+// (``volatile``: it changes between two reads even when nothing is served).
+function fig(path, format, volatile) {
   const value = at(last, path);
   const text = value === undefined || value === null ? "–" : (format || String)(value);
-  return h("span", {"data-path": JSON.stringify(path), "data-value": JSON.stringify(value ?? null)},
-           text);
+  return h("span", {"data-path": JSON.stringify(path), "data-value": JSON.stringify(value ?? null),
+                    "data-volatile": volatile}, text);
 }
 
 function bytes(n) {
@@ -245,7 +246,7 @@ function controls(name) {
           "Unpin")
       : h("button", {type: "button", "data-action": "pin",
                      onclick: () => post(`${path}/pin`, {}, `pinning ${name}`)}, "Pin"),
-    h("button", {type: "button", disabled: !cacheOn, "data-action": "clear-cache",
+    h("button", {type: "button", disabled: cacheOn === false, "data-action": "clear-cache",
                  onclick: () => {
                    if (confirm(`Forget every cached prefix of ${name} (RAM and SSD, every node)?`)) {
                      post(`${path}/cache/clear`, {}, `clearing the cache of ${name}`);
@@ -278,7 +279,7 @@ function renderModel(name) {
       kv("KV in use / budget", fig([...e, "kv_in_use_bytes"], bytes), " / ",
          fig([...mem, "kv_budget_bytes"], bytes)),
       kv("hot-tier share", fig([...mem, "planned", "hot_share_bytes"], bytes)),
-      kv("process memory", fig([...mem, "process_rss_bytes"], bytes)),
+      kv("process memory", fig([...mem, "process_rss_bytes"], bytes, true)),
       kv("requests, last minute", fig([...r, "requests"], num)),
       kv("output, last minute", fig([...r, "output_tokens_per_s"], tps)),
       kv("decode per stream", fig([...r, "decode_tokens_per_s"], tps)),
