@@ -69,7 +69,10 @@ CAPTURED_TOKENS = rate("ray_serve_app_prefix_cache_captured_tokens_total", "mode
 SERVING = (
     PanelSpec("Requests by status", "reqps", (
         Query(rate("ray_serve_app_requests_total", "model, status"),
-              "{{model}} {{status}}"),)),
+              "{{model}} {{status}}"),
+        Query(rate("ray_serve_app_request_retries_total", "model"),
+              "{{model}} sent again (replica lost)")),
+        "Sent again: a request whose replica went away before answering, sent to another."),
     PanelSpec("Time to first token", "s", quantiles("ray_serve_app_time_to_first_token_seconds"),
               "From arrival at the model replica to the first token."),
     PanelSpec("Time to first token by phase (p50)", "s", (

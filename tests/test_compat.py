@@ -287,3 +287,72 @@ def test_sync_sampled_tokens_patches_the_step_that_samples(hybrid_dir):
         compat.sync_sampled_tokens(None)
     assert synced == plain and seen
     assert GenerationBatch.__dict__.get("_serve_app_syncs_tokens")
+
+
+def test_the_head_node_resource_marks_the_head_and_places_an_actor_there():
+    """``HEAD_NODE_RESOURCE``: the head has it in ``ray.nodes()``, and an actor asking for
+    a sliver of it runs on the head (the ingress's placement, ``ingress.on_head_node``)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ray\n"
+        "from ray.cluster_utils import Cluster\n"
+        "from serve_app.models.compat import HEAD_NODE_RESOURCE\n"
+        "c = Cluster(initialize_head=True, head_node_args={'num_cpus': 1, "
+        "'include_dashboard': False})\n"
+        "worker = c.add_node(num_cpus=4)\n"
+        "ray.init(address=c.address, log_to_driver=False)\n"
+        "c.wait_for_nodes()\n"
+        "heads = [n['NodeID'] for n in ray.nodes() if HEAD_NODE_RESOURCE in n['Resources']]\n"
+        "@ray.remote(num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001})\n"
+        "def where():\n"
+        "    return ray.get_runtime_context().get_node_id()\n"
+        "print(len(heads), ray.get(where.remote()) == heads[0] != worker.node_id)\n"
+        "ray.shutdown(); c.shutdown()\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, timeout=180).stdout.strip().splitlines()
+    assert out[-1] == "1 True"
+
+
+def test_assigned_to_replica_returns_once_a_replica_took_the_call():
+    """``assigned_to_replica``: a handle call (whole or streamed) is assigned to a replica
+    long before its answer; a call no replica can take yet is not."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, time, ray\n"
+        "from ray import serve\n"
+        "from serve_app.models.compat import assigned_to_replica\n"
+        "ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)\n"
+        "@serve.deployment(max_ongoing_requests=1)\n"
+        "class Slow:\n"
+        "    async def __call__(self):\n"
+        "        await asyncio.sleep(3)\n"
+        "        return 'done'\n"
+        "    async def gen(self):\n"
+        "        await asyncio.sleep(3)\n"
+        "        yield 'x'\n"
+        "handle = serve.run(Slow.bind(), name='probe', route_prefix=None)\n"
+        "async def main():\n"
+        "    tic = time.monotonic()\n"
+        "    first = handle.remote()\n"
+        "    await assigned_to_replica(first)\n"
+        "    took = time.monotonic() - tic\n"
+        "    second = handle.remote()  # the one replica is busy: not taken yet\n"
+        "    try:\n"
+        "        await asyncio.wait_for(asyncio.shield(assigned_to_replica(second)), 1.0)\n"
+        "        waited = False\n"
+        "    except TimeoutError:\n"
+        "        waited = True\n"
+        "    print(took < 2.0, await first == 'done', waited, await second == 'done')\n"
+        "    stream = handle.options(stream=True).gen.remote()\n"
+        "    await assigned_to_replica(stream)\n"
+        "    print([x async for x in stream])\n"
+        "asyncio.run(main())\n"
+        "serve.shutdown(); ray.shutdown()\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, timeout=180).stdout.strip().splitlines()
+    ours = [line for line in out if line.startswith(("True", "False", "["))]
+    assert ours == ["True True True True", "['x']"]

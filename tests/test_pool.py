@@ -291,9 +291,10 @@ def test_a_full_pool_unloads_then_loads_and_counts_both():
         await r.gate(p).ready("b")
         assert r.unloads == ["a"] and r.loads == ["b"]
         assert (p.status("a"), p.status("b")) == (Status.UNLOADED, Status.LOADED)
-        assert p.states["a"].unloads == {"capacity": 1, "idle": 0}
+        assert p.states["a"].unloads == {"capacity": 1, "idle": 0, "admin": 0}
         assert p.states["b"].loads == 1 and p.states["b"].load_seconds >= 0.0
-        assert p.states["a"].loads == 0 and p.states["b"].unloads == {"capacity": 0, "idle": 0}
+        assert p.states["a"].loads == 0 and p.states["b"].unloads == {"capacity": 0, "idle": 0,
+                                                                      "admin": 0}
 
     asyncio.run(main())
 
@@ -323,7 +324,7 @@ def test_an_unload_the_replica_refuses_is_a_capacity_error_and_the_victim_stays(
             await g.ready("b")
         assert r.unloads == ["a"] and r.loads == []
         assert (p.status("a"), p.status("b")) == (Status.LOADED, Status.UNLOADED)
-        assert p.states["a"].unloads == {"capacity": 0, "idle": 0}
+        assert p.states["a"].unloads == {"capacity": 0, "idle": 0, "admin": 0}
         r.accept = True  # a retry succeeds
         await g.ready("b")
         assert p.status("b") is Status.LOADED
@@ -400,7 +401,7 @@ def test_unload_idle_unloads_an_idle_model_and_counts_it():
         r.in_flight = {"b": 1}
         assert await g.unload_idle() == ["a"]
         assert r.unloads == ["a"] and p.status("a") is Status.UNLOADED
-        assert p.states["a"].unloads == {"capacity": 0, "idle": 1}
+        assert p.states["a"].unloads == {"capacity": 0, "idle": 1, "admin": 0}
         assert p.status("b") is Status.LOADED and p.status("c") is Status.LOADED
 
     asyncio.run(main())
@@ -499,8 +500,9 @@ def test_pool_for_pins_a_model_with_several_replicas_and_reads_the_plan():
                                         model("d", idle_unload_s=30)],
                              "memory": {"max_loaded_models": 3}})
     p = pool_for(profile, None)
-    assert {n: m.pinned for n, m in p.models.items()} == {
+    assert {n: s.pinned for n, s in p.states.items()} == {
         "a": True, "b": False, "c": True, "d": False}
+    assert p.models["a"].locked is not None and p.models["c"].locked is None
     assert p.models["d"].idle_unload_s == 30 and p.models["b"].idle_unload_s is None
     assert p.limits == PoolLimits(3, None) and p.models["b"].footprint_bytes == 0
     plan = MemoryPlan(total_memory_bytes=1000, budget_bytes=900, budget_origin="test",

@@ -57,6 +57,16 @@ def test_a_full_replica_is_ranked_last_however_good_its_prefix():
     assert ranking.order == ["r1", "r0"] and ranking.reason("r1") == "load_fallback"
 
 
+def test_a_replica_ray_found_unreachable_is_ranked_after_a_full_one():
+    """A dead node's replica holds the prefix until Serve removes it: asked first, Ray
+    would probe it again and again while the request waits (seen with a node killed)."""
+    runs = {"n0": ["hot"] * 100}
+    suspect, full, free = (Candidate("r0", "n0", 0, 4, suspect=True),
+                           Candidate("r1", "n1", 4, 4), Candidate("r2", "n2", 0, 4))
+    ranking = rank([suspect, full, free], runs, 100 * BS, BS, load_cost_tokens=0)
+    assert ranking.order == ["r2", "r1", "r0"]
+
+
 def test_no_prefix_anywhere_goes_to_the_least_loaded():
     ranking = rank(candidates(2, 0, 1), {}, 100, BS, load_cost_tokens=512)
     assert ranking.order == ["r1", "r2", "r0"] and ranking.reason("r1") == "no_prefix"

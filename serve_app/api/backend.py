@@ -30,7 +30,9 @@ class ModelBackend(Protocol):
 
     async def stream_events(self, name: str, request: OpenAIRequest,
                             caller: Caller) -> AsyncIterator[list[Event]]:
-        """The model's event batches for ``request`` (its replica's, as they come)."""
+        """The model's event batches for ``request`` (its replica's, as they come). The
+        iterator may have ``async assigned()``: it returns once a replica took the request
+        (the ingress sends a request again that none took in time)."""
         ...
 
     async def count_prompt_tokens(self, name: str, request: ChatCompletionRequest,

@@ -56,6 +56,11 @@ api = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
 api.add_middleware(auth.ApiKeyMiddleware)
 
 NOT_READY_RETRY_AFTER_S = 2
+LOST = "replica_lost"  # the code of a request whose replica went away
+LOST_REPLICA_RETRIES = 2  # resends of a request lost (or not taken) before its start
+# A request Serve's router has not given to a replica in this long is sent again: seen when
+# a node died while the router was probing its replica (the request then waited for ever).
+ROUTE_STALL_S = 20.0
 MAX_CACHE_POINTS = 4  # Anthropic's own limit on cache_control markers
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 T = TypeVar("T")
@@ -127,7 +132,7 @@ def timeout_error(name: str, seconds: float) -> ApiError:
 def replica_lost_error(name: str) -> ApiError:
     """503 for a request whose model replica went away while serving it."""
     return _unavailable(f"the replica serving model {name!r} went away; retry shortly",
-                        "replica_lost")
+                        LOST)
 
 
 class OpenAIIngress:
@@ -257,21 +262,46 @@ class OpenAIIngress:
                     deadline: float) -> tuple[Any, Start]:
         """Send a validated request to its model: its event stream and its ``Start``, once
         the replica has admitted it (an error before that is raised here, as the HTTP
-        error; so is a timeout at ``deadline``: 504, the replica's work cancelled)."""
+        error; so is a timeout at ``deadline``: 504, the replica's work cancelled).
+
+        A replica lost before the ``Start`` (its node died, say) has sent the client
+        nothing: the request goes once more, to a replica Serve still has (a whole answer
+        not streamed counts as not started until it all arrived); so does one no replica
+        took within ``ROUTE_STALL_S``."""
         m = self.model_of(parsed.model)
         labels["model"] = m.name
         check_prompt_size(parsed, m.prompt_char_limit(), m.context_length, m.max_messages)
         if not await self.backend.model_ready(m.name):
             raise not_ready_error([m.name])
-        events = None
-        try:
-            async with asyncio.timeout_at(deadline):
-                events = await self.backend.stream_events(m.name, parsed, caller)
-                return events, await self._first(events, m.name)
-        except TimeoutError:
-            if events is not None:
-                _cancel(events)
-            raise timeout_error(m.name, self.profile.ingress.request_timeout_s) from None
+        loop = asyncio.get_running_loop()
+        for attempt in range(1 + LOST_REPLICA_RETRIES):
+            events = None
+            stall = min(deadline, loop.time() + ROUTE_STALL_S)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    events = await self.backend.stream_events(m.name, parsed, caller)
+                    assigned = getattr(events, "assigned", None)
+                    if assigned is not None:  # a replica took it (or the stall ends it)
+                        async with asyncio.timeout_at(stall):
+                            await assigned()
+                    return events, await self._first(events, m.name)
+            except TimeoutError:
+                if events is not None:
+                    _cancel(events)
+                if loop.time() >= deadline:
+                    raise timeout_error(m.name,
+                                        self.profile.ingress.request_timeout_s) from None
+                why = f"no replica took it in {ROUTE_STALL_S:g} s"
+                if attempt == LOST_REPLICA_RETRIES:
+                    raise _unavailable(f"model {m.name!r}: {why}; retry shortly",
+                                       "not_routed") from None
+            except ApiError as exc:
+                if exc.code != LOST or attempt == LOST_REPLICA_RETRIES:
+                    raise
+                why = "its replica went away before answering"
+            logger.warning("model %s: %s; sending the request again", m.name, why)
+            self.recorder.inc("serve_app_request_retries", 1, {"model": m.name})
+        raise AssertionError("unreachable")
 
     async def _first(self, events: Any, name: str) -> Start:
         """The replica's first event batch: ``[Start]`` (admitted) or ``[Failure]``."""

@@ -377,9 +377,13 @@ class SSDStore:
             for entry in entries:
                 if self._pins.get(entry.block_id):
                     kept += 1
-                elif self._indexed(entry) and self.remove(entry):
-                    files += 1
-                    nbytes += entry.nbytes
+                elif self._indexed(entry):  # a sidecar goes with its block: count it then
+                    group = [entry, *(self._sidecars[(layout, entry.block_id)] for layout in
+                                      self._layouts_of.get(entry.block_id, ())
+                                      if entry.kind == "block")]
+                    if self.remove(entry):
+                        files += len(group)
+                        nbytes += sum(e.nbytes for e in group)
         return files, nbytes, kept
 
     def remove_file(self, kind: str, layout: str, block_id: str, digest: str | None) -> bool:

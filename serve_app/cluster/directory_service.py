@@ -30,7 +30,7 @@ LOOK_FOR_DIRECTORY_S = 1.0  # how often a follower looks for a directory not the
 FEED_TIMEOUT_S = 10.0
 
 
-NODE_CHECK_S = 5.0  # how often the directory looks for nodes that died
+NODE_CHECK_S = 2.0  # how often the directory looks for nodes that died
 
 
 # The suffix changes with the directory's method signatures (2: ``changes_since`` takes

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -35,6 +36,9 @@ logger = logging.getLogger("ray.serve")
 TIER_COST: dict[str, float] = {Tier.HOT: 0.0, Tier.SSD: 0.1, Tier.REMOTE: 0.3}
 REASONS = ROUTING_REASONS  # the decisions counted (``serve_app_routing_decisions``)
 DECIDED_MEMORY = 4096
+# How long a replica Ray found unreachable is ranked last: until Serve's controller has
+# removed a dead one (its health check, seconds) or a reachable one answers again.
+SUSPECT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class Candidate:
     node_id: str
     ongoing: int  # requests it is serving now, as this router counts them
     capacity: int  # requests it runs at once (its batch size)
+    suspect: bool = False  # Ray found it unreachable or dead a moment ago
 
     @property
     def overloaded(self) -> bool:
@@ -102,10 +107,12 @@ def prefill_cost(node_id: str, runs: dict[str, list[str]], prompt_tokens: int,
 def rank(candidates: list[Candidate], runs: dict[str, list[str]], prompt_tokens: int,
          block_size: int, load_cost_tokens: float) -> Ranking:
     """Candidates by prefill cost plus ``load_cost_tokens`` per ongoing request; those
-    with a full batch last. Ties are broken at random, so equal replicas share work."""
+    with a full batch last, and after them those Ray just found unreachable (a dead
+    node's replica holds the prefix until Serve removes it: asked first, it would hold a
+    request up). Ties are broken at random, so equal replicas share work."""
     prefill = {c.key: prefill_cost(c.node_id, runs, prompt_tokens, block_size)
                for c in candidates}
-    order = sorted(candidates, key=lambda c: (c.overloaded,
+    order = sorted(candidates, key=lambda c: (c.suspect, c.overloaded,
                                               prefill[c.key] + load_cost_tokens * c.ongoing,
                                               c.ongoing, random.random()))
     held = {c.key: len(runs.get(c.node_id, ())) for c in candidates}
@@ -132,6 +139,8 @@ class PrefixAffinityRouter(RequestRouter):
         # The model's layout as a replica last reported it (the same on all of them): a
         # router keeps ranking when Serve's copy of a replica's stats is missing or late.
         self.layout: ReplicaInfo | None = None
+        # Replicas Ray found unreachable or dead, until when (monotonic): ranked last.
+        self.suspects: dict[ReplicaID, float] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -174,9 +183,11 @@ class PrefixAffinityRouter(RequestRouter):
         root = salted_root(info.root, prepared.salt, prepared.api_key_digest)
         restorable = (len(prepared.prompt) - 1) // bs
         runs = self.follower.prefix_by_node(chain(root, prepared.prompt[:restorable * bs], bs))
+        now = time.monotonic()
         candidates = [Candidate(r.replica_id, _node_of(r, reported[r.replica_id]),
                                 self._load(r.replica_id, reported[r.replica_id]),
-                                (reported[r.replica_id] or info).max_batch_size)
+                                (reported[r.replica_id] or info).max_batch_size,
+                                self.suspects.get(r.replica_id, 0.0) > now)
                       for r in candidate_replicas]
         ranking = rank(candidates, runs, len(prepared.prompt), bs, self.load_cost_tokens)
         self._count(request_id, ranking.reason(ranking.order[0]))
@@ -209,6 +220,11 @@ class PrefixAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.ongoing.pop(replica_id, None)
+        self.suspects[replica_id] = time.monotonic() + SUSPECT_S
+
+    def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_unavailable(replica_id)
+        self.suspects[replica_id] = time.monotonic() + SUSPECT_S
 
 
 def _node_of(replica: RunningReplica, reported: ReplicaInfo | None) -> str:

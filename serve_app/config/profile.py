@@ -139,8 +139,10 @@ class RoutingProfile(_Strict):
 
     # "prefix": the replica that has the least to prefill, by the cluster's block
     # directory (the ingress tokenizes each request for it); "default": Ray Serve's
-    # own router; "auto": "prefix" when the model has more than one replica.
-    mode: Literal["auto", "prefix", "default"] = "auto"
+    # own router (power of two choices); "ray_prefix": Ray's PrefixCacheAffinityRouter
+    # (ray.serve.llm: a prefix tree of prompt text); "auto": "prefix" when the model has
+    # more than one replica.
+    mode: Literal["auto", "prefix", "default", "ray_prefix"] = "auto"
     # What one request a replica is already serving counts for, in prompt tokens to
     # prefill: higher spreads load sooner, lower follows cached prefixes harder.
     load_cost_tokens: Annotated[float, Field(ge=0.0)] = 512.0
@@ -357,6 +359,10 @@ class IngressProfile(_Strict):
     # A request whose model has not answered in this many seconds gets 504 and its
     # replica work is cancelled; a stream is bounded until the replica admits it.
     request_timeout_s: Annotated[float, Field(gt=0.0)] = 600.0
+    # On a cluster: the ingress runs on the head node (where Serve's HTTP proxy is, and
+    # which the cluster cannot lose anyway), so losing any other node never takes the
+    # ingress, and every request in flight through it, with it. False: Ray places it.
+    on_head_node: bool = True
 
     @field_validator("api_keys_file")
     @classmethod

@@ -26,7 +26,7 @@ from serve_app.deploy.pool import loaded_at_start
 from serve_app.deploy.replica import ROUTING_STATS_PERIOD_S, ModelReplica
 from serve_app.memory.plan import models_memory
 from serve_app.memory.planning import planned
-from serve_app.models.compat import serve_replica_env
+from serve_app.models.compat import HEAD_NODE_RESOURCE, serve_replica_env
 
 logger = logging.getLogger("ray.serve")
 
@@ -70,6 +70,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                 request_router_kwargs={"model": m.name,
                                        "load_cost_tokens": m.routing.load_cost_tokens},
                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)  # type: ignore[arg-type]
+        elif m.routing.mode == "ray_prefix":  # Ray's own, as a Ray user would pick it
+            ray_router = "serve_app.cluster.ray_routers:RayPrefixCacheAffinityRouter"
+            options["request_router_config"] = RequestRouterConfig(
+                request_router_class=ray_router,  # type: ignore[arg-type]
+                request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)  # type: ignore[arg-type]
         if m.parallel is not None:
             # One bundle per rank; the replica (rank 0) runs in the first, its ranks in the
             # others: on as many nodes (spread) or on one (pack).
@@ -101,7 +106,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         name="ingress",
         num_replicas=profile.ingress.num_replicas,
         ray_actor_options={"num_cpus": profile.ingress.num_cpus,
-                           "runtime_env": {"env_vars": serve_replica_env()}},
+                           "runtime_env": {"env_vars": serve_replica_env()},
+                           **({"resources": {HEAD_NODE_RESOURCE: 0.001}}
+                              if profile.ingress.on_head_node else {})},
         max_ongoing_requests=1000,
     )(Ingress)
     return ingress.bind(profile, handles, digests, plan)

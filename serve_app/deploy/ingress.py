@@ -33,6 +33,7 @@ from serve_app.deploy.scrape import StoreReports, gather_node_metrics, node_list
 from serve_app.deploy.stage import PrepareStage
 from serve_app.memory.plan import MemoryPlan, memory_report
 from serve_app.metrics.table import RayRecorder, Recorder, zero_at_start
+from serve_app.models.compat import assigned_to_replica
 from serve_app.models.phase import (
     ModelPhase,
     model_phase,
@@ -357,6 +358,9 @@ class _Batches:
     def __aiter__(self) -> _Batches:
         return self
 
+    async def assigned(self) -> None:
+        await assigned_to_replica(self._response)
+
     async def __anext__(self) -> list[Event]:
         if self._batches is None:
             self._batches = list(await self._response)
@@ -381,6 +385,12 @@ class _Sent:
     def watch(self, events: Any) -> _Sent:
         self.events = events
         return self
+
+    async def assigned(self) -> None:
+        """Once Serve has given the call to a replica (``ModelBackend.stream_events``)."""
+        events = self.events
+        await (events.assigned() if isinstance(events, _Batches)
+               else assigned_to_replica(events))
 
     def done(self) -> None:
         if self.open:

@@ -16,6 +16,7 @@ import ray
 from serve_app.cache.stats import Cleared
 from serve_app.cluster.replicas import Gathered, ReplicaReport
 from serve_app.metrics.exposition import merge_exposition
+from serve_app.models.compat import HEAD_NODE_RESOURCE
 from serve_app.store.actor import store_name
 
 logger = logging.getLogger("ray.serve")
@@ -124,7 +125,7 @@ async def node_list() -> list[NodeInfo]:
         out.append(NodeInfo(
             n.get("NodeID", ""), n.get("NodeManagerAddress", ""),
             n.get("NodeManagerHostname", ""), bool(n.get("Alive")),
-            any(k.startswith("node:__internal_head__") for k in res), float(res.get("CPU", 0)),
+            HEAD_NODE_RESOURCE in res, float(res.get("CPU", 0)),
             float(res.get("GPU", 0)), int(res.get("object_store_memory", 0))))
     return sorted(out, key=lambda n: (not n.head, not n.alive, n.node_id))
 

@@ -89,6 +89,9 @@ METRICS: tuple[MetricDef, ...] = (
     _c("serve_app_requests", "ingress",
        "Completion requests answered, by HTTP status (`unknown` model for requests naming none "
        "we serve).", ("model", "status")),
+    _c("serve_app_request_retries", "ingress",
+       "Requests sent again to another replica because theirs went away (its node died) "
+       "before answering anything.", ("model",)),
     _h("serve_app_time_to_first_token_seconds",
        "From arrival at the model replica to the first generated token.", TTFT_BUCKETS),
     _h("serve_app_request_phase_seconds",
@@ -280,6 +283,7 @@ HISTOGRAM_SERIES: dict[str, tuple[dict[str, str], ...]] = {
 }
 ZERO_AT_START: dict[str, tuple[dict[str, str], ...]] = {
     "serve_app_requests": ({"status": "200"},),
+    "serve_app_request_retries": ({},),
     "serve_app_routing_decisions": tuple({"reason": r} for r in ROUTING_REASONS),
 }
 

@@ -348,6 +348,31 @@ SERVE_REPLICA_ENV = {
 }
 
 
+# The resource every Ray head node has (1.0, Ray 2.60's ``HEAD_NODE_RESOURCE_NAME``):
+# asking for a sliver of it places an actor on the head; its presence marks the head in
+# ``ray.nodes()``.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+async def assigned_to_replica(response: Any) -> None:
+    """Return once Serve's router has assigned a handle call (``DeploymentResponse`` or
+    ``DeploymentResponseGenerator``) to a replica: before that, the call waits in the
+    router (no replica taken, or probing one). Serve's own ``_to_object_ref`` waits on the
+    same, but only for calls made by reference and gives no generator."""
+    await response._fetch_future_result_async()
+
+
+def prefix_cache_affinity_router() -> type:
+    """Ray's ``PrefixCacheAffinityRouter`` class, from the module that defines it: its
+    public path (``ray.serve.llm.request_router``) also imports ``KVAwareRouter``, whose
+    configuration needs pyarrow, which a Serve install does not have."""
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+        PrefixCacheAffinityRouter,
+    )
+
+    return PrefixCacheAffinityRouter
+
+
 # Ray's internal settings (``ray.init(_system_config=...)``, names from Ray 2.60's
 # ``ray_config_def.h``) for ``serve_app.cli.launch``: Ray keeps up to one idle worker process
 # per CPU for tasks and prestarts one for the driver (``ray::IDLE``, ~80 MiB each); Serve

@@ -1,0 +1,327 @@
+"""Cluster routing against Ray's own routers, and a node lost mid-run.
+
+The workload is kv-cache-tester's agent traces (``bench.traces``: Claude Code sessions,
+each turn the whole conversation so far, one shared system prompt), ``--sessions`` at once
+(two load levels), on a Ray cluster of simulated nodes on this machine
+(``ray.cluster_utils.Cluster``: 3 and 4 nodes, one replica per node, each node its own
+SSD directory), once per router, each on the same deployments, side by side in one run:
+
+- ``pow2``: Ray Serve's default power-of-two-choices router (``routing.mode: default``);
+- ``ray_prefix``: Ray's ``PrefixCacheAffinityRouter`` (``ray.serve.llm``), its own
+  defaults, reading our requests' messages as the dicts it expects
+  (``serve_app.cluster.ray_routers``);
+- ``ours``: our block-hash prefix router with the cluster's block directory and
+  cross-node fetch (``routing.mode: prefix``).
+
+``KVAwareRouter`` is not an arm: it scores only through the ``KVTokenTracker`` that Ray's
+own ``LLMRouter`` ingress builds in its process (anywhere else ``choose_replicas`` picks a
+random replica: ``ray/llm/_internal/serve/routing_policies/kv_aware/kv_aware_router.py``),
+and that tracker needs ai-dynamo's ``SelectionService`` fed by each engine's vLLM-format KV
+events over ZMQ. The report says so.
+
+Per run: TTFT p50/p90/p99 (streamed), cached prompt fraction, output tok/s, requests per
+node, identical answers across routers (temperature 0). Then ``node_loss``: ours, 3 nodes,
+the higher load, one worker node killed (raylet and everything on it) a third of the way
+in; a failed turn is counted and sent again a second later, as an agent retries; counted:
+failed turns after the kill, seconds from the kill until every new turn succeeds, hangs,
+the cached fraction before the kill and over the last third of the run.
+
+Usage: python -m bench.routers  (writes bench/results/routers-<model>.json and a plot)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import ray
+from ray.cluster_utils import Cluster
+
+from bench.common import ServerProcess, add_model_option, emit, ready, workdir
+from bench.devserver import free_port, write_config
+from bench.traces import (
+    Arm,
+    Scale,
+    SessionPlan,
+    load_traces,
+    percentile,
+    plan_sessions,
+    run_arm,
+    send,
+    summarize,
+)
+
+ROUTERS = {
+    "pow2": {"mode": "default", "directory": "off"},
+    "ray_prefix": {"mode": "ray_prefix", "directory": "off"},
+    "ours": {"mode": "prefix", "directory": "on"},
+}
+KV_AWARE_WHY = (
+    "not run: KVAwareRouter scores only through the KVTokenTracker that Ray's LLMRouter "
+    "ingress builds in its own process (elsewhere its choose_replicas picks a random "
+    "replica), and that tracker needs ai-dynamo's SelectionService subscribed to every "
+    "engine's vLLM-format KV events over ZMQ; our ingress is not Ray's LLMRouter and our "
+    "MLX replicas publish to our block directory, not to ZMQ")
+GOAL_VS_RAY_PREFIX = 0.8
+GOAL_VS_POW2 = 0.6
+SLOT = "serve_app_bench_slot"
+RETRY_AFTER_S = 1.0
+HANG_S = 120.0
+
+
+def start_cluster(nodes: int, tmp: Path) -> tuple[Cluster, list]:
+    """A head and ``nodes - 1`` workers, each a replica slot and its own SSD directory."""
+    def args(i: int) -> dict:
+        return {"num_cpus": 2, "resources": {SLOT: 1}, "object_store_memory": 256 << 20,
+                "env_vars": {"SERVE_APP_SSD_DIR": str(tmp / f"kv-node{i}")}}
+
+    cluster = Cluster(initialize_head=True, head_node_args={**args(1),
+                                                            "include_dashboard": False})
+    workers = [cluster.add_node(**args(i)) for i in range(2, nodes + 1)]
+    ray.init(address=cluster.address, logging_level="ERROR")
+    cluster.wait_for_nodes()
+    return cluster, workers
+
+
+def start_server(cluster: Cluster, tmp: Path, tag: str, model: str, nodes: int,
+                 router: dict, scale: Scale) -> ServerProcess:
+    port = free_port()
+    profile = {"name": model, "source": f"embedded:{model}", "context_length": scale.context,
+               "max_tokens": scale.max_output, "num_replicas": nodes,
+               "max_replicas_per_node": 1, "resources": {SLOT: 1},
+               "routing": {"mode": router["mode"]}, "cache": {"block_size": 16}}
+    config = write_config(tmp / f"{tag}.yaml", port, [profile],
+                          cache_store={"directory": router["directory"]})
+    serve_bin = str(Path(sys.executable).with_name("serve"))
+    server = ServerProcess([serve_bin, "run", "--address", cluster.address, str(config)],
+                           port, tmp / f"{tag}.log")
+    server = ready(server, [model])
+    deadline = time.monotonic() + 300
+    while len(per_node(server, model)) < nodes:  # every replica reporting
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{tag}: not every replica came up")
+        time.sleep(0.5)
+    time.sleep(2.0)  # the routers' copies of the directory connect
+    return server
+
+
+def per_node(server: ServerProcess, model: str) -> dict[str, int]:
+    """Requests finished by the replica on each node (``/v1/stats``' replicas)."""
+    stats = httpx.get(f"{server.base_url}/v1/stats", timeout=60).json()["models"][model]
+    return {r["node_id"]: (r["stats"].get("engine") or {}).get("finished", 0)
+            for r in stats.get("replicas", [])}
+
+
+def run_routed(server: ServerProcess, model: str, system: str,
+               plans: list[SessionPlan], scale: Scale) -> dict:
+    before = per_node(server, model)
+    run = run_arm(Arm("ours", "openai", server.base_url, model), system, plans,
+                  scale.max_output)
+    after = per_node(server, model)
+    out = summarize(run, sum(len(p.turns) for p in plans))
+    out["output_tokens_per_s"] = out["completion_tokens"] / run.wall_s
+    out["requests_per_node"] = sorted((after.get(n, 0) - before.get(n, 0) for n in after),
+                                      reverse=True)
+    out["texts"] = {r["request"]: r.get("text") for r in run.records}
+    return out
+
+
+def run_with_loss(server: ServerProcess, cluster: Cluster, victim, model: str,
+                  system: str, plans: list[SessionPlan], scale: Scale,
+                  kill_at_s: float) -> dict:
+    """Every session at once; a failed turn is counted and sent again after
+    ``RETRY_AFTER_S``; ``victim`` is killed ``kill_at_s`` into the run."""
+    rows: list[dict] = []
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    arm = Arm("ours", "openai", server.base_url, model)
+
+    def session(plan: SessionPlan) -> None:
+        import random
+
+        history: list[tuple[str, str]] = []
+        rng = random.Random(plan.session)
+        for turn in plan.turns:
+            time.sleep(turn.think_s)
+            while True:
+                start = time.perf_counter() - t0
+                try:
+                    r = send(arm, system, history, turn.user, rng, scale.max_output)
+                    err = None
+                except Exception as e:  # noqa: BLE001 (counted)
+                    r, err = None, f"{type(e).__name__}: {e}"[:300]
+                end = time.perf_counter() - t0
+                with lock:
+                    rows.append({"session": plan.session, "turn": turn.index, "start_s": start,
+                                 "end_s": end, "error": err,
+                                 "ttft": r["ttft"] if r else None,
+                                 "prompt_tokens": r["prompt_tokens"] if r else None,
+                                 "cached_tokens": r["cached_tokens"] if r else None})
+                if r is not None:
+                    history.append((turn.user, r["text"]))
+                    break
+                time.sleep(RETRY_AFTER_S)
+
+    threads = [threading.Thread(target=session, args=(p,)) for p in plans]
+    for t in threads:
+        t.start()
+    killer = threading.Timer(kill_at_s, cluster.remove_node, args=(victim,),
+                             kwargs={"allow_graceful": False})
+    killer.start()
+    for t in threads:
+        t.join()
+    killer.join()
+    wall = time.perf_counter() - t0
+    failed = [r for r in rows if r["error"] and r["end_s"] >= kill_at_s]
+    ok = [r for r in rows if not r["error"]]
+
+    def fraction(part: list[dict]) -> float | None:
+        prompt = sum(r["prompt_tokens"] or 0 for r in part)
+        return sum(r["cached_tokens"] or 0 for r in part) / prompt if prompt else None
+
+    last_third = [r for r in ok if r["start_s"] >= wall * 2 / 3]
+    return {"kill_at_s": kill_at_s, "wall_s": wall, "turns": len(ok),
+            "failed_turns_after_kill": len(failed),
+            "recovery_s": (max(r["start_s"] for r in failed) - kill_at_s) if failed else 0.0,
+            "hangs": sum(1 for r in rows if r["end_s"] - r["start_s"] > HANG_S),
+            "cached_fraction_before_kill": fraction([r for r in ok if r["end_s"] < kill_at_s]),
+            "cached_fraction_last_third": fraction(last_third),
+            "ttft_p50_s": percentile([r["ttft"] for r in ok], 50),
+            "errors": [r["error"] for r in rows if r["error"]][:5]}
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    runs = result["runs"]
+    labels = [f"{r['router']}\n{r['nodes']}n/{r['sessions']}s" for r in runs]
+    fig, ax = plt.subplots(figsize=(max(8, len(runs) * 0.9), 4))
+    x = range(len(runs))
+    for i, (q, key) in enumerate((("p50", "ttft_p50_s"), ("p90", "ttft_p90_s"),
+                                  ("p99", "ttft_p99_s"))):
+        ax.bar([v + (i - 1) * 0.27 for v in x], [r[key] or 0 for r in runs], 0.27, label=q)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title(f"{result['model']}: agent traces by router, nodes and load")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_option(parser, "tiny-hybrid")
+    parser.add_argument("--nodes", default="3,4")
+    parser.add_argument("--sessions", default="4,8", help="the load levels")
+    parser.add_argument("--routers", default=",".join(ROUTERS))
+    parser.add_argument("--max-turns", type=int, default=5)
+    parser.add_argument("--tokens-per-block", type=int, default=4)
+    parser.add_argument("--max-output", type=int, default=16)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--no-node-loss", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    out = args.out or Path("bench/results") / f"routers-{args.model}.json"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    scale = Scale(args.tokens_per_block, args.max_output, args.context, 0.02, 1.0,
+                  args.max_turns)
+    traces = load_traces()
+    loads = [int(s) for s in args.sessions.split(",")]
+    runs: list[dict] = []
+    loss: dict | None = None
+    with workdir() as tmp:
+        for nodes in (int(n) for n in args.nodes.split(",")):
+            for name in args.routers.split(","):
+                cluster, _ = start_cluster(nodes, tmp / f"{name}-{nodes}")
+                try:
+                    server = start_server(cluster, tmp, f"{name}-{nodes}", args.model, nodes,
+                                          ROUTERS[name], scale)
+                    try:
+                        for sessions in loads:
+                            system, plans = plan_sessions(traces, sessions, scale)
+                            r = run_routed(server, args.model, system, plans, scale)
+                            r.update(router=name, nodes=nodes, sessions=sessions)
+                            runs.append(r)
+                            print(f"[routers] {name} {nodes} nodes {sessions} sessions: TTFT "
+                                  f"p50 {r['ttft_p50_s']:.3f} s, cached "
+                                  f"{r['cached_fraction']:.3f}, errors {r['errors']}",
+                                  flush=True)
+                    finally:
+                        server.stop()
+                finally:
+                    ray.shutdown()
+                    cluster.shutdown()
+        if not args.no_node_loss:
+            cluster, workers = start_cluster(3, tmp / "loss")
+            try:
+                server = start_server(cluster, tmp, "loss", args.model, 3, ROUTERS["ours"],
+                                      scale)
+                try:
+                    system, plans = plan_sessions(traces, max(loads), scale)
+                    probe = run_routed(server, args.model, system, plans[:1], scale)
+                    wall = max(probe.get("wall_s") or 10.0, 10.0)
+                    loss = run_with_loss(server, cluster, workers[-1], args.model, system,
+                                         plans, scale, kill_at_s=wall / 3)
+                    print(f"[routers] node loss: {loss}", flush=True)
+                finally:
+                    server.stop()
+            finally:
+                ray.shutdown()
+                cluster.shutdown()
+
+    result = {"model": args.model, "settings": {
+        "nodes": args.nodes, "sessions": loads, "max_turns": args.max_turns,
+        "tokens_per_block": args.tokens_per_block, "max_output": args.max_output},
+        "kv_aware": KV_AWARE_WHY, "runs": [], "identical_answers": {}, "node_loss": loss}
+    for r in runs:
+        result["runs"].append({k: v for k, v in r.items() if k != "texts"})
+    for nodes in {r["nodes"] for r in runs}:
+        for sessions in loads:
+            group = [r for r in runs if r["nodes"] == nodes and r["sessions"] == sessions]
+            by = {r["router"]: r for r in group}
+            key = f"{nodes}n/{sessions}s"
+            first = group[0]["texts"] if group else {}
+            result["identical_answers"][key] = {
+                r["router"]: sum(r["texts"].get(k) == v for k, v in first.items())
+                for r in group}
+            if "ours" in by:
+                for base, goal in (("ray_prefix", GOAL_VS_RAY_PREFIX), ("pow2", GOAL_VS_POW2)):
+                    if base in by and by[base]["ttft_p50_s"]:
+                        ratio = by["ours"]["ttft_p50_s"] / by[base]["ttft_p50_s"]
+                        result.setdefault("ttft_p50_ratios", {})[f"{key} ours/{base}"] = {
+                            "ratio": round(ratio, 3), "goal": goal, "met": ratio <= goal}
+    emit(result, out)
+    plot(result, out.with_suffix(".png"))
+    print(table(result))
+    return 0
+
+
+def table(result: dict) -> str:
+    lines = ["| router | nodes | sessions | TTFT p50 | p90 | p99 | cached | out tok/s | "
+             "per node | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        lines.append(f"| {r['router']} | {r['nodes']} | {r['sessions']} | "
+                     f"{r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} | "
+                     f"{r['cached_fraction']:.3f} | {r['output_tokens_per_s']:.1f} | "
+                     f"{r['requests_per_node']} | {r['errors']} |")
+    lines.append(f"KVAwareRouter: {result['kv_aware']}")
+    for k, v in (result.get("ttft_p50_ratios") or {}).items():
+        lines.append(f"{k}: {v['ratio']}x (goal <= {v['goal']}x: "
+                     f"{'met' if v['met'] else 'missed'})")
+    if result.get("node_loss"):
+        lines.append(f"node loss: {result['node_loss']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

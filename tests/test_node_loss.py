@@ -1,0 +1,236 @@
+"""A node lost mid-run, for real: one of three Ray nodes (``ray.cluster_utils.Cluster``) is
+killed, raylet and everything on it, while streams and whole answers are in flight on it.
+
+- a whole answer (not streamed) in flight on it is sent once more to the other replica and
+  answered: the client sees no error;
+- a stream already started on it ends with a clear error event (``replica_lost``), the
+  others finish; nothing hangs;
+- every turn after the kill is answered; the block directory forgets the node's blocks;
+- the node comes back (its SSD directory with it): Serve places the replacement replica
+  there, its store announces the blocks on its SSD, and a conversation whose prefix is
+  there is restored from it, with the tokens it had before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from bench.devserver import ServerProcess, free_port, write_config
+from serve_app.cluster.directory_service import DIRECTORY_NAME, NAMESPACE
+from tests.servers import running
+
+MODEL = "tiny-hybrid"
+SLOT = "serve_app_test_node_loss_slot"  # only the workers have it: one replica each
+SESSIONS = 4
+
+
+def add_worker(cluster: Cluster, ssd: Path):
+    return cluster.add_node(num_cpus=1, resources={SLOT: 1},
+                            env_vars={"SERVE_APP_SSD_DIR": str(ssd)})
+
+
+@pytest.fixture(scope="module")
+def lossy(tmp_path_factory, model_home):
+    os.environ.setdefault("RAY_TMPDIR", "/tmp/ray_node_loss")
+    Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_factory.mktemp("node-loss")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": False})
+    workers = [add_worker(cluster, tmp / f"kv{i}") for i in (1, 2)]
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR")
+        cluster.wait_for_nodes()
+        port = free_port()
+        model = {"name": MODEL, "source": "embedded:tiny-hybrid", "context_length": 4096,
+                 "max_batch_size": 2, "max_queued_requests": 16, "max_tokens": 2000,
+                 "num_replicas": 2, "max_replicas_per_node": 1, "resources": {SLOT: 1},
+                 "routing": {"mode": "prefix"}, "cache": {"block_size": 16}}
+        config = write_config(tmp / "serve.yaml", port, [model],
+                              cache_store={"directory": "on"})
+        serve_bin = str(Path(sys.executable).with_name("serve"))
+        proc = ServerProcess([serve_bin, "run", "--address", cluster.address, str(config)],
+                             port, tmp / "serve.log", env={"SERVE_APP_HOME": str(model_home)})
+        with running(proc, [MODEL], timeout=400):
+            yield cluster, workers, proc, tmp
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def messages(session: int, turns: int) -> list[dict]:
+    out = [{"role": "system", "content": f"Session {session}: a careful assistant. " * 6}]
+    for t in range(turns):
+        out.append({"role": "user", "content": f"Question {t} of session {session}. " * 3})
+        if t < turns - 1:
+            out.append({"role": "assistant", "content": f"Answer {t}."})
+    return out
+
+
+def whole(server: ServerProcess, msgs: list[dict], n: int = 16) -> dict:
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": msgs, "max_tokens": n, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return {"text": body["choices"][0]["message"]["content"],
+            "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
+
+
+class Stream(threading.Thread):
+    """A long stream read to its end: its text, whether it ended with [DONE], its error
+    event if any; ``started`` is set at its first content chunk."""
+
+    def __init__(self, server: ServerProcess, session: int) -> None:
+        super().__init__(daemon=True)
+        self.server, self.session = server, session
+        self.started = threading.Event()
+        self.text, self.error, self.done, self.status = "", None, False, None
+        self.broken: str | None = None
+
+    def run(self) -> None:
+        body = {"model": MODEL, "messages": messages(self.session, 1), "max_tokens": 2000,
+                "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.server.base_url}/v1/chat/completions",
+                              json=body, timeout=240) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.error = event["error"]
+                        elif event.get("choices"):
+                            self.text += event["choices"][0]["delta"].get("content") or ""
+                            self.started.set()
+        except httpx.HTTPError as exc:  # the connection broke: no clear end
+            self.broken = repr(exc)
+        finally:
+            self.started.set()
+
+
+class Whole(threading.Thread):
+    def __init__(self, server: ServerProcess, session: int) -> None:
+        super().__init__(daemon=True)
+        self.server, self.session = server, session
+        self.status, self.body, self.seconds = None, None, 0.0
+
+    def run(self) -> None:
+        tic = time.monotonic()
+        try:
+            r = httpx.post(f"{self.server.base_url}/v1/chat/completions", timeout=240, json={
+                "model": MODEL, "messages": messages(self.session, 2), "max_tokens": 400,
+                "temperature": 0})
+            self.status, self.body = r.status_code, r.json()
+        finally:
+            self.seconds = time.monotonic() - tic
+
+
+def node_of(server: ServerProcess) -> dict[str, int]:
+    """Requests finished by each node's replica (``/v1/stats``' replicas)."""
+    stats = httpx.get(f"{server.base_url}/v1/stats", timeout=60).json()["models"][MODEL]
+    return {r["node_id"]: r["stats"]["engine"]["finished"] for r in stats["replicas"]}
+
+
+def wait_for(check, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.5)
+
+
+def test_a_node_lost_mid_run_then_back(lossy):
+    cluster, workers, server, tmp = lossy
+    directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
+    victim = workers[1].node_id
+    wait_for(lambda: len(node_of(server)) == 2, "both replicas to report", 240)
+    # Warm both replicas: sessions' second turns, answered before any loss, until the
+    # victim's node holds some (ties between replicas are broken at random).
+    before: dict[int, dict] = {}
+    for s in range(4 * SESSIONS):
+        before[s] = whole(server, messages(s, 2))
+        if s + 1 >= SESSIONS and min(node_of(server).values()) > 0:
+            break
+    wait_for(lambda: ray.get(directory.nodes.remote()).get(victim), "the victim's blocks")
+    held = ray.get(directory.nodes.remote())[victim]
+
+    # In flight at the kill: a stream and a whole answer per session (two per replica:
+    # each batch holds two, the router's guard spreads them).
+    streams = [Stream(server, s) for s in range(SESSIONS)]
+    wholes = [Whole(server, 100 + s) for s in range(SESSIONS)]
+    for t in [*streams, *wholes]:
+        t.start()
+    for t in streams:
+        assert t.started.wait(60)
+    killed_at = time.monotonic()
+    cluster.remove_node(workers[1], allow_graceful=False)
+    forgotten: list[float] = []  # when the directory no longer lists the dead node
+
+    def watch_directory() -> None:
+        while time.monotonic() - killed_at < 120:
+            if victim not in ray.get(directory.nodes.remote()):
+                forgotten.append(time.monotonic() - killed_at)
+                return
+            time.sleep(0.25)
+
+    watcher = threading.Thread(target=watch_directory, daemon=True)
+    watcher.start()
+    for t in [*streams, *wholes]:
+        t.join(timeout=300)
+        assert not t.is_alive(), "a request hung after the node died"
+
+    # Streams on the lost node ended with a clear error event; the others finished.
+    lost = [t for t in streams if t.error is not None]
+    assert lost and len(lost) < len(streams), [(t.error, len(t.text), t.done, t.broken)
+                                               for t in streams]
+    for t in lost:
+        assert t.error["code"] == "replica_lost" and "went away" in t.error["message"]
+    assert all(t.done for t in streams)
+    # Whole answers in flight there were sent again to the other replica: all answered.
+    assert [t.status for t in wholes] == [200] * len(wholes), [
+        (t.status, round(t.seconds, 1), t.body) for t in wholes]
+
+    # Every turn from now on is answered; the directory forgets the node's blocks.
+    for s in before:
+        assert whole(server, messages(s, 3))["text"]
+    watcher.join(timeout=120)
+    # Ray declares a node dead once it missed its heartbeats (~15 s here), the directory
+    # looks every NODE_CHECK_S.
+    assert forgotten and forgotten[0] < 30, forgotten
+
+    # The node comes back with its SSD directory: the replacement replica lands there,
+    # its store announces what that directory holds.
+    back = add_worker(cluster, tmp / "kv2")
+    wait_for(lambda: ray.get(directory.nodes.remote()).get(back.node_id, 0) >= held // 2,
+             "the returned node's SSD blocks in the directory", 240)
+    wait_for(lambda: back.node_id in node_of(server), "a replica on the returned node", 240)
+    # The conversations from before the loss are restored (from the RAM of the node that
+    # served their next turn, or the returned node's SSD), with the tokens they had.
+    again = {s: whole(server, messages(s, 2)) for s in before}
+    assert {s: a["text"] for s, a in again.items()} == {s: b["text"] for s, b in
+                                                         before.items()}
+    assert all(a["cached"] > 0 for a in again.values())
+    # New conversations, several at once, go to the returned node too.
+    served_before = node_of(server).get(back.node_id, 0)
+    fresh = [Whole(server, 200 + s) for s in range(SESSIONS)]
+    for t in fresh:
+        t.start()
+    for t in fresh:
+        t.join(timeout=300)
+    assert [t.status for t in fresh] == [200] * len(fresh)
+    wait_for(lambda: node_of(server).get(back.node_id, 0) > served_before,
+             "traffic on the returned node", 30)
