@@ -21,8 +21,9 @@ events over ZMQ. The report says so.
 
 Per run: TTFT p50/p90/p99 (streamed), cached prompt fraction, output tok/s, requests per
 node, identical answers across routers (temperature 0). Then ``node_loss``: ours, 3 nodes,
-the higher load, one worker node killed (raylet and everything on it) a third of the way
-in; a failed turn is counted and sent again a second later, as an agent retries; counted:
+the higher load, one worker node killed (raylet and everything on it) ``--kill-at``
+seconds in (about a third of the run); a failed turn is counted and sent again a second
+later, as an agent retries; counted:
 failed turns after the kill, seconds from the kill until every new turn succeeds, hangs,
 the cached fraction before the kill and over the last third of the run.
 
@@ -50,16 +51,20 @@ from bench.traces import (
     SessionPlan,
     load_traces,
     percentile,
-    plan_sessions,
+    plan_session,
     run_arm,
     send,
+    shared_system_blocks,
     summarize,
+    system_text,
 )
 
 ROUTERS = {
     "pow2": {"mode": "default", "directory": "off"},
     "ray_prefix": {"mode": "ray_prefix", "directory": "off"},
     "ours": {"mode": "prefix", "directory": "on"},
+    # ours with a smaller cost per request a replica already serves (load_cost_tokens)
+    "ours_lc64": {"mode": "prefix", "directory": "on", "load_cost_tokens": 64},
 }
 KV_AWARE_WHY = (
     "not run: KVAwareRouter scores only through the KVTokenTracker that Ray's LLMRouter "
@@ -94,7 +99,8 @@ def start_server(cluster: Cluster, tmp: Path, tag: str, model: str, nodes: int,
     profile = {"name": model, "source": f"embedded:{model}", "context_length": scale.context,
                "max_tokens": scale.max_output, "num_replicas": nodes,
                "max_replicas_per_node": 1, "resources": {SLOT: 1},
-               "routing": {"mode": router["mode"]}, "cache": {"block_size": 16}}
+               "routing": {k: v for k, v in router.items() if k != "directory"},
+               "cache": {"block_size": 16}}
     config = write_config(tmp / f"{tag}.yaml", port, [profile],
                           cache_store={"directory": router["directory"]})
     serve_bin = str(Path(sys.executable).with_name("serve"))
@@ -115,6 +121,17 @@ def per_node(server: ServerProcess, model: str) -> dict[str, int]:
     stats = httpx.get(f"{server.base_url}/v1/stats", timeout=60).json()["models"][model]
     return {r["node_id"]: (r["stats"].get("engine") or {}).get("finished", 0)
             for r in stats.get("replicas", [])}
+
+
+def load_plans(traces: list, sessions: int, scale: Scale) -> tuple[str, list[SessionPlan]]:
+    """``sessions`` sessions of their own: conversations of one load level share nothing
+    with another's on the same server but the system prompt (every session's, as Claude
+    Code sends the same one)."""
+    blocks = shared_system_blocks(traces)
+    plans = [plan_session(traces[s % len(traces)], s, blocks, scale,
+                          f"{traces[s % len(traces)].id}@{sessions}#{s // len(traces)}")
+             for s in range(sessions)]
+    return system_text(blocks, scale.tokens_per_block), plans
 
 
 def run_routed(server: ServerProcess, model: str, system: str,
@@ -223,12 +240,15 @@ def main() -> int:
     add_model_option(parser, "tiny-hybrid")
     parser.add_argument("--nodes", default="3,4")
     parser.add_argument("--sessions", default="4,8", help="the load levels")
-    parser.add_argument("--routers", default=",".join(ROUTERS))
+    parser.add_argument("--routers", default="pow2,ray_prefix,ours")
     parser.add_argument("--max-turns", type=int, default=5)
-    parser.add_argument("--tokens-per-block", type=int, default=4)
+    parser.add_argument("--tokens-per-block", type=int, default=8)
     parser.add_argument("--max-output", type=int, default=16)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--no-node-loss", action="store_true")
+    parser.add_argument("--only-node-loss", action="store_true")
+    parser.add_argument("--kill-at", type=float, default=8.0,
+                        help="seconds into the node-loss run when a worker node is killed")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path("bench/results") / f"routers-{args.model}.json"
@@ -240,7 +260,7 @@ def main() -> int:
     runs: list[dict] = []
     loss: dict | None = None
     with workdir() as tmp:
-        for nodes in (int(n) for n in args.nodes.split(",")):
+        for nodes in ([] if args.only_node_loss else [int(n) for n in args.nodes.split(",")]):
             for name in args.routers.split(","):
                 cluster, _ = start_cluster(nodes, tmp / f"{name}-{nodes}")
                 try:
@@ -248,7 +268,7 @@ def main() -> int:
                                           ROUTERS[name], scale)
                     try:
                         for sessions in loads:
-                            system, plans = plan_sessions(traces, sessions, scale)
+                            system, plans = load_plans(traces, sessions, scale)
                             r = run_routed(server, args.model, system, plans, scale)
                             r.update(router=name, nodes=nodes, sessions=sessions)
                             runs.append(r)
@@ -267,11 +287,9 @@ def main() -> int:
                 server = start_server(cluster, tmp, "loss", args.model, 3, ROUTERS["ours"],
                                       scale)
                 try:
-                    system, plans = plan_sessions(traces, max(loads), scale)
-                    probe = run_routed(server, args.model, system, plans[:1], scale)
-                    wall = max(probe.get("wall_s") or 10.0, 10.0)
+                    system, plans = load_plans(traces, max(loads), scale)
                     loss = run_with_loss(server, cluster, workers[-1], args.model, system,
-                                         plans, scale, kill_at_s=wall / 3)
+                                         plans, scale, kill_at_s=args.kill_at)
                     print(f"[routers] node loss: {loss}", flush=True)
                 finally:
                     server.stop()

@@ -279,8 +279,9 @@ def test_errors_show_on_the_page(served):
         with_key(bp)
         bp.page.wait_for_selector("#errors table")
         errors = bp.page.inner_text("#errors")
-        assert "does not exist" in errors  # a 404's message is kept
-        assert "not kept" in errors and "secret words" not in errors  # a body's is not
+        assert "model_not_found" in errors  # its code; not its message, which names
+        assert "no-such-model" not in errors  # what the body asked for
+        assert "not kept" in errors and "secret words" not in errors
         agrees_with_stats(bp, served)
         assert bp.console_errors == []
 

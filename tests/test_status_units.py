@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from serve_app.api import auth
 from serve_app.api import status as status_module
+from serve_app.api.auth import wants_html
 from serve_app.api.status import (
     MESSAGE_CHARS,
     RECENT_ERRORS,
@@ -22,7 +23,7 @@ from serve_app.api.status import (
     pruned,
     status_view,
 )
-from serve_app.api.status_routes import _benchmark_args, check_same_origin, wants_html
+from serve_app.api.status_routes import _benchmark_args, check_same_origin
 from serve_app.cache.merge import merge
 from serve_app.serving.recent import WINDOW_S, RecentActivity, RecentWindow
 from serve_app.serving.request import ApiError
@@ -147,7 +148,7 @@ def test_error_log_keeps_the_newest_first_and_at_most_recent_errors(frozen_time)
                          "message": "error 24"}
 
 
-@pytest.mark.parametrize("status", [400, 413, 422])
+@pytest.mark.parametrize("status", [400, 404, 413, 422])
 def test_an_error_about_the_body_keeps_no_message(status, frozen_time):
     """A message about a body can quote it (another tenant's, with keys on): only its type,
     code and param stay."""
@@ -162,9 +163,9 @@ def test_an_error_about_the_body_keeps_no_message(status, frozen_time):
     assert log.report()["by_status"] == {str(status): 1}
 
 
-@pytest.mark.parametrize("status", [404, 409, 503])
+@pytest.mark.parametrize("status", [409, 429, 503])
 def test_other_errors_keep_their_message_truncated(status, frozen_time):
-    """The server's own words (model not found, busy, overloaded) help the reader; a long
+    """The server's own words (busy, overloaded, unavailable) help the reader; a long
     one is cut to ``MESSAGE_CHARS``."""
     log = ErrorLog()
     log.add("/v1/x", "m", ApiError(status, "short"))
@@ -178,7 +179,7 @@ def test_other_errors_keep_their_message_truncated(status, frozen_time):
 def test_error_log_keep_is_configurable():
     log = ErrorLog(keep=2)
     for i in range(3):
-        log.add("/p", None, ApiError(404, str(i)))
+        log.add("/p", None, ApiError(409, str(i)))
     assert [r["message"] for r in log.report()["recent"]] == ["2", "1"]
     assert log.report()["total"] == 3
 
@@ -371,7 +372,7 @@ def test_a_post_from_another_origin_is_refused(origin):
 ])
 def test_wants_html_reads_the_first_accepted_type(accept, html):
     headers = {"accept": accept} if accept else {}
-    assert wants_html(request(headers, method="GET")) is html
+    assert wants_html(request(headers, method="GET").headers.get("accept", "")) is html
 
 
 # ---- the API key middleware and the page ---------------------------------------------------

@@ -131,11 +131,16 @@ class ApiKeyMiddleware:
         await unauthorized(path, bool(key))(scope, receive, send)
 
 
+def wants_html(accept: str) -> bool:
+    """A browser's navigation asks for HTML first; API clients send ``*/*`` or JSON."""
+    return "text/html" in accept.split(",")[0]
+
+
 def _page(path: str, scope: dict, headers: dict[str, str]) -> bool:
     """A browser asking for the status page (``GET /`` wanting HTML): open, it holds no
     data; ``GET /`` as JSON (what this server serves) needs a key."""
-    return (path == "/" and scope.get("method") == "GET"
-            and "text/html" in headers.get("accept", "").split(",")[0])
+    return path == "/" and scope.get("method") == "GET" and wants_html(
+        headers.get("accept", ""))
 
 
 def _route_path(scope: dict) -> str:

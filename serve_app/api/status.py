@@ -19,8 +19,9 @@ from serve_app.serving.request import ApiError
 RECENT_ERRORS = 20  # errors kept for the page, newest first
 MESSAGE_CHARS = 300
 # The message of an error about a request's body can quote that body (another tenant's,
-# with API keys on): only its type, param and code are kept.
-BODY_STATUSES = frozenset({400, 413, 422})
+# with API keys on; a 404 names the model the body asked for): only its type, param and
+# code are kept.
+BODY_STATUSES = frozenset({400, 404, 413, 422})
 
 ANY = "*"
 # The fields of /v1/stats that /v1/status keeps: a dict is a subtree (``ANY``: every key

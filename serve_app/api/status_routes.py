@@ -19,12 +19,18 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from serve_app.api import auth
 from serve_app.api.body import parse_json, read_body
 from serve_app.api.http import OpenAIIngress, api, release
 from serve_app.api.status import status_view
 from serve_app.serving.request import ApiError
 
 ASSETS = {"status.js": "text/javascript", "status.css": "text/css"}
+# No other site may frame the page (a framed copy's clicks would carry this server's own
+# origin), and it loads nothing but its own files.
+PAGE_HEADERS = {"Cache-Control": "no-store", "X-Frame-Options": "DENY",
+                "Content-Security-Policy": "frame-ancestors 'none'; default-src 'self'; "
+                                           "img-src 'self' data:"}
 MAX_ADMIN_BODY = 4096
 ENDPOINTS = ["/health", "/v1/models", "/v1/chat/completions", "/v1/completions",
              "/v1/responses", "/v1/messages", "/v1/stats", "/v1/status", "/metrics"]
@@ -32,12 +38,6 @@ ENDPOINTS = ["/health", "/v1/models", "/v1/chat/completions", "/v1/completions",
 
 def _asset(name: str) -> str:
     return resources.files("serve_app.api").joinpath("status_page", name).read_text()
-
-
-def wants_html(request: Request) -> bool:
-    """A browser's navigation asks for HTML first; API clients send ``*/*`` or JSON."""
-    accept = request.headers.get("accept", "")
-    return "text/html" in accept.split(",")[0]
 
 
 def check_same_origin(request: Request) -> None:
@@ -61,10 +61,10 @@ class StatusRoutes(OpenAIIngress):
     async def root(self, request: Request) -> Response | dict:
         """The status page for a browser; for any other client what this server is, its
         models' phases and its endpoints."""
-        if wants_html(request):  # told whether to ask for a key before it asks for data
+        if auth.wants_html(request.headers.get("accept", "")):  # asks for a key first?
             page = _asset("index.html").replace("{{api_keys}}",
                                                 "on" if self.server.api_keys else "off")
-            return HTMLResponse(page, headers={"Cache-Control": "no-store"})
+            return HTMLResponse(page, headers=PAGE_HEADERS)
         names = [m.name for m in self.profile.models]
         phases = await asyncio.gather(*(self.backend.model_phase(n) for n in names))
         return {"name": "serve_app", "version": release(),
@@ -87,12 +87,7 @@ class StatusRoutes(OpenAIIngress):
 
     def _admin_model(self, request: Request, name: str) -> str:
         check_same_origin(request)
-        m = self.profile.model(name)
-        if m is None:
-            known = ", ".join(p.name for p in self.profile.models)
-            raise ApiError(404, f"model {name!r} does not exist; served: {known}",
-                           type="not_found_error", param="model", code="model_not_found")
-        return m.name
+        return self.model_of(name).name
 
     def _pool_entry(self, name: str) -> dict[str, Any]:
         report = self.backend.pool_report() or {"models": {}}
@@ -114,8 +109,14 @@ class StatusRoutes(OpenAIIngress):
     async def admin_pin(self, request: Request, name: str) -> dict:
         """Pin a model (loading it first): the pool never unloads it while pinned."""
         name = self._admin_model(request, name)
-        await self.backend.load_model(name)
-        self.backend.pin_model(name, True)
+        was_pinned = bool(self._pool_entry(name).get("pinned"))
+        self.backend.pin_model(name, True)  # first: nothing evicts it once loaded
+        try:
+            await self.backend.load_model(name)
+        except BaseException:
+            if not was_pinned:
+                self.backend.pin_model(name, False)
+            raise
         return self._pool_entry(name)
 
     @api.post("/admin/models/{name:path}/unpin")

@@ -312,9 +312,11 @@ class RayModels:
                                  f"{self.benchmarking!r}); retry once it ends",
                                  "benchmark_running")
         self.benchmarking = name
+        sent = self._sent(name)  # in flight: the pool never unloads it meanwhile
         try:
             result = await self.handles[name].self_benchmark.remote(ssd_bytes)
         finally:
+            sent.done()
             self.benchmarking = None
         self.benchmarks[name] = result
         return result
