@@ -27,7 +27,12 @@ later, as an agent retries; counted:
 failed turns after the kill, seconds from the kill until every new turn succeeds, hangs,
 the cached fraction before the kill and over the last third of the run.
 
+``--workload agents`` runs ``bench.agents``' sessions instead (a 1,500-token system prompt
+shared by every session, turns interleaved across sessions, one edit; one request at a
+time), ``--sessions`` of them per load level.
+
 Usage: python -m bench.routers  (writes bench/results/routers-<model>.json and a plot)
+       python -m bench.routers --workload agents --no-node-loss
 """
 
 from __future__ import annotations
@@ -148,6 +153,33 @@ def run_routed(server: ServerProcess, model: str, system: str,
     return out
 
 
+def run_agents(server: ServerProcess, model: str, tokenizer, sessions: int) -> dict:
+    """``bench.agents``' workload (sessions sharing a 1,500-token system prompt, turns
+    interleaved across sessions, one edit), one request at a time: where each turn lands
+    decides what it restores."""
+    from bench import agents
+
+    args = argparse.Namespace(sessions=sessions, turns=3, system_tokens=1500,
+                              user_tokens=150, gen=16, edit_session=0, edit_turn=2)
+    system, requests = agents.script(args)
+    before = per_node(server, model)
+    tic = time.perf_counter()
+    rows = agents.run(server.base_url, model, tokenizer, system, requests, args.gen)
+    wall = time.perf_counter() - tic
+    after = per_node(server, model)
+    ttfts = [r["ttft"] for r in rows]
+    prompt = sum(r["prompt_tokens"] or 0 for r in rows)
+    return {"requests_sent": len(rows), "errors": 0, "wall_s": wall,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+            "ttft_p99_s": percentile(ttfts, 99), "ttft_sum_s": sum(ttfts),
+            "cached_fraction": sum(r["cached_tokens"] or 0 for r in rows) / prompt,
+            "completion_tokens": sum(r["completion_tokens"] or 0 for r in rows),
+            "output_tokens_per_s": sum(r["completion_tokens"] or 0 for r in rows) / wall,
+            "requests_per_node": sorted((after.get(n, 0) - before.get(n, 0) for n in after),
+                                        reverse=True),
+            "texts": {r["request"]: r["text"] for r in rows}}
+
+
 def run_with_loss(server: ServerProcess, cluster: Cluster, victim, model: str,
                   system: str, plans: list[SessionPlan], scale: Scale,
                   kill_at_s: float) -> dict:
@@ -212,6 +244,14 @@ def run_with_loss(server: ServerProcess, cluster: Cluster, victim, model: str,
             "errors": [r["error"] for r in rows if r["error"]][:5]}
 
 
+def tokenizer(model: str):
+    from mlx_lm.utils import load_tokenizer
+
+    from serve_app.models.embedded import materialize
+
+    return load_tokenizer(materialize(model))
+
+
 def plot(result: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -245,13 +285,17 @@ def main() -> int:
     parser.add_argument("--tokens-per-block", type=int, default=8)
     parser.add_argument("--max-output", type=int, default=16)
     parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--workload", choices=("traces", "agents"), default="traces",
+                        help="kv-cache-tester's agent traces (sessions at once), or "
+                             "bench.agents' shared-system-prompt sessions (one at a time)")
     parser.add_argument("--no-node-loss", action="store_true")
     parser.add_argument("--only-node-loss", action="store_true")
     parser.add_argument("--kill-at", type=float, default=8.0,
                         help="seconds into the node-loss run when a worker node is killed")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    out = args.out or Path("bench/results") / f"routers-{args.model}.json"
+    suffix = "" if args.workload == "traces" else "-agents"
+    out = args.out or Path("bench/results") / f"routers{suffix}-{args.model}.json"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     scale = Scale(args.tokens_per_block, args.max_output, args.context, 0.02, 1.0,
                   args.max_turns)
@@ -268,8 +312,12 @@ def main() -> int:
                                           ROUTERS[name], scale)
                     try:
                         for sessions in loads:
-                            system, plans = load_plans(traces, sessions, scale)
-                            r = run_routed(server, args.model, system, plans, scale)
+                            if args.workload == "agents":
+                                r = run_agents(server, args.model, tokenizer(args.model),
+                                               sessions)
+                            else:
+                                system, plans = load_plans(traces, sessions, scale)
+                                r = run_routed(server, args.model, system, plans, scale)
                             r.update(router=name, nodes=nodes, sessions=sessions)
                             runs.append(r)
                             print(f"[routers] {name} {nodes} nodes {sessions} sessions: TTFT "
@@ -297,7 +345,7 @@ def main() -> int:
                 ray.shutdown()
                 cluster.shutdown()
 
-    result = {"model": args.model, "settings": {
+    result = {"model": args.model, "workload": args.workload, "settings": {
         "nodes": args.nodes, "sessions": loads, "max_turns": args.max_turns,
         "tokens_per_block": args.tokens_per_block, "max_output": args.max_output},
         "kv_aware": KV_AWARE_WHY, "runs": [], "identical_answers": {}, "node_loss": loss}
