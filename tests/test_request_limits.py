@@ -234,6 +234,7 @@ def _router() -> PrefixAffinityRouter:
     router.recorder = Counting()
     router.ongoing, router.decided, router.error_logged = {}, OrderedDict(), False
     router.layout = None
+    router.suspects = {}
     return router
 
 

@@ -44,8 +44,9 @@ class ModelBackend(Protocol):
         """Whether ``name`` has a replica that is loaded and warmed; must answer fast."""
         ...
 
-    async def model_phase(self, name: str) -> ModelPhase:
-        """What ``name``'s replicas are doing (``serve_app.models.phase``); fast."""
+    async def model_phase(self, name: str, probe: bool = True) -> ModelPhase:
+        """What ``name``'s replicas are doing (``serve_app.models.phase``); fast. ``probe``
+        False: no call to the model's replica (what is known of its readiness so far)."""
         ...
 
     def replica_lost(self, name: str, exc: Exception) -> bool:

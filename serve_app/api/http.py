@@ -201,8 +201,9 @@ class OpenAIIngress:
         """Each model's totals over its replicas with its phase, the memory plan, the model
         pool, the cluster's nodes, the self-benchmarks, this ingress's last errors."""
         names = [m.name for m in self.profile.models]
-        stats, phases = await asyncio.gather(
-            self.backend.stats(), asyncio.gather(*(self.backend.model_phase(n) for n in names)))
+        # The phases as written, no readiness probe: /v1/stats calls every replica already.
+        stats, phases = await asyncio.gather(self.backend.stats(), asyncio.gather(
+            *(self.backend.model_phase(n, probe=False) for n in names)))
         for name, phase in zip(names, phases, strict=True):
             stats["models"].setdefault(name, {"model": name})["phase"] = phase.public()
         return {"server": self.server.to_json(), **stats, "errors": self.errors.report()}

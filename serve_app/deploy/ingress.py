@@ -161,10 +161,11 @@ class RayModels:
     async def _unload_model(self, name: str, reason: str) -> bool:
         return bool(await self.handles[name].unload.remote(reason))
 
-    async def model_phase(self, name: str) -> ModelPhase:
+    async def model_phase(self, name: str, probe: bool = True) -> ModelPhase:
         """The phases the model's replicas wrote (Ray's KV store, a GCS round trip off the
-        event loop), read with whether one answered the readiness probe."""
-        ready = await self.model_ready(name)
+        event loop), read with whether one answered the readiness probe (``probe``
+        False: whether one answered it so far, no call to the replica)."""
+        ready = await self.model_ready(name) if probe else name in self.ready_models
         try:
             written = await asyncio.to_thread(read_phases, self.app_name, name)
         except Exception as exc:  # the GCS is away: what the probe says
@@ -329,7 +330,10 @@ class RayModels:
         expected = m.num_replicas if m is not None else 1
 
         async def answer() -> ReplicaStats:
-            return await self.handles[name].stats.remote()
+            stats = await self.handles[name].stats.remote()
+            # A replica answers once its constructor is done: as good as the ready probe.
+            self.ready_models.add(name)
+            return stats
 
         if expected == 1:  # the one replica answers: nothing to gather
             return model_view(await answer(), Gathered(), expected)
