@@ -81,9 +81,8 @@ def start_server(cluster: Cluster, tmp: Path, tag: str, model: str, arm: dict,
                "cache": {"block_size": block_size} if block_size else {}}
     config = write_config(tmp / f"{tag}.yaml", port, [profile],
                           cache_store={"directory": arm["directory"]})
-    serve_bin = str(Path(sys.executable).with_name("serve"))
-    server = ServerProcess([serve_bin, "run", "--address", cluster.address, str(config)],
-                           port, tmp / f"{tag}.log")
+    server = ServerProcess.serve_run(config, port, tmp / f"{tag}.log",
+                                     address=cluster.address)
     server = ready(server, [model])
     wait_replicas(server, model, arm["nodes"])
     return server

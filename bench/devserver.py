@@ -96,10 +96,12 @@ class ServerProcess:
 
     @classmethod
     def serve_run(cls, config: Path, port: int, log: Path, env: dict | None = None,
-                  api_key: str | None = None):
-        """``serve run CONFIG``: our app, exactly as a user starts it."""
+                  api_key: str | None = None, address: str | None = None):
+        """``serve run CONFIG``: our app, exactly as a user starts it (``address``: on that
+        running Ray cluster, ``serve run --address ADDRESS CONFIG``)."""
         serve_bin = str(Path(sys.executable).with_name("serve"))
-        return cls([serve_bin, "run", str(config)], port, log, env, api_key)
+        where = ["--address", address] if address else []
+        return cls([serve_bin, "run", *where, str(config)], port, log, env, api_key)
 
     def headers(self) -> dict[str, str]:
         """The Authorization header of ``api_key`` (none without one)."""

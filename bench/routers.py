@@ -108,9 +108,8 @@ def start_server(cluster: Cluster, tmp: Path, tag: str, model: str, nodes: int,
                "cache": {"block_size": 16}}
     config = write_config(tmp / f"{tag}.yaml", port, [profile],
                           cache_store={"directory": router["directory"]})
-    serve_bin = str(Path(sys.executable).with_name("serve"))
-    server = ServerProcess([serve_bin, "run", "--address", cluster.address, str(config)],
-                           port, tmp / f"{tag}.log")
+    server = ServerProcess.serve_run(config, port, tmp / f"{tag}.log",
+                                     address=cluster.address)
     server = ready(server, [model])
     deadline = time.monotonic() + 300
     while len(per_node(server, model)) < nodes:  # every replica reporting

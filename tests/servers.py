@@ -4,8 +4,10 @@ and stops everything it started, by process id, however the block ends."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from bench.devserver import ServerProcess
 
@@ -17,3 +19,17 @@ def running(server: ServerProcess, models: Sequence[str] = (), *, timeout: float
         if models:
             server.wait_ready(list(models), timeout=timeout, generate=generate)
         yield server
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout: float = 30.0,
+             interval: float = 0.25) -> Any:
+    """``check()``'s first truthy answer, polled every ``interval``; AssertionError naming
+    ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 import urllib.request
@@ -61,9 +60,9 @@ def cluster_server(tmp_path_factory, model_home):
                  "cache": {"block_size": 16}}
         config = write_config(tmp / "serve.yaml", port, [model], cache_store={
             "ssd_dir": str(tmp / "kv" / "{node_id}"), "directory": "on"})
-        serve_bin = str(Path(sys.executable).with_name("serve"))
-        proc = ServerProcess([serve_bin, "run", "--address", cluster.address, str(config)],
-                             port, tmp / "serve.log", env={"SERVE_APP_HOME": str(model_home)})
+        proc = ServerProcess.serve_run(config, port, tmp / "serve.log",
+                                       env={"SERVE_APP_HOME": str(model_home)},
+                                       address=cluster.address)
         with running(proc, [MODEL], timeout=400):
             yield proc
     finally:

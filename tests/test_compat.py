@@ -21,6 +21,15 @@ def hybrid_dir(tmp_path_factory):
     return materialize("tiny-hybrid", tmp_path_factory.mktemp("m"))
 
 
+def python_lines(code: str, timeout: float) -> list[str]:
+    """What ``code`` prints, run by this Python in a process of its own (a Ray of its own)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                          text=True, timeout=timeout).stdout.strip().splitlines()
+
+
 def test_download_model_keeps_a_local_directory(hybrid_dir):
     assert compat.download_model(str(hybrid_dir)) == hybrid_dir
 
@@ -135,9 +144,6 @@ def test_serve_cli_runs_in_process_and_returns_its_exit_status(capsys):
 
 def test_kv_store_round_trips_across_processes_of_one_cluster():
     """What a replica writes in Ray's KV store, another process of the cluster reads."""
-    import subprocess
-    import sys
-
     code = (
         "import ray, subprocess, sys\n"
         "from serve_app.models import compat\n"
@@ -153,8 +159,7 @@ def test_kv_store_round_trips_across_processes_of_one_cluster():
         "print(sorted(compat.kv_items('ns_probe', 'app/m/')))\n"
         "ray.shutdown()\n"
         "print(compat.kv_items('ns_probe', 'app/'))\n")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True, timeout=120).stdout.strip().splitlines()
+    out = python_lines(code, timeout=120)
     assert out == ["[('app/m/r1', b'one'), ('app/m/r2', b'two')]", "['app/m/r2']", "{}"]
 
 
@@ -292,9 +297,6 @@ def test_sync_sampled_tokens_patches_the_step_that_samples(hybrid_dir):
 def test_the_head_node_resource_marks_the_head_and_places_an_actor_there():
     """``HEAD_NODE_RESOURCE``: the head has it in ``ray.nodes()``, and an actor asking for
     a sliver of it runs on the head (the ingress's placement, ``ingress.on_head_node``)."""
-    import subprocess
-    import sys
-
     code = (
         "import ray\n"
         "from ray.cluster_utils import Cluster\n"
@@ -310,17 +312,13 @@ def test_the_head_node_resource_marks_the_head_and_places_an_actor_there():
         "    return ray.get_runtime_context().get_node_id()\n"
         "print(len(heads), ray.get(where.remote()) == heads[0] != worker.node_id)\n"
         "ray.shutdown(); c.shutdown()\n")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True, timeout=180).stdout.strip().splitlines()
+    out = python_lines(code, timeout=180)
     assert out[-1] == "1 True"
 
 
 def test_assigned_to_replica_returns_once_a_replica_took_the_call():
     """``assigned_to_replica``: a handle call (whole or streamed) is assigned to a replica
     long before its answer; a call no replica can take yet is not."""
-    import subprocess
-    import sys
-
     code = (
         "import asyncio, time, ray\n"
         "from ray import serve\n"
@@ -352,7 +350,6 @@ def test_assigned_to_replica_returns_once_a_replica_took_the_call():
         "    print([x async for x in stream])\n"
         "asyncio.run(main())\n"
         "serve.shutdown(); ray.shutdown()\n")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True, timeout=180).stdout.strip().splitlines()
+    out = python_lines(code, timeout=180)
     ours = [line for line in out if line.startswith(("True", "False", "["))]
     assert ours == ["True True True True", "['x']"]

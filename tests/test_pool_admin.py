@@ -216,7 +216,7 @@ def test_an_unloaded_model_loads_again_on_request():
 
     async def main():
         await g.unload("a")
-        await g.load("a")
+        await g.ready("a")  # as a request (or POST /admin/models/a/load) does
 
     asyncio.run(main())
     assert r.unloads == [("a", "admin")] and r.loads == ["a"]

@@ -8,7 +8,6 @@ A model spread over more nodes than the cluster has is refused at deploy, naming
 from __future__ import annotations
 
 import os
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -49,9 +48,8 @@ def cluster(tmp_path_factory):
 
 
 def serve_run(cluster, config: Path, port: int, log: Path, model_home) -> ServerProcess:
-    serve_bin = str(Path(sys.executable).with_name("serve"))
-    return ServerProcess([serve_bin, "run", "--address", cluster.address, str(config)],
-                         port, log, env={"SERVE_APP_HOME": str(model_home)})
+    return ServerProcess.serve_run(config, port, log, env={"SERVE_APP_HOME": str(model_home)},
+                                   address=cluster.address)
 
 
 def test_ranks_on_two_nodes_answer_as_unsharded_and_restore(cluster, tmp_path, model_home):

@@ -8,8 +8,6 @@ A screenshot of each state is kept in ``screenshot_dir()`` (a test artifact)."""
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,7 +17,7 @@ import pytest
 from bench.browser import BrowserPage, browser_missing, open_page, screenshot_dir
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.config import api_keys
-from tests.servers import running
+from tests.servers import running, wait_for
 
 pytestmark = pytest.mark.skipif(browser_missing() is not None,
                                 reason=browser_missing() or "")
@@ -93,17 +91,6 @@ def mismatches(bp: BrowserPage, server: ServerProcess) -> list[str]:
         elif want != value:
             out.append(f"{path}: page {value!r}, /v1/stats {want!r}")
     return out
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.25)
 
 
 def agrees_with_stats(bp: BrowserPage, server: ServerProcess) -> None:

@@ -299,10 +299,6 @@ class PoolGate:
             bringing = self._bringing[name] = asyncio.ensure_future(self._bring(name))
         await asyncio.shield(bringing)
 
-    async def load(self, name: str) -> None:
-        """Load ``name`` now, as a request for it would (unloading others to make room)."""
-        await self.ready(name)
-
     async def unload(self, name: str) -> None:
         """Unload ``name`` now, as asked (``PoolRefused`` when it is pinned, serving a
         request, or not loaded)."""
