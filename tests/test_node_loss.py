@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from ray.cluster_utils import Cluster
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.cluster.directory_service import DIRECTORY_NAME, NAMESPACE
-from tests.servers import running
+from tests.servers import running, wait_for
 
 MODEL = "tiny-hybrid"
 SLOT = "serve_app_test_node_loss_slot"  # only the workers have it: one replica each
@@ -57,9 +56,9 @@ def lossy(tmp_path_factory, model_home):
                  "routing": {"mode": "prefix"}, "cache": {"block_size": 16}}
         config = write_config(tmp / "serve.yaml", port, [model],
                               cache_store={"directory": "on"})
-        serve_bin = str(Path(sys.executable).with_name("serve"))
-        proc = ServerProcess([serve_bin, "run", "--address", cluster.address, str(config)],
-                             port, tmp / "serve.log", env={"SERVE_APP_HOME": str(model_home)})
+        proc = ServerProcess.serve_run(config, port, tmp / "serve.log",
+                                       env={"SERVE_APP_HOME": str(model_home)},
+                                       address=cluster.address)
         with running(proc, [MODEL], timeout=400):
             yield cluster, workers, proc, tmp
     finally:
@@ -136,48 +135,40 @@ class Whole(threading.Thread):
             self.seconds = time.monotonic() - tic
 
 
-def node_of(server: ServerProcess) -> dict[str, int]:
-    """Requests finished by each node's replica (``/v1/stats``' replicas)."""
+def node_of(server: ServerProcess, counter: str = "finished") -> dict[str, int]:
+    """Requests each node's replica finished (or has in flight: ``counter``), from
+    ``/v1/stats``' replicas."""
     stats = httpx.get(f"{server.base_url}/v1/stats", timeout=60).json()["models"][MODEL]
-    return {r["node_id"]: r["stats"]["engine"]["finished"] for r in stats["replicas"]}
-
-
-def wait_for(check, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.5)
+    return {r["node_id"]: r["stats"]["engine"][counter] for r in stats["replicas"]}
 
 
 def test_a_node_lost_mid_run_then_back(lossy):
     cluster, workers, server, tmp = lossy
     directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
-    victim = workers[1].node_id
     wait_for(lambda: len(node_of(server)) == 2, "both replicas to report", 240)
-    # Warm both replicas: sessions' second turns, answered before any loss, until the
-    # victim's node holds some (ties between replicas are broken at random).
+    # Warm both replicas: sessions' second turns, answered before any loss, until both
+    # nodes hold some (ties between replicas are broken at random).
     before: dict[int, dict] = {}
     for s in range(4 * SESSIONS):
         before[s] = whole(server, messages(s, 2))
         if s + 1 >= SESSIONS and min(node_of(server).values()) > 0:
             break
-    wait_for(lambda: ray.get(directory.nodes.remote()).get(victim), "the victim's blocks")
-    held = ray.get(directory.nodes.remote())[victim]
 
-    # In flight at the kill: a stream and a whole answer per session (two per replica:
-    # each batch holds two, the router's guard spreads them).
+    # In flight at the kill: a stream and a whole answer per session. The node killed is
+    # the one whose replica runs the most of them (where they land is the router's).
     streams = [Stream(server, s) for s in range(SESSIONS)]
     wholes = [Whole(server, 100 + s) for s in range(SESSIONS)]
     for t in [*streams, *wholes]:
         t.start()
     for t in streams:
         assert t.started.wait(60)
+    busy = node_of(server, "in_flight")
+    index = max((0, 1), key=lambda i: busy.get(workers[i].node_id, 0))
+    victim = workers[index].node_id
+    wait_for(lambda: ray.get(directory.nodes.remote()).get(victim), "the victim's blocks", 60)
+    held = ray.get(directory.nodes.remote())[victim]
     killed_at = time.monotonic()
-    cluster.remove_node(workers[1], allow_graceful=False)
+    cluster.remove_node(workers[index], allow_graceful=False)
     forgotten: list[float] = []  # when the directory no longer lists the dead node
 
     def watch_directory() -> None:
@@ -213,7 +204,7 @@ def test_a_node_lost_mid_run_then_back(lossy):
 
     # The node comes back with its SSD directory: the replacement replica lands there,
     # its store announces what that directory holds.
-    back = add_worker(cluster, tmp / "kv2")
+    back = add_worker(cluster, tmp / f"kv{index + 1}")
     wait_for(lambda: ray.get(directory.nodes.remote()).get(back.node_id, 0) >= held // 2,
              "the returned node's SSD blocks in the directory", 240)
     wait_for(lambda: back.node_id in node_of(server), "a replica on the returned node", 240)
