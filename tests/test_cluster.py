@@ -170,8 +170,12 @@ def test_next_turns_go_to_the_replica_holding_their_prefix(cluster_server):
                         and count(d, "prefix_cache_hit_tokens", tier="hot") >= 4 * 48)
     shown = routing_counts(delta)
     assert count(delta, "routing_decisions", reason="prefix") == 4, shown
-    # (>=: the readiness probe's decision may reach the export after ``before``)
-    assert count(delta, "routing_decisions", reason="no_prefix") >= 4, shown
+    # First turns go to the least loaded replica: ``no_prefix``, or ``unranked`` while the
+    # router has no replica's cache layout yet (Serve hands it routing stats every 2 s, so
+    # right after a start it may have none). (>=: the readiness probe's decision may reach
+    # the export after ``before``.)
+    assert (count(delta, "routing_decisions", reason="no_prefix")
+            + count(delta, "routing_decisions", reason="unranked")) >= 4, shown
     assert count(delta, "routing_decisions", reason="load_fallback") == 0, shown
     # Every second turn was served where its first turn's blocks are: nothing fetched.
     assert count(delta, "remote_fetch_blocks") == 0

@@ -179,6 +179,30 @@ def test_walkback_after_a_lost_sidecar_matches_cold(name, home, tmp_path):
     again.close()
 
 
+@pytest.mark.parametrize("name", HYBRIDS + DENSES)
+def test_a_cache_clear_then_cold_then_restored_again_matches_cold(name, home, tmp_path):
+    """The status page's cache clear (``TieredStore.clear``, what each node's store runs):
+    the prompt restored before it is prefilled cold after it (nothing left in either tier)
+    with the same tokens, and once captured again restores exactly."""
+    prompt = prompt_of(17, 3)
+    server = Server(name, home, tmp_path)
+    a = server.ask(prompt)
+    server.drain()
+    assert server.ask(prompt)["cached"] == len(prompt) - 1
+    cache = server.service.cache
+    cleared = server.store.clear(cache.settings.model, frozenset({cache.identity}), 10.0)
+    assert cleared.hot_blocks >= 3 and cleared.ssd_files >= 3 and cleared.kept_in_use == 0
+    assert not list(tmp_path.rglob("*.safetensors"))
+    b = server.ask(prompt)
+    assert b["cached"] == 0 and b["text"] == a["text"] == server.cold_text(prompt)
+    server.drain()
+    c = server.ask(prompt)
+    assert c["cached"] == len(prompt) - 1 and c["text"] == a["text"]
+    stats = server.service.cache_stats
+    assert stats.incompatible_payloads == 0 and stats.restore_failures == 0
+    server.close()
+
+
 @pytest.mark.parametrize("codec", ["bf16", "int8", "rht_int8", "rht_int16"])
 @pytest.mark.parametrize("name", ["tiny-hybrid-bf16", "tiny-hybrid-fp16"])
 def test_lossy_codecs_restore_the_right_shapes_and_dtypes(name, codec, home, tmp_path):

@@ -15,6 +15,7 @@ from typing import Any
 import ray
 
 from serve_app.cluster.directory import BlockDirectory, Changes, EventBatch
+from serve_app.models.compat import HEAD_NODE_RESOURCE
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,9 @@ BlockDirectoryActor = ray.remote(num_cpus=0, max_restarts=-1,  # type: ignore[ca
 
 
 def get_or_create_directory():
-    """The cluster's block directory actor, created by the first store that asks."""
+    """The cluster's block directory actor, created by the first store that asks, on the
+    head node: a worker that dies would take every node's block map with it (the cluster
+    does not outlive its head anyway)."""
     return BlockDirectoryActor.options(name=DIRECTORY_NAME, namespace=NAMESPACE,
-                                       lifetime="detached", get_if_exists=True).remote()
+                                       lifetime="detached", get_if_exists=True,
+                                       resources={HEAD_NODE_RESOURCE: 0.001}).remote()
