@@ -338,6 +338,64 @@ def test_api_keys_compare_every_digest():
     assert not auth.ApiKeys().enabled
 
 
+def test_admin_keys_are_api_keys_and_alone_may_use_the_controls(tmp_path):
+    admin_file = tmp_path / "admin"
+    admin_file.write_text(f"{KEY_FILE_KEY}\n")
+    admin_file.chmod(0o600)
+    digests = api_keys.configured_digests(
+        None, {api_keys.ENV_VAR: KEY_A, api_keys.ADMIN_ENV_VAR: KEY_B},
+        admin_file=str(admin_file))
+    assert set(digests.admin) == {api_keys.digest(KEY_B), api_keys.digest(KEY_FILE_KEY)}
+    assert set(digests.api) == {api_keys.digest(k) for k in (KEY_A, KEY_B, KEY_FILE_KEY)}
+    keys = auth.ApiKeys(digests.api, digests.admin)
+    assert keys.admin_enabled and all(keys.allows(k) for k in (KEY_A, KEY_B, KEY_FILE_KEY))
+    assert keys.is_admin(KEY_B) and keys.is_admin(KEY_FILE_KEY)
+    assert not keys.is_admin(KEY_A) and not keys.is_admin(WRONG) and not keys.is_admin("")
+    # Admin keys alone turn keys on (the admins are the only callers).
+    alone = auth.ApiKeys((), [api_keys.digest(KEY_B)])
+    assert alone.enabled and alone.allows(KEY_B) and not alone.allows(KEY_A)
+    # Without admin keys every API key may use the controls.
+    plain = auth.ApiKeys([api_keys.digest(KEY_A)])
+    assert not plain.admin_enabled and plain.is_admin(KEY_A) and not plain.is_admin(WRONG)
+    with pytest.raises(api_keys.ApiKeyError, match=api_keys.ADMIN_ENV_VAR):
+        api_keys.configured_digests(None, {api_keys.ADMIN_ENV_VAR: " , "})
+
+
+def test_the_middleware_keeps_the_controls_to_admin_keys():
+    auth.configure(auth.ApiKeys([api_keys.digest(KEY_A)], [api_keys.digest(KEY_B)]))
+    try:
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        async def call(path: str, key: str | None) -> tuple[int, bytes]:
+            sent = []
+
+            async def receive():
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            async def send(message):
+                sent.append(message)
+
+            headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+            scope = {"type": "http", "path": path, "root_path": "", "method": "POST",
+                     "headers": headers, "query_string": b""}
+            await auth.ApiKeyMiddleware(app)(scope, receive, send)
+            return sent[0]["status"], sent[1]["body"]
+
+        unload = "/admin/models/m/unload"
+        status, body = asyncio.run(call(unload, KEY_A))
+        assert status == 403 and b"admin_key_required" in body
+        assert asyncio.run(call(unload, KEY_B))[0] == 200
+        assert asyncio.run(call(unload, WRONG))[0] == 401
+        assert asyncio.run(call(unload, None))[0] == 401
+        assert asyncio.run(call("/v1/chat/completions", KEY_A))[0] == 200
+        assert asyncio.run(call("/v1/chat/completions", KEY_B))[0] == 200
+        assert asyncio.run(call("/v1/status", KEY_A))[0] == 200
+    finally:
+        auth.configure(auth.ApiKeys())
+
+
 def test_keys_from_the_environment():
     assert api_keys.keys_from_env({}) == []
     assert api_keys.keys_from_env({api_keys.ENV_VAR: f" {KEY_A} ,,{KEY_B}"}) == [KEY_A, KEY_B]

@@ -2,7 +2,8 @@
 `serve run` with two models and API keys on: it asks for a key, then shows both models with
 their phases; every figure on it equals the same path in /v1/stats; its figures follow
 requests; its buttons unload, load, pin, clear a model's cache (exactly: the answer after a
-clear is the cached one) and run the self-benchmark; without a key its controls are refused.
+clear is the cached one) and run the self-benchmark; without a key its controls are refused,
+and with admin keys set a tenant's key is refused them too (the page asks for an admin key).
 A screenshot of each state is kept in ``screenshot_dir()`` (a test artifact)."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from tests.servers import running, wait_for
 pytestmark = pytest.mark.skipif(browser_missing() is not None,
                                 reason=browser_missing() or "")
 
-KEY = "sk-status-page-test-key-5c1e9a7b3d2f4e6a"
+KEY = "sk-status-page-test-key-5c1e9a7b3d2f4e6a"  # an admin key: everything
+USER = "sk-status-page-tenant-key-8a7b6c5d4e3f2a1b"  # a tenant's: no controls
 WRONG = "sk-status-page-not-a-key-0000000000000"
 DENSE = "page-dense"
 HYBRID = "page-hybrid"
@@ -42,7 +44,8 @@ def served(tmp_path_factory, model_home):
     config = write_config(tmp / "serve.yaml", port, MODELS,
                           cache_store={"ssd_dir": str(tmp / "kv")},
                           memory={"max_loaded_models": 2})
-    env = {"SERVE_APP_HOME": str(model_home), api_keys.ENV_VAR: KEY}
+    env = {"SERVE_APP_HOME": str(model_home), api_keys.ENV_VAR: USER,
+           api_keys.ADMIN_ENV_VAR: KEY}
     with running(ServerProcess.serve_run(config, port, tmp / "serve.log", env=env, api_key=KEY),
                  [m["name"] for m in MODELS]) as proc:
         yield proc
@@ -302,6 +305,47 @@ def test_controls_refuse_without_a_key(served):
         assert bp.page.locator("button[data-action]").count() == 0
         # Chromium logs the refused fetch itself as a console error: nothing else.
         assert all("401" in e for e in bp.console_errors), bp.console_errors
+
+
+def test_controls_need_an_admin_key(served):
+    """With admin keys set, a tenant's key reads the status and is answered, but every
+    control refuses it (403 ``admin_key_required``) and nothing changes; on the page its
+    click asks for an admin key with the data still shown; the admin key then does it."""
+    tenant = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key=USER, max_retries=0)
+    assert tenant.chat.completions.create(model=DENSE, max_tokens=4, messages=[
+        {"role": "user", "content": "hello"}]).choices[0].message.content is not None
+    assert get(served, "/v1/status", key=USER).status_code == 200
+    assert get(served, "/v1/stats", key=USER).json()["server"]["admin_keys"] is True
+    for path in (f"/admin/models/{DENSE}/unload", f"/admin/models/{DENSE}/load",
+                 f"/admin/models/{DENSE}/pin", f"/admin/models/{DENSE}/unpin",
+                 f"/admin/models/{HYBRID}/cache/clear", "/admin/benchmark"):
+        r = post(served, path, key=USER)
+        assert r.status_code == 403, (path, r.text)
+        assert r.json()["error"]["code"] == "admin_key_required", r.text
+    assert model_status(served, DENSE) == "loaded"
+    assert get(served, "/v1/stats").json()["pool"]["models"][DENSE]["pinned"] is False
+
+    with open_page(f"{served.base_url}/") as bp:
+        bp.page.on("dialog", lambda d: d.accept())
+        with_key(bp, USER)
+        bp.page.wait_for_selector(f'.model[data-model="{DENSE}"]')
+        button(bp, DENSE, "unload").click()
+        wait_for(lambda: "needs an admin key" in bp.page.inner_text("#notice"),
+                 "the page to ask for an admin key")
+        assert bp.page.is_visible("#key-form")
+        bp.page.wait_for_timeout(2500)  # a refresh later: still asking, the data still shown
+        assert "needs an admin key" in bp.page.inner_text("#notice")
+        assert bp.page.locator(".model[data-model]").count() == 2
+        assert model_status(served, DENSE) == "loaded"
+        with_key(bp, KEY)
+        wait_for(lambda: bp.page.is_hidden("#key-form"), "the admin key taken")
+        button(bp, DENSE, "unload").click()
+        wait_for(lambda: shown(bp, DENSE, "pool-status") == "unloaded", "unloaded on the page")
+        assert model_status(served, DENSE) == "unloaded"
+        button(bp, DENSE, "load").click()
+        wait_for(lambda: shown(bp, DENSE, "pool-status") == "loaded", "loaded on the page")
+        # Chromium logs the refused fetch itself as a console error: nothing else.
+        assert all("403" in e for e in bp.console_errors), bp.console_errors
 
 
 def test_page_without_keys(server):

@@ -186,8 +186,10 @@ def test_error_log_keep_is_configurable():
 
 def test_server_info_has_its_fields_and_uptime(frozen_time):
     frozen_time.t = 1100.04
-    info = ServerInfo(version="0.9", started_at=1000.0, api_keys=True, model_pool=False)
+    info = ServerInfo(version="0.9", started_at=1000.0, api_keys=True, admin_keys=False,
+                      model_pool=False)
     assert info.to_json() == {"version": "0.9", "started_at": 1000.0, "api_keys": True,
+                              "admin_keys": False,
                               "model_pool": False, "uptime_s": 100.0}
 
 

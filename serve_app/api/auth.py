@@ -12,6 +12,11 @@ or ``x-api-key: KEY``; the presented key's digest is compared with every configu
 digest in constant time (``hmac.compare_digest``, no early exit). The answer otherwise
 is 401 in the API's own shape, sent by an ASGI middleware before the route runs, so
 an unauthenticated body is never read.
+
+Admin keys (``SERVE_APP_ADMIN_KEYS``, ``ingress.admin_keys_file``) are API keys that may
+also use the controls (``/admin/*``: load, unload, pin, cache clear, self-benchmark). Once
+any is set, another key gets 403 ``admin_key_required`` there: a tenant cannot unload the
+models or clear the cache others use. Without admin keys every key may use them.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from serve_app.config.api_keys import ENV_VAR
+from serve_app.config.api_keys import ADMIN_ENV_VAR, ENV_VAR
 
 # The status page's files hold no data (its data, /v1/status, needs a key like the rest).
 OPEN_PATHS = frozenset({"/health", "/status/status.js", "/status/status.css"})
+ADMIN_PREFIX = "/admin/"  # the controls: with admin keys set, only they may use them
 
 logger = logging.getLogger("ray.serve")
 
@@ -40,32 +46,56 @@ def presented_key(headers: Mapping[str, str]) -> str:
     return key or headers.get("x-api-key", "").strip()
 
 
-class ApiKeys:
-    """The configured key digests; ``allows`` compares in constant time."""
+def _matches(presented: bytes, digests: list[bytes]) -> bool:
+    """Whether ``presented`` is one of ``digests``: every one compared (no early exit),
+    each in constant time, so the timing says nothing about which key, or how much of
+    one, matched."""
+    ok = False
+    for d in digests:
+        ok |= hmac.compare_digest(presented, d)
+    return ok
 
-    def __init__(self, digests: Iterable[str] = ()) -> None:
-        self.digests = [bytes.fromhex(d) for d in digests]
+
+class ApiKeys:
+    """The configured key digests (``digests``: every key, admin keys included; ``admin``:
+    the admin keys); ``allows`` and ``is_admin`` compare in constant time."""
+
+    def __init__(self, digests: Iterable[str] = (), admin: Iterable[str] = ()) -> None:
+        self.admin = [bytes.fromhex(d) for d in admin]
+        known = [bytes.fromhex(d) for d in digests]
+        self.digests = known + [d for d in self.admin if d not in known]
 
     @property
     def enabled(self) -> bool:
         return bool(self.digests)
 
+    @property
+    def admin_enabled(self) -> bool:
+        """Whether the controls are kept to admin keys."""
+        return bool(self.admin)
+
     def allows(self, key: str) -> bool:
-        """Whether ``key`` is one of the configured keys. Every digest is compared (no
-        early exit), each in constant time: the answer's timing says nothing about
-        which key, or how much of one, matched."""
-        if not key:
-            return False
-        presented = hashlib.sha256(key.encode()).digest()
-        ok = False
-        for d in self.digests:
-            ok |= hmac.compare_digest(presented, d)
-        return ok
+        """Whether ``key`` is one of the configured keys (admin keys included)."""
+        return bool(key) and _matches(hashlib.sha256(key.encode()).digest(), self.digests)
+
+    def is_admin(self, key: str) -> bool:
+        """Whether ``key`` may use the controls: an admin key, or any key when no admin
+        key is set."""
+        if not self.admin_enabled:
+            return self.allows(key)
+        return bool(key) and _matches(hashlib.sha256(key.encode()).digest(), self.admin)
 
     def log_startup(self) -> None:
         if self.enabled:
             logger.info("API keys required on every route but /health (%d key(s))",
                         len(self.digests))
+            if self.admin_enabled:
+                logger.info("the controls (/admin/*) need one of the %d admin key(s)",
+                            len(self.admin))
+            else:
+                logger.info("every API key may use the controls (/admin/*: load, unload, "
+                            "pin, cache clear); set %s or ingress.admin_keys_file to keep "
+                            "them to some", ADMIN_ENV_VAR)
         else:
             logger.warning(
                 "serving WITHOUT authentication: anyone who can reach the HTTP port can use "
@@ -88,6 +118,11 @@ def keys_enabled() -> bool:
     return _keys.enabled
 
 
+def admin_keys_enabled() -> bool:
+    """Whether this process's ingress keeps the controls to admin keys."""
+    return _keys.admin_enabled
+
+
 def _anthropic_route(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
@@ -108,6 +143,16 @@ def unauthorized(path: str, present: bool) -> JSONResponse:
     return JSONResponse(err.body(), status_code=401, headers=headers)
 
 
+def not_admin(path: str) -> JSONResponse:
+    """403 for a control asked with a key that is not an admin key."""
+    from serve_app.serving.request import ApiError
+
+    err = ApiError(403, f"{path}: this API key may not change the server; the controls "
+                        "need an admin key", type="permission_error",
+                   code="admin_key_required")
+    return JSONResponse(err.body(), status_code=403)
+
+
 class ApiKeyMiddleware:
     """ASGI middleware: 401 before the route runs (and before the body is read) for an
     HTTP request without a configured key, when keys are configured."""
@@ -125,10 +170,12 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         key = presented_key(headers)
-        if keys.allows(key):
+        if not keys.allows(key):
+            await unauthorized(path, bool(key))(scope, receive, send)
+        elif path.startswith(ADMIN_PREFIX) and not keys.is_admin(key):
+            await not_admin(path)(scope, receive, send)
+        else:
             await self.app(scope, receive, send)
-            return
-        await unauthorized(path, bool(key))(scope, receive, send)
 
 
 def wants_html(accept: str) -> bool:

@@ -145,7 +145,7 @@ class OpenAIIngress:
         self.recorder: Recorder = backend.recorder
         self.errors = ErrorLog()  # the last error answers, for the status page
         self.server = ServerInfo(release(), time.time(), auth.keys_enabled(),
-                                 backend.pool_report() is not None)
+                                 auth.admin_keys_enabled(), backend.pool_report() is not None)
 
     @api.get("/health")
     async def health(self) -> JSONResponse:

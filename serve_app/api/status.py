@@ -140,6 +140,7 @@ class ServerInfo:
     version: str | None
     started_at: float  # Unix time
     api_keys: bool  # routes need a key (the page asks for one)
+    admin_keys: bool  # the controls need an admin key
     model_pool: bool  # the ingress runs the model pool (load, unload, pin)
 
     def to_json(self) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from serve_app.config.profile import ProfileError, load_serve_config
 # Flags -> (where in the profile, the key): an error naming the key names the flag too.
 FLAG_KEYS = {
     "context_length": "--context-length", "max_batch_size": "--max-batch-size",
-    "api_keys_file": "--api-keys-file", "ssd_dir": "--ssd-dir", "name": "--name",
+    "api_keys_file": "--api-keys-file", "admin_keys_file": "--admin-keys-file",
+    "ssd_dir": "--ssd-dir", "name": "--name",
     "source": "MODEL", "port": "--port", "host": "--host",
 }
 
@@ -42,6 +43,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     parser.add_argument("--api-keys-file", default=None,
                         help="a file of API keys, one a line (mode 0600)")
+    parser.add_argument("--admin-keys-file", default=None,
+                        help="a file of admin keys (mode 0600): API keys that alone may use "
+                             "the controls (/admin/*)")
     parser.add_argument("--ssd-dir", default=None,
                         help="the SSD cache directory (default ~/.cache/serve_app/kv)")
 
@@ -84,6 +88,8 @@ def build_config(model: str, args: argparse.Namespace) -> dict:
     app_args: dict = {"models": [entry], "ingress": {"num_cpus": 0}}
     if args.api_keys_file:
         app_args["ingress"]["api_keys_file"] = str(Path(args.api_keys_file).expanduser())
+    if args.admin_keys_file:
+        app_args["ingress"]["admin_keys_file"] = str(Path(args.admin_keys_file).expanduser())
     if args.ssd_dir:
         app_args["cache_store"] = {"ssd_dir": str(Path(args.ssd_dir).expanduser())}
     return {

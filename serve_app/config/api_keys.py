@@ -1,6 +1,8 @@
 """Reading the configured API keys: ``SERVE_APP_API_KEYS`` and the profile's
-``ingress.api_keys_file`` (one key a line, mode 0600, owned by the server's user).
-Only their SHA-256 digests leave the builder (``serve_app.api.auth`` checks requests).
+``ingress.api_keys_file`` (one key a line, mode 0600, owned by the server's user), and the
+admin keys, which alone may use the controls (``/admin/*``) once any are set:
+``SERVE_APP_ADMIN_KEYS`` and ``ingress.admin_keys_file``. Only their SHA-256 digests
+leave the builder (``serve_app.api.auth`` checks requests).
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import logging
 import os
 import stat
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger("ray.serve")
 
 
 ENV_VAR = "SERVE_APP_API_KEYS"
+ADMIN_ENV_VAR = "SERVE_APP_ADMIN_KEYS"  # keys that may also change the server (/admin/*)
 
 
 SHORT_KEY_CHARS = 16  # shorter keys are accepted, with a WARNING
@@ -40,16 +44,16 @@ def _checked(keys: Iterable[str], where: str) -> list[str]:
     return out
 
 
-def keys_from_env(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The keys of ``SERVE_APP_API_KEYS``; [] when unset. Set but holding no key
+def keys_from_env(environ: Mapping[str, str] | None = None, var: str = ENV_VAR) -> list[str]:
+    """The keys of ``var`` (``SERVE_APP_API_KEYS``); [] when unset. Set but holding no key
     (empty, or only commas) is an error: the operator meant keys, so never serve open."""
     environ = os.environ if environ is None else environ
-    if ENV_VAR not in environ:
+    if var not in environ:
         return []
-    keys = [k.strip() for k in environ[ENV_VAR].split(",") if k.strip()]
+    keys = [k.strip() for k in environ[var].split(",") if k.strip()]
     if not keys:
-        raise ApiKeyError(f"{ENV_VAR} is set but holds no key; unset it to serve without keys")
-    return _checked(keys, ENV_VAR)
+        raise ApiKeyError(f"{var} is set but holds no key; unset it to serve without keys")
+    return _checked(keys, var)
 
 
 def check_key_file(path: str | Path, st: os.stat_result | None = None) -> Path:
@@ -91,12 +95,25 @@ def keys_from_file(path: str | Path) -> list[str]:
     return _checked(keys, f"API key file {str(path)!r}")
 
 
-def configured_digests(key_file: str | None,
-                       environ: Mapping[str, str] | None = None) -> list[str]:
-    """Digests of every configured key (environment and file), deduplicated."""
-    keys = keys_from_env(environ) + (keys_from_file(key_file) if key_file else [])
+@dataclass(frozen=True)
+class KeyDigests:
+    """What the ingress checks: the digests of every key that may use the API (``api``,
+    the admin keys among them) and of the admin keys (``admin``): with any set, only they
+    may use the controls."""
+
+    api: tuple[str, ...] = ()
+    admin: tuple[str, ...] = ()
+
+
+def configured_digests(key_file: str | None, environ: Mapping[str, str] | None = None,
+                       admin_file: str | None = None) -> KeyDigests:
+    """Digests of every configured key (environment and files), deduplicated."""
+    admin = keys_from_env(environ, ADMIN_ENV_VAR) + (keys_from_file(admin_file)
+                                                     if admin_file else [])
+    keys = keys_from_env(environ) + (keys_from_file(key_file) if key_file else []) + admin
     if any(len(k) < SHORT_KEY_CHARS for k in keys):
         logger.warning("an API key is shorter than %d characters: easy to guess; use e.g. "
                        "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
                        SHORT_KEY_CHARS)
-    return sorted({digest(k) for k in keys})
+    return KeyDigests(tuple(sorted({digest(k) for k in keys})),
+                      tuple(sorted({digest(k) for k in admin})))

@@ -349,6 +349,9 @@ class IngressProfile(_Strict):
     # A file of API keys, one a line (with SERVE_APP_API_KEYS, see serve_app/api/auth.py):
     # refused unless owned by the server's user and mode 0600 (no group or other bits).
     api_keys_file: str | None = None
+    # A file of admin keys (with SERVE_APP_ADMIN_KEYS; the same checks): API keys that
+    # alone may use the controls (/admin/*) once any is set.
+    admin_keys_file: str | None = None
     # With API keys on, each key gets its own prefix-cache namespace unless this is
     # true (then keys share blocks, and cached_tokens and timing tell one key about
     # another's prompts).
@@ -364,7 +367,7 @@ class IngressProfile(_Strict):
     # ingress, and every request in flight through it, with it. False: Ray places it.
     on_head_node: bool = True
 
-    @field_validator("api_keys_file")
+    @field_validator("api_keys_file", "admin_keys_file")
     @classmethod
     def _check_key_file(cls, value: str | None) -> str | None:
         if value is not None:

@@ -48,10 +48,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     # Keys are read here, where the application is built (in the environment of `serve
     # run`'s Ray processes); the ingress gets their digests only.
     try:
-        digests = api_keys.configured_digests(profile.ingress.api_keys_file)
+        digests = api_keys.configured_digests(profile.ingress.api_keys_file,
+                                              admin_file=profile.ingress.admin_keys_file)
     except api_keys.ApiKeyError as exc:
         raise ProfileError(str(exc)) from None
-    profile = keyed_profile(profile, bool(digests))
+    profile = keyed_profile(profile, bool(digests.api))
     # The memory plan: hot_budget: auto -> bytes, each model's KV share and MLX limits.
     profile, plan = planned(profile)
     memory = models_memory(plan)
@@ -137,7 +138,8 @@ def keyed_profile(profile: Profile, keys_on: bool) -> Profile:
     if keys_on and not profile.ingress.share_cache_between_keys:
         models = [m.model_copy(update={"cache": m.cache.model_copy(
             update={"isolate_by_api_key": True})}) for m in models]
-    ingress = profile.ingress.model_copy(update={"api_keys_file": None})
+    ingress = profile.ingress.model_copy(update={"api_keys_file": None,
+                                                 "admin_keys_file": None})
     return profile.model_copy(update={"models": models, "ingress": ingress})
 
 

@@ -19,6 +19,7 @@ from serve_app.api import auth
 from serve_app.api.http import api
 from serve_app.api.status_routes import StatusRoutes
 from serve_app.cluster.replicas import Gathered, ModelView, model_view
+from serve_app.config.api_keys import KeyDigests
 from serve_app.config.profile import Profile
 from serve_app.deploy.pool import (
     PoolCapacityError,
@@ -70,11 +71,12 @@ class Ingress(StatusRoutes):
     page (``StatusRoutes``) on the models' Ray Serve handles (``RayModels``)."""
 
     def __init__(self, profile: Profile, handles: dict[str, DeploymentHandle],
-                 api_key_digests: list[str] | None = None,
+                 keys: KeyDigests | None = None,
                  plan: MemoryPlan | None = None) -> None:
         # Before anything else: the keys every route but /health checks (or the
         # WARNING that there are none).
-        auth.configure(auth.ApiKeys(api_key_digests or ()))
+        keys = keys or KeyDigests()
+        auth.configure(auth.ApiKeys(keys.api, keys.admin))
         super().__init__(RayModels(profile, handles, plan))
 
 

@@ -8,6 +8,7 @@ const REFRESH_MS = 2000;
 const KEY_ITEM = "serve_app_api_key"; // sessionStorage: this tab only, gone when it closes
 let last = null;
 let busy = false;
+let wantsAdmin = null; // the notice of a control refused for want of an admin key
 
 // ---- small helpers ---------------------------------------------------------------------
 
@@ -111,6 +112,15 @@ async function errorText(resp) {
   }
 }
 
+async function errorCode(resp) {
+  try {
+    const body = await resp.clone().json();
+    return body.error && body.error.code;
+  } catch (e) {
+    return null;
+  }
+}
+
 // Without a key that works, nothing of the last data stays on the page (nor its controls).
 function clearPage() {
   last = null;
@@ -150,9 +160,10 @@ async function refresh() {
     return;
   }
   last = await resp.json();
-  document.getElementById("key-form").hidden = true;
+  document.getElementById("key-form").hidden = wantsAdmin === null;
   document.getElementById("forget-key").hidden = !sessionStorage.getItem(KEY_ITEM);
-  if (!busy) notice("");
+  if (wantsAdmin !== null) notice(wantsAdmin, true);
+  else if (!busy) notice("");
   render();
 }
 
@@ -164,6 +175,11 @@ async function post(path, body, what) {
                                     body: JSON.stringify(body || {})});
     if (resp.status === 401) {
       askForKey("this needs an API key: enter it above, then try again");
+      return null;
+    }
+    if (resp.status === 403 && (await errorCode(resp)) === "admin_key_required") {
+      // The data stays (this key may read it); the form takes an admin key instead.
+      wantsAdmin = `${what} needs an admin key: enter one above, then try again`;
       return null;
     }
     if (!resp.ok) {
@@ -188,7 +204,9 @@ function renderServer() {
   const up = s.uptime_s === undefined ? "" : ` · up ${secs(s.uptime_s)}`;
   document.getElementById("server").replaceChildren(
     `version `, fig(["server", "version"]), up,
-    s.api_keys ? " · API keys on" : " · no API keys (anyone who reaches this port may use it)");
+    s.api_keys ? (s.admin_keys ? " · API keys on · the controls need an admin key"
+                               : " · API keys on")
+               : " · no API keys (anyone who reaches this port may use it)");
   document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
 
@@ -441,10 +459,12 @@ document.getElementById("key-form").addEventListener("submit", (ev) => {
   const input = document.getElementById("key");
   if (input.value) sessionStorage.setItem(KEY_ITEM, input.value.trim());
   input.value = "";
+  wantsAdmin = null;
   refresh();
 });
 document.getElementById("forget-key").addEventListener("click", () => {
   sessionStorage.removeItem(KEY_ITEM);
+  wantsAdmin = null;
   clearPage();
   refresh();
 });
