@@ -36,6 +36,7 @@ KEY_A = "sk-auth-test-key-a-6f1d2e3c4b5a69788796"
 KEY_B = "sk-auth-test-key-b-0a1b2c3d4e5f60718293"
 KEY_FILE_KEY = "sk-auth-test-key-file-9e8d7c6b5a4f3e2d"
 WRONG = "sk-auth-test-not-a-key-1234567890abcdef"
+ADMIN_KEY = "sk-auth-test-admin-key-7c6b5a493827160f"
 MODELS = [
     # No isolate_by_api_key here: keys being on must isolate by themselves.
     {"name": DENSE, "source": "embedded:tiny-dense", "context_length": 1024,
@@ -422,17 +423,24 @@ def test_the_builder_hands_on_digests_never_keys(tmp_path, monkeypatch):
     key_file = tmp_path / "keys"
     key_file.write_text(KEY_FILE_KEY + "\n")
     key_file.chmod(0o600)
+    admin_file = tmp_path / "admin"
+    admin_file.write_text(ADMIN_KEY + "\n")
+    admin_file.chmod(0o600)
     monkeypatch.setenv(api_keys.ENV_VAR, f"{KEY_A},{KEY_B}")
-    app = build_app({"models": MODELS, "ingress": {"api_keys_file": str(key_file)}})
+    app = build_app({"models": MODELS, "ingress": {"api_keys_file": str(key_file),
+                                                   "admin_keys_file": str(admin_file)}})
     profile, handles, digests, plan = app._bound_deployment.init_args
-    assert sorted(digests) == sorted(api_keys.digest(k) for k in (KEY_A, KEY_B, KEY_FILE_KEY))
-    assert profile.ingress.api_keys_file is None
+    assert sorted(digests.api) == sorted(api_keys.digest(k)
+                                         for k in (KEY_A, KEY_B, KEY_FILE_KEY, ADMIN_KEY))
+    assert digests.admin == (api_keys.digest(ADMIN_KEY),)
+    assert profile.ingress.api_keys_file is None and profile.ingress.admin_keys_file is None
     assert all(m.cache.isolate_by_api_key for m in profile.models)
     for handle in handles.values():
         assert handle._bound_deployment.init_args[0].cache.isolate_by_api_key
     text = repr([profile, digests, plan]
                 + [h._bound_deployment.init_args for h in handles.values()])
-    assert not any(k in text for k in (KEY_A, KEY_B, KEY_FILE_KEY, str(key_file)))
+    assert not any(k in text for k in (KEY_A, KEY_B, KEY_FILE_KEY, ADMIN_KEY, str(key_file),
+                                       str(admin_file)))
     # Set but empty, or a key file others can read: no deploy (never served open).
     monkeypatch.setenv(api_keys.ENV_VAR, " ")
     with pytest.raises(ProfileError, match="holds no key"):
@@ -441,9 +449,13 @@ def test_the_builder_hands_on_digests_never_keys(tmp_path, monkeypatch):
     key_file.chmod(0o644)
     with pytest.raises(ProfileError, match="mode 0644"):
         build_app({"models": MODELS, "ingress": {"api_keys_file": str(key_file)}})
+    admin_file.chmod(0o640)
+    with pytest.raises(ProfileError, match="admin.*mode 0640"):
+        build_app({"models": MODELS, "ingress": {"admin_keys_file": str(admin_file)}})
     # No keys: nothing changes.
     profile, _, digests, _ = build_app({"models": MODELS})._bound_deployment.init_args
-    assert digests == [] and not any(m.cache.isolate_by_api_key for m in profile.models)
+    assert digests == api_keys.KeyDigests()
+    assert not any(m.cache.isolate_by_api_key for m in profile.models)
 
 
 def test_no_keys_logs_one_warning(caplog):
