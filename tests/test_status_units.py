@@ -204,6 +204,13 @@ class Clock:
         return self.now
 
 
+def ended(w: RecentWindow, ttft: float | None, tokens: int, decode_s: float) -> None:
+    """A request whose tokens all came now (its first with ``ttft``), ending now."""
+    for i in range(tokens):
+        w.token(ttft if i == 0 else None)
+    w.finished(tokens, decode_s)
+
+
 def window_with_four() -> tuple[RecentWindow, Clock]:
     """Four requests ended at 0, 30, 50 and 55 s: one made no token, one only a single
     token (no decode speed from it)."""
@@ -212,7 +219,7 @@ def window_with_four() -> tuple[RecentWindow, Clock]:
     for at, ttft, tokens, decode_s in [(0.0, 0.5, 10, 2.0), (30.0, None, 0, 0.0),
                                        (50.0, 0.2, 1, 0.0), (55.0, 1.0, 5, 0.5)]:
         clock.now = at
-        w.add(ttft, tokens, decode_s)
+        ended(w, ttft, tokens, decode_s)
     return w, clock
 
 
@@ -252,15 +259,40 @@ def test_requests_older_than_the_window_drop_out():
     clock.now = 115.5
     assert w.activity() == RecentActivity(window_s=60.0)
     clock.now = 200.0
-    w.add(0.3, 3, 0.2)
+    ended(w, 0.3, 3, 0.2)
     a = w.activity()
     assert (a.requests, a.output_tokens, a.decode_tokens) == (1, 3, 2)
+
+
+def test_a_long_stream_counts_while_it_runs():
+    """Tokens count when they are made and the first token's time when it comes: a stream
+    running for minutes shows in the output rate all along, its oldest tokens leaving the
+    window as it goes; it counts as a request (and its decode speed) once it ends."""
+    clock = Clock()
+    w = RecentWindow(clock=clock)
+    w.token(0.4)
+    for t in range(1, 100):  # a token a second for 100 s
+        clock.now = float(t)
+        w.token()
+    a = w.activity()
+    assert (a.requests, a.output_tokens, a.ttft_requests) == (0, 61, 0)  # 39..99 s
+    assert a.decode_seconds == 0  # no speed per stream before it ends
+    clock.now = 30.0
+    w = RecentWindow(clock=clock)
+    w.token(0.4)
+    a = w.activity()
+    assert (a.output_tokens, a.ttft_requests, a.ttft_max_s) == (1, 1, 0.4)
+    clock.now = 40.0
+    w.token()
+    w.finished(2, 10.0)
+    a = w.activity()
+    assert (a.requests, a.output_tokens, a.decode_tokens, a.decode_seconds) == (1, 2, 1, 10.0)
 
 
 def test_a_short_window_and_a_request_without_a_token():
     clock = Clock()
     w = RecentWindow(window_s=10.0, clock=clock)
-    w.add(None, 0, 0.0)
+    ended(w, None, 0, 0.0)
     a = w.activity()
     assert (a.requests, a.ttft_requests, a.ttft_seconds) == (1, 0, 0.0)
     assert a.summary()["ttft_mean_s"] is None and a.summary()["ttft_max_s"] is None
@@ -281,10 +313,10 @@ def test_activity_merges_over_replicas_as_sums_and_max():
     time to first token is weighted by requests), its slowest first token the max."""
     clock = Clock()
     one, two = RecentWindow(clock=clock), RecentWindow(clock=clock)
-    one.add(0.5, 10, 1.0)
-    one.add(0.1, 4, 0.5)
-    two.add(2.0, 31, 3.0)
-    two.add(None, 0, 0.0)
+    ended(one, 0.5, 10, 1.0)
+    ended(one, 0.1, 4, 0.5)
+    ended(two, 2.0, 31, 3.0)
+    ended(two, None, 0, 0.0)
     a = merge([one.activity(), two.activity()])
     assert a == RecentActivity(window_s=60.0, requests=4, output_tokens=45, ttft_requests=3,
                                ttft_seconds=pytest.approx(2.6), ttft_max_s=2.0,

@@ -196,6 +196,7 @@ class RequestClock:
             service._phase("prefill", at - self.joined)
             service._prefilled(prefilled_tokens, at - self.joined)
         service._observe_token(self.arrived, self.last_token_at, at)
+        service.recent.token(at - self.arrived if self.first_token_at is None else None)
         if self.first_token_at is None:
             self.first_token_at = at
         self.last_token_at = at
@@ -206,8 +207,8 @@ class RequestClock:
         service.metrics.observe("serve_app_request_duration_seconds",
                                 time.perf_counter() - self.arrived, service._labels)
         first, last = self.first_token_at, self.last_token_at
-        service.recent.add(None if first is None else first - self.arrived, self.tokens,
-                           0.0 if first is None or last is None else last - first)
+        service.recent.finished(self.tokens,
+                                0.0 if first is None or last is None else last - first)
 
 
 class RequestStream:
