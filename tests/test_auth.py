@@ -369,7 +369,7 @@ def test_the_middleware_keeps_the_controls_to_admin_keys():
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"ok"})
 
-        async def call(path: str, key: str | None) -> tuple[int, bytes]:
+        async def call(path: str, key: str | None, root: str = "") -> tuple[int, bytes]:
             sent = []
 
             async def receive():
@@ -379,8 +379,8 @@ def test_the_middleware_keeps_the_controls_to_admin_keys():
                 sent.append(message)
 
             headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
-            scope = {"type": "http", "path": path, "root_path": "", "method": "POST",
-                     "headers": headers, "query_string": b""}
+            scope = {"type": "http", "path": root + path, "root_path": root,
+                     "method": "POST", "headers": headers, "query_string": b""}
             await auth.ApiKeyMiddleware(app)(scope, receive, send)
             return sent[0]["status"], sent[1]["body"]
 
@@ -393,6 +393,38 @@ def test_the_middleware_keeps_the_controls_to_admin_keys():
         assert asyncio.run(call("/v1/chat/completions", KEY_A))[0] == 200
         assert asyncio.run(call("/v1/chat/completions", KEY_B))[0] == 200
         assert asyncio.run(call("/v1/status", KEY_A))[0] == 200
+        assert asyncio.run(call("/admin/benchmark", KEY_A))[0] == 403
+        # Under a route prefix, whatever it is: a prefix comes off only at a "/" boundary
+        # (as the router takes it off), so "/ad" never turns "/admin/..." into "min/...".
+        for root in ("/llm", "/ad", "/a", "/admi", "/"):
+            assert asyncio.run(call(unload, KEY_A, root))[0] == 403, root
+            assert asyncio.run(call(unload, KEY_B, root))[0] == 200, root
+        # Without admin keys, any API key may use the controls.
+        auth.configure(auth.ApiKeys([api_keys.digest(KEY_A)]))
+        assert asyncio.run(call(unload, KEY_A))[0] == 200
+        assert asyncio.run(call(unload, WRONG))[0] == 401
+    finally:
+        auth.configure(auth.ApiKeys())
+
+
+def test_the_controls_check_the_admin_key_themselves():
+    """The routes' own check (``require_admin``), should a request reach a control past
+    the middleware's check by path."""
+    from serve_app.serving.request import ApiError
+
+    auth.configure(auth.ApiKeys([api_keys.digest(KEY_A)], [api_keys.digest(KEY_B)]))
+    try:
+        auth.require_admin({"authorization": f"Bearer {KEY_B}"}, "/admin/x")
+        auth.require_admin({"x-api-key": KEY_B}, "/admin/x")
+        for headers, status in (({"authorization": f"Bearer {KEY_A}"}, 403),
+                                ({"authorization": f"Bearer {WRONG}"}, 401), ({}, 401)):
+            with pytest.raises(ApiError) as info:
+                auth.require_admin(headers, "/admin/x")
+            assert info.value.status == status
+        auth.configure(auth.ApiKeys([api_keys.digest(KEY_A)]))
+        auth.require_admin({"authorization": f"Bearer {KEY_A}"}, "/admin/x")
+        auth.configure(auth.ApiKeys())
+        auth.require_admin({}, "/admin/x")  # no keys at all: open, as every route
     finally:
         auth.configure(auth.ApiKeys())
 
@@ -450,7 +482,7 @@ def test_the_builder_hands_on_digests_never_keys(tmp_path, monkeypatch):
     with pytest.raises(ProfileError, match="mode 0644"):
         build_app({"models": MODELS, "ingress": {"api_keys_file": str(key_file)}})
     admin_file.chmod(0o640)
-    with pytest.raises(ProfileError, match="admin.*mode 0640"):
+    with pytest.raises(ProfileError, match="admin key file .* has mode 0640"):
         build_app({"models": MODELS, "ingress": {"admin_keys_file": str(admin_file)}})
     # No keys: nothing changes.
     profile, _, digests, _ = build_app({"models": MODELS})._bound_deployment.init_args

@@ -316,14 +316,34 @@ def test_controls_need_an_admin_key(served):
         {"role": "user", "content": "hello"}]).choices[0].message.content is not None
     assert get(served, "/v1/status", key=USER).status_code == 200
     assert get(served, "/v1/stats", key=USER).json()["server"]["admin_keys"] is True
-    for path in (f"/admin/models/{DENSE}/unload", f"/admin/models/{DENSE}/load",
-                 f"/admin/models/{DENSE}/pin", f"/admin/models/{DENSE}/unpin",
-                 f"/admin/models/{HYBRID}/cache/clear", "/admin/benchmark"):
+    text = "A prefix the tenant's refused cache clear must leave in place. " * 4
+    chat(served, HYBRID, text)
+
+    def refused(path: str) -> None:
         r = post(served, path, key=USER)
         assert r.status_code == 403, (path, r.text)
         assert r.json()["error"]["code"] == "admin_key_required", r.text
+
+    def pool(model: str) -> dict:
+        return get(served, "/v1/stats").json()["pool"]["models"][model]
+
+    refused(f"/admin/models/{DENSE}/unload")
     assert model_status(served, DENSE) == "loaded"
-    assert get(served, "/v1/stats").json()["pool"]["models"][DENSE]["pinned"] is False
+    refused(f"/admin/models/{DENSE}/pin")
+    assert pool(DENSE)["pinned"] is False
+    assert post(served, f"/admin/models/{DENSE}/pin").status_code == 200  # the admin's
+    refused(f"/admin/models/{DENSE}/unpin")
+    assert pool(DENSE)["pinned"] is True
+    assert post(served, f"/admin/models/{DENSE}/unpin").status_code == 200
+    assert post(served, f"/admin/models/{DENSE}/unload").status_code == 200
+    refused(f"/admin/models/{DENSE}/load")
+    assert model_status(served, DENSE) == "unloaded"
+    assert post(served, f"/admin/models/{DENSE}/load").status_code == 200
+    refused(f"/admin/models/{HYBRID}/cache/clear")
+    assert chat(served, HYBRID, text)[1] > 0  # still cached
+    benchmarks = get(served, "/v1/stats").json()["benchmarks"]
+    refused("/admin/benchmark")
+    assert get(served, "/v1/stats").json()["benchmarks"] == benchmarks
 
     with open_page(f"{served.base_url}/") as bp:
         bp.page.on("dialog", lambda d: d.accept())

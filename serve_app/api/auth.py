@@ -143,12 +143,31 @@ def unauthorized(path: str, present: bool) -> JSONResponse:
     return JSONResponse(err.body(), status_code=401, headers=headers)
 
 
+def require_admin(headers: Mapping[str, str], path: str) -> None:
+    """The routes' own check of a control's key (the middleware's is by path): raises
+    the 403 (401 without a configured key) a control answers a key that may not use it."""
+    from serve_app.serving.request import ApiError
+
+    keys = _keys
+    if not keys.enabled:
+        return
+    key = presented_key(headers)
+    if not keys.allows(key):
+        raise ApiError(401, "invalid API key" if key else "no API key",
+                       type="invalid_request_error", code="invalid_api_key")
+    if not keys.is_admin(key):
+        raise ApiError(403, _NOT_ADMIN.format(path=path), type="permission_error",
+                       code="admin_key_required")
+
+
+_NOT_ADMIN = "{path}: this API key may not change the server; the controls need an admin key"
+
+
 def not_admin(path: str) -> JSONResponse:
     """403 for a control asked with a key that is not an admin key."""
     from serve_app.serving.request import ApiError
 
-    err = ApiError(403, f"{path}: this API key may not change the server; the controls "
-                        "need an admin key", type="permission_error",
+    err = ApiError(403, _NOT_ADMIN.format(path=path), type="permission_error",
                    code="admin_key_required")
     return JSONResponse(err.body(), status_code=403)
 
@@ -191,8 +210,15 @@ def _page(path: str, scope: dict, headers: dict[str, str]) -> bool:
 
 
 def _route_path(scope: dict) -> str:
-    """The path as the app's routes see it (without the application's route prefix)."""
+    """The path as the app's routes see it (without the application's route prefix),
+    by Starlette's own rule (``starlette._utils.get_route_path``): the prefix comes off only
+    at a ``/`` boundary (``/ad`` is not a prefix of ``/admin/...``), or the check here and
+    the router would see two different paths."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root):] or "/"
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return "/"
+    if path[len(root)] == "/":
+        return path[len(root):]
     return path

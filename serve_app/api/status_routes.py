@@ -54,6 +54,13 @@ def check_same_origin(request: Request) -> None:
                        type="permission_error", code="cross_origin")
 
 
+def _admin(request: Request) -> None:
+    """What every control checks first: the key may use the controls (again: the
+    middleware checked by path), and the POST is not another site's."""
+    auth.require_admin(request.headers, request.url.path)
+    check_same_origin(request)
+
+
 class StatusRoutes(OpenAIIngress):
     """The page, its data and its controls, beside the API's routes."""
 
@@ -86,7 +93,7 @@ class StatusRoutes(OpenAIIngress):
     # ---- controls -------------------------------------------------------------------
 
     def _admin_model(self, request: Request, name: str) -> str:
-        check_same_origin(request)
+        _admin(request)
         return self.model_of(name).name
 
     def _pool_entry(self, name: str) -> dict[str, Any]:
@@ -135,7 +142,7 @@ class StatusRoutes(OpenAIIngress):
     async def admin_benchmark(self, request: Request) -> JSONResponse:
         """Run the self-benchmark: body ``{"model": NAME, "ssd_bytes": N}`` (both
         optional: the first loaded model, 256 MiB)."""
-        check_same_origin(request)
+        _admin(request)
         raw = await read_body(request, MAX_ADMIN_BODY)
         name, ssd_bytes = _benchmark_args(parse_json(raw) if raw.strip() else {})
         if name is None:

@@ -20,6 +20,7 @@ logger = logging.getLogger("ray.serve")
 
 ENV_VAR = "SERVE_APP_API_KEYS"
 ADMIN_ENV_VAR = "SERVE_APP_ADMIN_KEYS"  # keys that may also change the server (/admin/*)
+ADMIN_FILE = "admin key file"  # how errors name ``ingress.admin_keys_file``
 
 
 SHORT_KEY_CHARS = 16  # shorter keys are accepted, with a WARNING
@@ -56,7 +57,8 @@ def keys_from_env(environ: Mapping[str, str] | None = None, var: str = ENV_VAR) 
     return _checked(keys, var)
 
 
-def check_key_file(path: str | Path, st: os.stat_result | None = None) -> Path:
+def check_key_file(path: str | Path, st: os.stat_result | None = None,
+                   what: str = "API key file") -> Path:
     """A key file the server may trust: a regular file owned by this user, neither
     group- nor world-accessible (mode 0600 or stricter). Raises ``ApiKeyError`` naming it.
     ``st``: the stat of the file as opened (so the file checked is the file read)."""
@@ -65,34 +67,34 @@ def check_key_file(path: str | Path, st: os.stat_result | None = None) -> Path:
         try:
             st = path.stat()
         except OSError as exc:
-            raise ApiKeyError(f"API key file {str(path)!r}: cannot read it: "
+            raise ApiKeyError(f"{what} {str(path)!r}: cannot read it: "
                               f"{exc.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise ApiKeyError(f"API key file {str(path)!r} is not a regular file")
+        raise ApiKeyError(f"{what} {str(path)!r} is not a regular file")
     if st.st_uid != os.getuid():
-        raise ApiKeyError(f"API key file {str(path)!r} is owned by uid {st.st_uid}, not by "
+        raise ApiKeyError(f"{what} {str(path)!r} is owned by uid {st.st_uid}, not by "
                           f"this user (uid {os.getuid()})")
     if st.st_mode & 0o077:
-        raise ApiKeyError(f"API key file {str(path)!r} has mode "
+        raise ApiKeyError(f"{what} {str(path)!r} has mode "
                           f"{stat.S_IMODE(st.st_mode):04o}; other users must not read it: "
                           f"chmod 600 {path}")
     return path
 
 
-def keys_from_file(path: str | Path) -> list[str]:
+def keys_from_file(path: str | Path, what: str = "API key file") -> list[str]:
     """The keys of a key file (one a line; blank lines and ``#`` comments skipped),
     after ``check_key_file`` on the opened file. A file with no key is an error."""
-    path = check_key_file(path)
+    path = check_key_file(path, what=what)
     try:
         with open(path, "rb") as f:
-            check_key_file(path, os.fstat(f.fileno()))
+            check_key_file(path, os.fstat(f.fileno()), what)
             lines = f.read().decode().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ApiKeyError(f"API key file {str(path)!r}: cannot read it: {exc}") from None
+        raise ApiKeyError(f"{what} {str(path)!r}: cannot read it: {exc}") from None
     keys = [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
     if not keys:
-        raise ApiKeyError(f"API key file {str(path)!r} holds no key")
-    return _checked(keys, f"API key file {str(path)!r}")
+        raise ApiKeyError(f"{what} {str(path)!r} holds no key")
+    return _checked(keys, f"{what} {str(path)!r}")
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,8 @@ class KeyDigests:
 def configured_digests(key_file: str | None, environ: Mapping[str, str] | None = None,
                        admin_file: str | None = None) -> KeyDigests:
     """Digests of every configured key (environment and files), deduplicated."""
-    admin = keys_from_env(environ, ADMIN_ENV_VAR) + (keys_from_file(admin_file)
-                                                     if admin_file else [])
+    admin = keys_from_env(environ, ADMIN_ENV_VAR) + (
+        keys_from_file(admin_file, ADMIN_FILE) if admin_file else [])
     keys = keys_from_env(environ) + (keys_from_file(key_file) if key_file else []) + admin
     if any(len(k) < SHORT_KEY_CHARS for k in keys):
         logger.warning("an API key is shorter than %d characters: easy to guess; use e.g. "

@@ -369,14 +369,16 @@ class IngressProfile(_Strict):
 
     @field_validator("api_keys_file", "admin_keys_file")
     @classmethod
-    def _check_key_file(cls, value: str | None) -> str | None:
+    def _check_key_file(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None:
-            from serve_app.config.api_keys import keys_from_file
+            from serve_app.config.api_keys import ADMIN_FILE, keys_from_file
 
             # Serve's builder runs in a Ray worker, whose working directory is not yours.
             if not Path(value).expanduser().is_absolute():
                 raise ValueError(f"{value!r}: must be an absolute path (or start with ~)")
-            keys_from_file(value)  # raises naming the file: mode, owner, no key
+            # raises naming the file: mode, owner, no key
+            keys_from_file(value, ADMIN_FILE if info.field_name == "admin_keys_file"
+                           else "API key file")
         return value
 
 
