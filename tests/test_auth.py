@@ -339,6 +339,12 @@ def test_api_keys_compare_every_digest():
     assert not auth.ApiKeys().enabled
 
 
+def keys_of(environ: dict[str, str]) -> auth.ApiKeys:
+    """The keys an ingress checks for this environment, as the builder reads them."""
+    digests = api_keys.configured_digests(None, environ)
+    return auth.ApiKeys(digests.api, digests.admin)
+
+
 def test_admin_keys_are_api_keys_and_alone_may_use_the_controls(tmp_path):
     admin_file = tmp_path / "admin"
     admin_file.write_text(f"{KEY_FILE_KEY}\n")
@@ -353,7 +359,7 @@ def test_admin_keys_are_api_keys_and_alone_may_use_the_controls(tmp_path):
     assert keys.is_admin(KEY_B) and keys.is_admin(KEY_FILE_KEY)
     assert not keys.is_admin(KEY_A) and not keys.is_admin(WRONG) and not keys.is_admin("")
     # Admin keys alone turn keys on (the admins are the only callers).
-    alone = auth.ApiKeys((), [api_keys.digest(KEY_B)])
+    alone = keys_of({api_keys.ADMIN_ENV_VAR: KEY_B})
     assert alone.enabled and alone.allows(KEY_B) and not alone.allows(KEY_A)
     # Without admin keys every API key may use the controls.
     plain = auth.ApiKeys([api_keys.digest(KEY_A)])
@@ -363,7 +369,7 @@ def test_admin_keys_are_api_keys_and_alone_may_use_the_controls(tmp_path):
 
 
 def test_the_middleware_keeps_the_controls_to_admin_keys():
-    auth.configure(auth.ApiKeys([api_keys.digest(KEY_A)], [api_keys.digest(KEY_B)]))
+    auth.configure(keys_of({api_keys.ENV_VAR: KEY_A, api_keys.ADMIN_ENV_VAR: KEY_B}))
     try:
         async def app(scope, receive, send):
             await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -412,7 +418,7 @@ def test_the_controls_check_the_admin_key_themselves():
     the middleware's check by path."""
     from serve_app.serving.request import ApiError
 
-    auth.configure(auth.ApiKeys([api_keys.digest(KEY_A)], [api_keys.digest(KEY_B)]))
+    auth.configure(keys_of({api_keys.ENV_VAR: KEY_A, api_keys.ADMIN_ENV_VAR: KEY_B}))
     try:
         auth.require_admin({"authorization": f"Bearer {KEY_B}"}, "/admin/x")
         auth.require_admin({"x-api-key": KEY_B}, "/admin/x")

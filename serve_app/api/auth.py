@@ -25,11 +25,14 @@ import hashlib
 import hmac
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse
 
 from serve_app.config.api_keys import ADMIN_ENV_VAR, ENV_VAR
+
+if TYPE_CHECKING:
+    from serve_app.serving.request import ApiError
 
 # The status page's files hold no data (its data, /v1/status, needs a key like the rest).
 OPEN_PATHS = frozenset({"/health", "/status/status.js", "/status/status.css"})
@@ -57,13 +60,13 @@ def _matches(presented: bytes, digests: list[bytes]) -> bool:
 
 
 class ApiKeys:
-    """The configured key digests (``digests``: every key, admin keys included; ``admin``:
-    the admin keys); ``allows`` and ``is_admin`` compare in constant time."""
+    """The configured key digests (``digests``: every key, admin keys included, as
+    ``KeyDigests.api`` holds them; ``admin``: the admin keys); ``allows`` and ``is_admin``
+    compare in constant time."""
 
     def __init__(self, digests: Iterable[str] = (), admin: Iterable[str] = ()) -> None:
+        self.digests = [bytes.fromhex(d) for d in digests]
         self.admin = [bytes.fromhex(d) for d in admin]
-        known = [bytes.fromhex(d) for d in digests]
-        self.digests = known + [d for d in self.admin if d not in known]
 
     @property
     def enabled(self) -> bool:
@@ -156,20 +159,21 @@ def require_admin(headers: Mapping[str, str], path: str) -> None:
         raise ApiError(401, "invalid API key" if key else "no API key",
                        type="invalid_request_error", code="invalid_api_key")
     if not keys.is_admin(key):
-        raise ApiError(403, _NOT_ADMIN.format(path=path), type="permission_error",
-                       code="admin_key_required")
+        raise not_admin_error(path)
 
 
-_NOT_ADMIN = "{path}: this API key may not change the server; the controls need an admin key"
+def not_admin_error(path: str) -> ApiError:
+    """The 403 for a control asked with a key that is not an admin key."""
+    from serve_app.serving.request import ApiError
+
+    return ApiError(403, f"{path}: this API key may not change the server; the controls "
+                         "need an admin key", type="permission_error",
+                    code="admin_key_required")
 
 
 def not_admin(path: str) -> JSONResponse:
-    """403 for a control asked with a key that is not an admin key."""
-    from serve_app.serving.request import ApiError
-
-    err = ApiError(403, _NOT_ADMIN.format(path=path), type="permission_error",
-                   code="admin_key_required")
-    return JSONResponse(err.body(), status_code=403)
+    """``not_admin_error`` as the middleware's answer."""
+    return JSONResponse(not_admin_error(path).body(), status_code=403)
 
 
 class ApiKeyMiddleware:

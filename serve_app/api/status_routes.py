@@ -149,7 +149,7 @@ class StatusRoutes(OpenAIIngress):
             report = self.backend.pool_report()
             loaded = report["loaded"] if report else [m.name for m in self.profile.models]
             name = loaded[0] if loaded else self.profile.models[0].name
-        name = self._admin_model(request, name)
+        name = self.model_of(name).name
         result = await self.backend.self_benchmark(name, ssd_bytes)
         return JSONResponse(result.to_json())
 
