@@ -91,7 +91,9 @@ def stream_chat(base_url: str, body: dict) -> dict:
     """POST a streaming chat request; time to first token, decode time, text and usage.
 
     ``cached_tokens`` is ``usage.prompt_tokens_details.cached_tokens``, or None when the
-    server does not report it.
+    server does not report it. ``error`` is the error object of an ``{"error": ...}``
+    event that ended the stream (a stream cut after it started: its text is truncated),
+    else None.
     """
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -99,12 +101,14 @@ def stream_chat(base_url: str, body: dict) -> dict:
     parts: list[str] = []
     usage = None
     finish = None
+    error = None
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             obj = json.loads(line[6:])
+            error = obj.get("error") or error
             usage = obj.get("usage") or usage
             for choice in obj.get("choices", []):
                 finish = choice.get("finish_reason") or finish
@@ -125,6 +129,7 @@ def stream_chat(base_url: str, body: dict) -> dict:
         "tokens": usage.get("completion_tokens", len(parts)),
         "prompt_tokens": usage.get("prompt_tokens"),
         "cached_tokens": details.get("cached_tokens"),
+        "error": error,
     }
 
 

@@ -23,9 +23,12 @@ Per run: TTFT p50/p90/p99 (streamed), cached prompt fraction, output tok/s, requ
 node, identical answers across routers (temperature 0). Then ``node_loss``: ours, 3 nodes,
 the higher load, one worker node killed (raylet and everything on it) ``--kill-at``
 seconds in (about a third of the run); a failed turn is counted and sent again a second
-later, as an agent retries; counted:
-failed turns after the kill, seconds from the kill until every new turn succeeds, hangs,
-the cached fraction before the kill and over the last third of the run.
+later, as an agent retries. A turn fails when the request raises (an HTTP error status, a
+non-streamed error answer, a broken connection) and also when its stream is cut: it ends
+in an SSE error event (``replica_lost``) or without a ``finish_reason``, its text
+truncated (``turn_outcome``). Counted: failed turns after the kill and, among them, the
+cut streams; seconds from the kill until every new turn succeeds, hangs, the cached
+fraction before the kill and over the last third of the run.
 
 ``--workload agents`` runs ``bench.agents``' sessions instead (a 1,500-token system prompt
 shared by every session, turns interleaved across sessions, one edit; one request at a
@@ -42,6 +45,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -179,11 +183,60 @@ def run_agents(server: ServerProcess, model: str, tokenizer, sessions: int) -> d
             "texts": {r["request"]: r["text"] for r in rows}}
 
 
+@dataclass(frozen=True)
+class TurnOutcome:
+    """How one sent turn ended: ``error`` None for a whole answer; ``cut`` when the answer
+    had started streaming and then ended in an error event or without a finish."""
+
+    error: str | None = None
+    cut: bool = False
+
+
+def turn_outcome(result: dict | None, exc: BaseException | None) -> TurnOutcome:
+    """A turn's outcome from ``send``'s result (``stream_chat``'s fields) or what it
+    raised. An HTTP error status (a non-streamed error answer among them) raises; a stream
+    already started ends with an ``{"error": ...}`` event instead, which ``stream_chat``
+    reports as ``error``: a failure too, never a success with truncated text."""
+    if exc is not None:
+        return TurnOutcome(f"{type(exc).__name__}: {exc}"[:300])
+    if result is None:
+        return TurnOutcome("no answer")
+    if result.get("error") is not None:
+        return TurnOutcome(f"stream cut by an error event: {result['error']}"[:300], cut=True)
+    if result.get("finish_reason") is None:
+        return TurnOutcome("stream ended without a finish_reason", cut=True)
+    return TurnOutcome()
+
+
+def loss_report(rows: list[dict], kill_at_s: float, wall_s: float) -> dict:
+    """The node-loss figures from every attempt's row (``error``, ``cut``, times, usage)."""
+    failed = [r for r in rows if r["error"] and r["end_s"] >= kill_at_s]
+    ok = [r for r in rows if not r["error"]]
+
+    def fraction(part: list[dict]) -> float | None:
+        prompt = sum(r["prompt_tokens"] or 0 for r in part)
+        return sum(r["cached_tokens"] or 0 for r in part) / prompt if prompt else None
+
+    last_third = [r for r in ok if r["start_s"] >= wall_s * 2 / 3]
+    return {"kill_at_s": kill_at_s, "wall_s": wall_s, "turns": len(ok),
+            "failed_turns_after_kill": len(failed),
+            "cut_streams_after_kill": sum(1 for r in failed if r.get("cut")),
+            "failed_turns_before_kill": sum(1 for r in rows
+                                            if r["error"] and r["end_s"] < kill_at_s),
+            "recovery_s": (max(r["start_s"] for r in failed) - kill_at_s) if failed else 0.0,
+            "hangs": sum(1 for r in rows if r["end_s"] - r["start_s"] > HANG_S),
+            "cached_fraction_before_kill": fraction([r for r in ok if r["end_s"] < kill_at_s]),
+            "cached_fraction_last_third": fraction(last_third),
+            "ttft_p50_s": percentile([r["ttft"] for r in ok], 50),
+            "errors": [r["error"] for r in rows if r["error"]][:5]}
+
+
 def run_with_loss(server: ServerProcess, cluster: Cluster, victim, model: str,
                   system: str, plans: list[SessionPlan], scale: Scale,
                   kill_at_s: float) -> dict:
-    """Every session at once; a failed turn is counted and sent again after
-    ``RETRY_AFTER_S``; ``victim`` is killed ``kill_at_s`` into the run."""
+    """Every session at once; a failed turn (``turn_outcome``: a cut stream too) is
+    counted and sent again after ``RETRY_AFTER_S``; ``victim`` is killed ``kill_at_s``
+    into the run."""
     rows: list[dict] = []
     lock = threading.Lock()
     t0 = time.perf_counter()
@@ -198,19 +251,20 @@ def run_with_loss(server: ServerProcess, cluster: Cluster, victim, model: str,
             time.sleep(turn.think_s)
             while True:
                 start = time.perf_counter() - t0
+                r: dict | None = None
                 try:
                     r = send(arm, system, history, turn.user, rng, scale.max_output)
-                    err = None
+                    outcome = turn_outcome(r, None)
                 except Exception as e:  # noqa: BLE001 (counted)
-                    r, err = None, f"{type(e).__name__}: {e}"[:300]
+                    outcome = turn_outcome(None, e)
                 end = time.perf_counter() - t0
                 with lock:
                     rows.append({"session": plan.session, "turn": turn.index, "start_s": start,
-                                 "end_s": end, "error": err,
+                                 "end_s": end, "error": outcome.error, "cut": outcome.cut,
                                  "ttft": r["ttft"] if r else None,
                                  "prompt_tokens": r["prompt_tokens"] if r else None,
                                  "cached_tokens": r["cached_tokens"] if r else None})
-                if r is not None:
+                if r is not None and outcome.error is None:
                     history.append((turn.user, r["text"]))
                     break
                 time.sleep(RETRY_AFTER_S)
@@ -224,23 +278,7 @@ def run_with_loss(server: ServerProcess, cluster: Cluster, victim, model: str,
     for t in threads:
         t.join()
     killer.join()
-    wall = time.perf_counter() - t0
-    failed = [r for r in rows if r["error"] and r["end_s"] >= kill_at_s]
-    ok = [r for r in rows if not r["error"]]
-
-    def fraction(part: list[dict]) -> float | None:
-        prompt = sum(r["prompt_tokens"] or 0 for r in part)
-        return sum(r["cached_tokens"] or 0 for r in part) / prompt if prompt else None
-
-    last_third = [r for r in ok if r["start_s"] >= wall * 2 / 3]
-    return {"kill_at_s": kill_at_s, "wall_s": wall, "turns": len(ok),
-            "failed_turns_after_kill": len(failed),
-            "recovery_s": (max(r["start_s"] for r in failed) - kill_at_s) if failed else 0.0,
-            "hangs": sum(1 for r in rows if r["end_s"] - r["start_s"] > HANG_S),
-            "cached_fraction_before_kill": fraction([r for r in ok if r["end_s"] < kill_at_s]),
-            "cached_fraction_last_third": fraction(last_third),
-            "ttft_p50_s": percentile([r["ttft"] for r in ok], 50),
-            "errors": [r["error"] for r in rows if r["error"]][:5]}
+    return loss_report(rows, kill_at_s, time.perf_counter() - t0)
 
 
 def tokenizer(model: str):
