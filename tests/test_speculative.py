@@ -2,9 +2,11 @@
 
 At temperature 0 every path gives exactly the tokens of plain decoding: dense and hybrid,
 rows keeping different numbers of drafts in one batch, grammars and logprobs at every
-draft position, stop tokens and ``max_tokens`` inside a drafted run. Above it the output
-is distributed as plain decoding's: a two-sample test that passes plain against plain and
-speculative against plain fails a planted bug (no residual distribution).
+draft position, stop tokens and ``max_tokens`` inside a drafted run. Above it a seeded
+request gives plain decoding's tokens too, token for token, whatever its batch-mates and
+depth (one key per output position); an unseeded one is distributed as plain decoding's:
+a two-sample test that passes plain against plain and speculative against plain fails a
+planted bug (drafts kept while they are the argmax).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
@@ -29,13 +32,13 @@ from serve_app.serving.drafts import (
     lookup,
 )
 from serve_app.serving.engine import Engine
+from serve_app.serving.samplers import SeededSampler, advance, draw, make_request_sampler
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.speculative import (
     SpeculationSettings,
     Speculator,
     VerifyCost,
     expected_tokens,
-    residual,
 )
 from serve_app.serving.structured import compile_response_format
 from tests.test_engine_logprobs import Collector
@@ -67,10 +70,22 @@ def test_expected_tokens_and_interpolated_verify_cost():
 
 
 @pytest.mark.unit
-def test_residual_takes_the_rejected_draft_out():
-    p = np.array([0.5, 0.3, 0.2])
-    assert residual(p, 0) == pytest.approx([0.0, 0.6, 0.4])
-    assert residual(np.array([1.0, 0.0]), 0) == pytest.approx([1.0, 0.0])  # nothing left
+def test_a_seeded_sampler_draws_token_i_with_the_key_of_position_i():
+    """What a plain step draws as a request's ``i``-th token (calls in order) is what a
+    verify step draws there (``draw``, any step ahead, without moving the sampler on);
+    ``advance`` moves it past what a verify step drew. Another seed, other tokens."""
+    logprobs = mx.log(mx.softmax(mx.array([[0.1 * (i % 7) for i in range(64)]]), axis=-1))
+    plain_steps = SeededSampler(7, 1.0)
+    calls = [int(plain_steps(logprobs).item()) for _ in range(24)]
+    verify = make_request_sampler(SamplingParams(max_tokens=1, temperature=1.0, seed=7))
+    assert isinstance(verify, SeededSampler)
+    assert [int(draw(verify, logprobs, j).item()) for j in range(24)] == calls
+    assert verify.index == 0
+    advance(verify, 5)
+    assert [int(verify(logprobs).item()) for _ in range(3)] == calls[5:8]
+    other = SeededSampler(8, 1.0)
+    assert [int(other(logprobs).item()) for _ in range(24)] != calls
+    assert len(set(calls)) > 8  # really sampled
 
 
 @pytest.mark.unit
@@ -290,6 +305,60 @@ def test_adaptive_depth_drafts_only_where_it_pays(loaded):
     assert stats.verify_steps > 0 and stats.accepted_tokens / stats.drafted_tokens > 0.6
 
 
+# ---- seeded sampling: the same tokens as plain decoding ---------------------------------
+
+
+def seeded_params(tokenizer) -> list[SamplingParams]:
+    """Seeded rows (one with top-p, one under a JSON grammar) beside a greedy row."""
+    grammar = compile_response_format({"type": "json_object"}, tokenizer)
+    return [SamplingParams(max_tokens=30, temperature=0.9, seed=101),
+            SamplingParams(max_tokens=26, temperature=0.7, top_p=0.9, seed=102),
+            SamplingParams(max_tokens=22, temperature=0.8, seed=103,
+                           logits_processors=(grammar.processor(),)),
+            SamplingParams(max_tokens=24)]
+
+
+def test_a_seeded_request_gives_the_plain_tokens_with_speculation_on(loaded):
+    """Above temperature 0, each seeded row gives plain decoding's tokens token for token
+    while it keeps 0 to 4 drafts a step (drafts right with probability 0.6: a right one is
+    always kept, a wrong one never), under a grammar too: a verify step draws token ``i``
+    with the key a plain step would."""
+    _, model, tokenizer = loaded
+    stops = set(tokenizer.eos_token_ids)
+    ps = prompts(tokenizer, 4)
+    ref = plain(model, stops, ps, seeded_params(tokenizer))
+    draft = ControlledDraft(references(ps, ref), 0.6, model.args.vocab_size, seed=3)
+    out, engine = speculating(model, stops, ps, seeded_params(tokenizer), draft)
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    stats = engine.snapshot()
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens, stats
+    assert len(stats.accepted_lengths) >= 3, stats.accepted_lengths
+    assert all(len(set(c.tokens)) > 5 for c in ref[:3])  # sampled, not stuck on a token
+
+
+def test_a_seeded_requests_tokens_do_not_depend_on_its_batch_or_depth(loaded):
+    """One seeded request decoded plainly alone, then speculating beside two different
+    sets of batch-mates (greedy, seeded, unseeded) at two depths: the same tokens."""
+    _, model, tokenizer = loaded
+    stops: set[int] = set()  # every request runs to its max_tokens: long enough to tell
+    ps = prompts(tokenizer, 5)
+    mine = SamplingParams(max_tokens=32, temperature=1.0, seed=2024)
+    alone = plain(model, stops, ps[:1], [mine])[0].tokens
+    assert len(set(alone)) > 5
+    mates = [([SamplingParams(max_tokens=40), SamplingParams(max_tokens=12, temperature=0.8)],
+              4, 0.5),
+             ([SamplingParams(max_tokens=20, temperature=0.6, seed=9),
+               SamplingParams(max_tokens=36, temperature=1.0),
+               SamplingParams(max_tokens=8)], 2, 0.9)]
+    for others, k, alpha in mates:
+        batch = ps[: 1 + len(others)]
+        refs = references(batch, plain(model, stops, batch, [mine, *others]))
+        draft = ControlledDraft(refs, alpha, model.args.vocab_size, seed=k)
+        out, engine = speculating(model, stops, batch, [mine, *others], draft, k=k)
+        assert out[0].tokens == alone, (k, alpha)
+        assert engine.snapshot().accepted_tokens > 0
+
+
 # ---- the distribution above temperature 0 ---------------------------------------------
 
 
@@ -342,7 +411,9 @@ def test_sampled_output_is_distributed_as_plain_decoding(dense, planted_bug, mon
     stops = set(tokenizer.eos_token_ids)
     prompt = tokenizer.encode("the cat sat on the")
     n = 300
-    params = [SamplingParams(max_tokens=3, temperature=0.15, seed=s) for s in range(2 * n)]
+    # Unseeded: a seeded request gives plain decoding's very tokens (tested above); these
+    # draw from the process's generator, so only their distribution can match.
+    params = [SamplingParams(max_tokens=3, temperature=0.15)] * (2 * n)
     greedy = plain(model, stops, [prompt], [SamplingParams(max_tokens=3)])[0].tokens
     # The draft always proposes the greedy continuation; at this temperature the second
     # token is the greedy one about 60% of the time: often kept, often not. The test is
@@ -350,8 +421,9 @@ def test_sampled_output_is_distributed_as_plain_decoding(dense, planted_bug, mon
     draft = ControlledDraft({tuple(prompt): greedy}, 1.0, model.args.vocab_size)
     first = [c.tokens[1] for c in plain(model, stops, [prompt] * n, params[:n])]
     second = [c.tokens[1] for c in plain(model, stops, [prompt] * n, params[n:])]
-    if planted_bug:
-        monkeypatch.setattr(speculative, "residual", lambda p, rejected: p)
+    if planted_bug:  # a draft kept while it is the argmax, as at temperature 0
+        monkeypatch.setattr(speculative, "draw",
+                            lambda sampler, logprobs, ahead: mx.argmax(logprobs, axis=-1))
     outs, engine = speculating(model, stops, [prompt] * n, params[:n], draft, k=2)
     spec = [c.tokens[1] for c in outs]
     stats = engine.snapshot()
@@ -453,6 +525,34 @@ def test_every_format_warm_and_restored_from_ssd_gives_the_plain_tokens(name, st
     assert c["cached"] >= 3 * 16 and c["text"] == b["text"]
     assert again.service.cache_stats.hit_tokens_by_tier.get("ssd", 0) >= 3 * 16
     again.close()
+
+
+@pytest.mark.parametrize("name", [*DENSES_, *HYBRIDS_, *MTPS])
+def test_a_verify_forward_gives_the_logits_of_one_position_steps_bit_for_bit(name, home):
+    """What exactness above temperature 0 rests on (and at 0, beyond the argmax): a
+    forward of five positions for a left-padded batch of three gives, on this backend,
+    the very logits five one-position steps give, on every embedded format."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = mlx_lm.load(str(materialize(name, home)))
+    prompts = [list(range(5, 45)), list(range(60, 77)), list(range(100, 131))]
+
+    def batch_cache() -> list:
+        rows = []
+        for prompt in prompts:
+            cache = make_prompt_cache(model)
+            model(mx.array([prompt]), cache=cache)
+            rows.append(cache)
+        return [type(layer[0]).merge(list(layer)) for layer in zip(*rows, strict=True)]
+
+    fed = mx.array([[7, 19, 33, 90, 4], [8, 8, 8, 8, 8], [200, 3, 150, 2, 1]])
+    steps = batch_cache()
+    one_by_one = mx.concatenate([model(fed[:, j : j + 1], cache=steps) for j in range(5)],
+                                axis=1)
+    verify = model(fed, cache=batch_cache())
+    assert verify.dtype == one_by_one.dtype
+    assert mx.array_equal(verify, one_by_one).item(), name
 
 
 def test_check_refuses_a_draft_model_with_another_tokenizer(tmp_path, model_home):

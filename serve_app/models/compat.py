@@ -124,6 +124,13 @@ class DecodeRows:
     def processors(self, row: int) -> list:
         return list(self._batch.logits_processors[row] or ())
 
+    def sampler(self, row: int) -> Any:
+        """The row's sampler: the very object mlx-lm's plain step calls (a verify step
+        draws with it too, so both step kinds share its state)."""
+        samplers = self._batch.samplers
+        sampler = samplers[row] if samplers else None
+        return self._batch.fallback_sampler if sampler is None else sampler
+
     def context(self, row: int) -> Any:
         """The tokens the row's processors have seen (an ``mx.array``)."""
         return self._batch._token_context[row].tokens

@@ -5,17 +5,21 @@ for up to ``k`` tokens per row, feeds every row's pending token and its drafts t
 target model in one batched forward, keeps per row the drafts the target agrees with plus
 one token of its own, and rolls every cache back to exactly what was kept:
 
-- attention KV (``BatchKVCache``): trimmed by what all rows rejected, then each row
-  shifted right by what it rejected beyond that (mlx-lm's own right-padding roll);
+- attention KV (``BatchKVCache``): trimmed by what all rows rejected, then, when rows
+  rejected different numbers, mlx-lm's right-padding roll shifts each row right by what
+  it rejected beyond that: a copy of every layer's whole K/V buffer, all rows, and the
+  shift stays as left padding until the batch's filter takes off what all rows share;
 - recurrent state (``ArraysCache``: GDN, Mamba) cannot be trimmed: it is snapshotted
   before the verify forward and, when any row rejected a draft, put back and the kept
   tokens fed again (one more forward; none when every row kept every draft).
 
-At temperature 0 a row keeps a draft while it is the target's argmax (after the row's
-logits processors, at every position): exactly the tokens of plain decoding. Above it,
-a draft ``d`` is kept with probability ``p(d)`` and a rejected position samples the
-residual ``p`` without ``d``, renormalized: the output is distributed as the target's,
-for any draft source (its proposals do not depend on the target's randomness).
+A row keeps a draft while it is the token the row would take at that position (after its
+logits processors): the argmax at temperature 0; above it, the token the row's own
+sampler draws there (``samplers.draw``), the first mismatch being the token it takes.
+For a draft source that does not read the target's randomness this keeps ``d`` with
+probability ``p(d)`` and is distributed as plain decoding; a seeded row draws token ``i``
+with the key of position ``i`` whichever step draws it, so it gives plain decoding's
+tokens (given the same logits), at any depth, beside any batch-mates.
 
 With ``adaptive`` the depth follows each row's measured acceptance and what a verify of
 ``k + 1`` positions costs on this host at this batch size (measured at start): a step
@@ -28,15 +32,12 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
-from mlx_lm.sample_utils import apply_top_p
 
 from serve_app.config.profile import SpeculativeProfile
 from serve_app.models.compat import (
@@ -48,6 +49,7 @@ from serve_app.models.compat import (
 )
 from serve_app.serving.drafts import DraftModel, DraftRow, DraftSource, MTPDraft, NgramDraft
 from serve_app.serving.engine_events import StepOutcome
+from serve_app.serving.samplers import advance, draw
 from serve_app.serving.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -149,7 +151,6 @@ class _Row:
 
     params: SamplingParams
     prompt_len: int
-    rng: random.Random
     kept: float = 0.0  # decayed drafts kept
     missed: float = 0.0  # decayed drafts rejected (at most one per step)
     # What the source proposed while the row did not draft, and where in the row's history
@@ -191,23 +192,6 @@ def speculator_for(profile: SpeculativeProfile | None, stop_tokens: set[int],
                       stop_tokens=stop_tokens)
 
 
-def residual(p: np.ndarray, rejected: int) -> np.ndarray:
-    """The distribution a rejected position samples: ``p`` without the rejected draft."""
-    q = p.copy()
-    q[rejected] = 0.0
-    total = q.sum()
-    return q / total if total > 0 else p
-
-
-def _probabilities(logprobs: mx.array, params: SamplingParams) -> np.ndarray:
-    """The distribution the row's sampler draws from (top-p, then temperature)."""
-    if 0 < params.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, params.top_p)
-    p = np.asarray(mx.softmax(logprobs * (1.0 / params.temperature), axis=-1)
-                   .astype(mx.float32)).astype(np.float64).reshape(-1)
-    return p / p.sum()
-
-
 class Speculator:
     """Speculative decode steps for one engine's batch (its thread only)."""
 
@@ -244,9 +228,7 @@ class Speculator:
                     time.perf_counter() - tic)
 
     def add(self, uid: int, params: SamplingParams, prompt_len: int) -> None:
-        seed = params.seed
-        self._rows[uid] = _Row(params, prompt_len,
-                               random.Random(seed if seed is not None else random.random()))
+        self._rows[uid] = _Row(params, prompt_len)
 
     def forget(self, uid: int) -> None:
         self._rows.pop(uid, None)
@@ -315,7 +297,7 @@ class Speculator:
     def _row(self, uid: int, rows: DecodeRows, i: int) -> _Row:
         state = self._rows.get(uid)
         if state is None:  # not registered (a test driving mlx-lm directly): greedy
-            state = _Row(SamplingParams(max_tokens=1), len(rows.tokens(i)), random.Random(0))
+            state = _Row(SamplingParams(max_tokens=1), len(rows.tokens(i)))
             self._rows[uid] = state
         return state
 
@@ -443,6 +425,7 @@ class Speculator:
         # first one wins). Rows with logits processors recompute theirs after them.
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy: list[list[int]] = mx.argmax(logprobs, axis=-1).tolist()  # type: ignore[assignment]
+        drawn = self._draws(rows, states, drafts, logprobs)
         pending_lps = rows.pending_logprobs()
         emitted: list[list[int]] = []
         emitted_lps: list[list[mx.array]] = []
@@ -453,7 +436,7 @@ class Speculator:
         drafted = accepted = 0
         for i, (y, state, draft) in enumerate(zip(ys, states, drafts, strict=True)):
             kept, token, lps = self._accept(rows, i, y, draft, logits[i], logprobs[i], state,
-                                            greedy[i])
+                                            drawn.get(i, greedy[i]))
             if draft:
                 drafted += len(draft)
                 accepted += kept
@@ -498,49 +481,57 @@ class Speculator:
                                 tuple(lengths), rollback))
         return responses
 
+    @staticmethod
+    def _draws(rows: DecodeRows, states: list[_Row], drafts: list[list[int]],
+               logprobs: mx.array) -> dict[int, list[int]]:
+        """Above temperature 0, the token each row without processors draws at every
+        position it verifies, by its own sampler, all rows in one evaluation (positions
+        past its first mismatch go unused: its sampler is moved on past the kept ones
+        only)."""
+        out: dict[int, mx.array] = {}
+        for i, (state, draft) in enumerate(zip(states, drafts, strict=True)):
+            if state.params.temperature == 0 or rows.processors(i):
+                continue
+            sampler = rows.sampler(i)
+            out[i] = mx.concatenate([draw(sampler, logprobs[i, j : j + 1], j)
+                                     for j in range(len(draft) + 1)])
+        if not out:
+            return {}
+        mx.eval(list(out.values()))
+        return {i: tokens.tolist() for i, tokens in out.items()}  # type: ignore[misc]
+
     def _accept(self, rows: DecodeRows, i: int, y: int, draft: list[int], logits: mx.array,
-                logprobs: mx.array, state: _Row, greedy: list[int]
+                logprobs: mx.array, state: _Row, targets: list[int]
                 ) -> tuple[int, int, list[mx.array]]:
-        """How many of ``draft`` row ``i`` keeps, the token it samples after them, and the
-        log-probabilities at each position up to that one (``logprobs`` and ``greedy``:
-        the row's, before any processor)."""
+        """How many of ``draft`` row ``i`` keeps, the token it takes after them, and the
+        log-probabilities at each position up to that one (``logprobs``: the row's, before
+        any processor; ``targets``: the token it takes at each position, for a row without
+        processors: its argmax, or above temperature 0 what its sampler drew there)."""
         params = state.params
         processors = rows.processors(i)
+        sampler = rows.sampler(i)
         base = rows.context(i) if processors else None
         seen = [y]
         lps: list[mx.array] = []
         for j in range(len(draft) + 1):
             if base is None:
                 lp = logprobs[j : j + 1]
+                target = targets[j]
             else:
                 row_logits = logits[j : j + 1]
                 context = mx.concatenate([base, mx.array(seen, dtype=base.dtype)])
                 for processor in processors:
                     row_logits = processor(context, row_logits)
                 lp = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
+                chosen = mx.argmax(lp) if params.temperature == 0 else draw(sampler, lp, j)
+                target = int(chosen.item())  # type: ignore[arg-type]
             lps.append(lp[0])
-            if params.temperature == 0:
-                target = (greedy[j] if base is None
-                          else int(mx.argmax(lp).item()))  # type: ignore[arg-type]
-                if j < len(draft) and target == draft[j]:
-                    seen.append(draft[j])
-                    continue
-                return j, target, lps
-            p = _probabilities(lp, params)
-            if j < len(draft):
-                d = draft[j]
-                if state.rng.random() < p[d]:
-                    seen.append(d)
-                    continue
-                p = residual(p, d)
-            return j, self._sample(p, state.rng), lps
+            if j < len(draft) and target == draft[j]:
+                seen.append(draft[j])
+                continue
+            advance(sampler, j + 1)  # a seeded row's next token is the one after these
+            return j, target, lps
         raise AssertionError("unreachable: the last position always returns")
-
-    @staticmethod
-    def _sample(p: np.ndarray, rng: random.Random) -> int:
-        cumulative = np.cumsum(p)
-        return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1],
-                                       side="right"), p.size - 1))
 
     @staticmethod
     def _roll_back(model, caches: list, arrays: list[ArraysCache], snapshot: list[list],
