@@ -1,7 +1,7 @@
 """The model pool: what an unload frees, what a load costs.
 
 Three embedded models behind ``memory.max_loaded_models: 2``, one pinned (as in
-``tests/test_model_pool.py``): the two unpinned ones take turns in the second slot, each
+``tests/integration/test_model_pool.py``): the two unpinned ones take turns in the second slot, each
 turn unloading the other. For each unload, the unloaded replica's resident memory before
 and after (``/v1/stats``' ``replica.memory.process_rss_bytes``, read right after two
 requests and right after the unload) against its weights; for each load, the pool's own

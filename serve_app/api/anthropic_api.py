@@ -5,7 +5,7 @@ Pure translation, no model and no Ray: a ``/v1/messages`` body becomes a
 and the replica's typed events (``serve_app.serving.events``: ``Start``, ``Delta``,
 ``ToolCall``, ``Finish``, ``Failure``) become Anthropic's ``message`` object or its
 SSE event sequence. Shapes are checked against the ``anthropic`` SDK in
-``tests/test_anthropic_units.py``.
+``tests/unit/test_anthropic_units.py``.
 
 Accepted but without effect: ``top_k`` (carried in ``ChatInput``; the engine
 samples with temperature and top_p only), ``metadata``, ``thinking`` (no

@@ -6,7 +6,7 @@ Responses body becomes the ``ChatCompletionRequest`` every model replica takes
 and the replica's typed events (``serve_app.serving.events``: ``Start``, ``Delta``,
 ``ToolCall``, ``Finish``, ``Failure``) become the Responses API's SSE event sequence; the
 non-streamed ``response`` object is accumulated from those same events. Shapes
-are checked against the ``openai`` SDK's types in ``tests/test_responses_units.py``.
+are checked against the ``openai`` SDK's types in ``tests/unit/test_responses_units.py``.
 
 Stateless: nothing is stored. ``store: true`` is accepted and answered as not
 stored (``"store": false`` in the response), since clients send it by default;

@@ -14,7 +14,7 @@ WARNING that says where and how long, never what (no prompt text).
 Requiring the resync keeps two unrelated conversations that share only a template
 header, or a new session sharing only a system prompt, from being reported.
 
-No MLX and no Ray: unit-tested in ``tests/test_divergence.py``.
+No MLX and no Ray: unit-tested in ``tests/unit/test_divergence.py``.
 """
 
 from __future__ import annotations

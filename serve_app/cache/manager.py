@@ -8,7 +8,7 @@ which blocks, tails and recurrent checkpoints are due (``Capture``), extends
 the chain of block ids over generated tokens, and holds back the newest
 decode-time checkpoint. The engine only slices what it is told to.
 
-No MLX and no Ray here: the policy is unit-tested in ``tests/test_manager.py``.
+No MLX and no Ray here: the policy is unit-tested in ``tests/unit/test_manager.py``.
 """
 
 from __future__ import annotations

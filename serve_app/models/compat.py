@@ -1,7 +1,7 @@
 """Every use of mlx-lm's or Ray's private internals, one named function each.
 
 Private names can change in any release. Keeping them here, each with a test
-in ``tests/test_compat.py`` run against the installed versions, means an
+in ``tests/unit/test_compat.py`` run against the installed versions, means an
 upgrade that breaks one fails one named test instead of a request somewhere.
 Imports are lazy: the ingress loads this module without loading MLX.
 """

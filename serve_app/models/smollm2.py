@@ -41,7 +41,7 @@ WHEEL_ENV = "SERVE_APP_SMOLLM2_WHEEL"
 GROUP_SIZE = 32
 
 # What the memory plan needs before anything is downloaded: the config the conversion
-# writes (tests/test_real_model.py checks both against a materialized model) and the
+# writes (tests/integration/test_real_model.py checks both against a materialized model) and the
 # bytes of model.safetensors in each format.
 CONFIG = {
     "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,

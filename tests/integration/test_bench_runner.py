@@ -1,0 +1,233 @@
+"""The benchmark report from small synthetic results: no server, no bench is run.
+
+The report judges every goal of issue 11 from the benches' JSON, so its table must
+say met/missed correctly, tolerate an older serving schema, a failed bench and an
+unreadable file, and write its plots as PNGs linked relatively.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import report
+from bench.__main__ import main as bench_main
+from bench.__main__ import merge_flags, parse_args, plan, quick_flags, run_bench, variant_flags
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write(directory: Path, name: str, data: dict) -> None:
+    (directory / name).write_text(json.dumps(data))
+
+
+def outputs(identical: int, requests: int) -> dict:
+    return {"requests": requests, "identical": identical,
+            "all_identical": identical == requests, "mismatches": []}
+
+
+def multiturn() -> dict:
+    turns = [{"turn": i + 1, "ttft_ours": 1.0 if i == 0 else 0.1, "ttft_ours_cold": 1.0 + i,
+              "ttft_mlx_lm_server": 1.0 if i == 0 else 0.2} for i in range(6)]
+    return {"model": "tiny-hybrid", "turns": turns,
+            "ttft_sum_turns_2_on": {"ours": 0.5, "ours_cold": 20.0, "mlx_lm_server": 1.0},
+            "ratio_vs_mlx_lm_server": 0.5, "vs_mlx_lm_server_outputs": outputs(6, 6)}
+
+
+def multiturn_1k_turns() -> dict:
+    """Issue 21's replay: ~1K-token turns after a ~4.6K-token system prompt."""
+    return {**multiturn(), "settings": {"turns": 6, "system_tokens": 4600, "user_tokens": 1000},
+            "ttft_sum_turns_2_on": {"ours": 1.0, "ours_cold": 20.0, "mlx_lm_server": 1.0},
+            "ratio_vs_mlx_lm_server": 1.0}
+
+
+def agents() -> dict:
+    timeline = [{"t": 0.5 * i, "hot_bytes": i << 20, "ssd_bytes": (i // 2) << 20,
+                 "staging_bytes": (i % 2) << 19} for i in range(10)]
+    return {"model": "tiny-hybrid", "ttft_total": {"ours": 9.0, "mlx_lm_server": 10.0},
+            "ratio_vs_mlx_lm_server": 0.9,
+            "recomputed_within_new_plus_one_block": {"ours": 10, "mlx_lm_server": 8,
+                                                     "requests": 12},
+            "vs_mlx_lm_server_outputs": outputs(12, 12), "cache_bytes_timeline": timeline}
+
+
+def restart() -> dict:
+    return {"model": "tiny-hybrid",
+            "last_turn_ttft": {"ours_after_restart": 0.2, "ours_cold": 4.0,
+                               "mlx_lm_server_after_restart": 0.5},
+            "ratio_vs_cold": 0.05, "ratio_vs_mlx_lm_server": 0.4,
+            "vs_mlx_lm_server_outputs": outputs(6, 7),
+            "peak_rss_bytes_long_session": {"ssd_sidecar": 400 << 20}}
+
+
+def serving_new() -> dict:
+    """The schema the rewritten serving bench emits (sweep, cold TTFT, RSS)."""
+    sweep = [{"streams": n, "ours_tps": 100.0 * n, "mlx_lm_server_tps": 90.0 * n,
+              "ratio": 100 / 90} for n in (1, 2, 4)]
+    sweep.append({"streams": 8, "ours_tps": 1200.0, "mlx_lm_server_tps": 1000.0, "ratio": 1.2})
+    rss = {"idle_mib": 500.0, "peak_mib": 600.0, "peak_phase": "streams8",
+           "idle_cpu": {"total_pct": 12.34, "processes": {"raylet": 3.0}},
+           "pss_idle_mib": 400.0, "pss_peak_mib": None, "processes": {"raylet": 50.0}}
+    return {"model": "tiny-hybrid", "concurrency": sweep,
+            "single_stream": {"ours_http_tps": 100.0, "mlx_lm_server_http_tps": 100.0,
+                              "mlx_lm_generate_tps": 150.0, "ratio": 1.0},
+            "aggregate": {"streams": 8, "ours_tps": 1200.0, "mlx_lm_server_tps": 1000.0,
+                          "ratio": 1.2},
+            "cold_ttft": {"prompt_tokens": 4096, "ours_s": 1.2, "mlx_lm_server_s": 1.0},
+            "short_requests": {
+                "requests": 20, "prompt_tokens": {"ours": 61, "mlx_lm_server": 61},
+                "nonstreamed": {"max_tokens": 1, "ours_median_s": 0.1,
+                                "mlx_lm_server_median_s": 0.08, "ours_p90_s": 0.15,
+                                "mlx_lm_server_p90_s": 0.1, "ratio": 1.25},
+                "streamed_ttft": {"ours_median_s": 0.05, "mlx_lm_server_median_s": 0.06},
+                "single_stream": {"max_tokens": 64, "ours_tps": 150.0,
+                                  "mlx_lm_server_tps": 200.0, "ratio": 0.75}},
+            "rss": {"ours": rss, "mlx_lm_server": {"idle_mib": 300.0}, "note": "RSS ...",
+                    "lean": {"idle_mib": 1550.0}},
+            "outputs": {"single_stream_vs_mlx_lm_server": outputs(1, 1),
+                        "mlx_lm_server_vs_stream_generate": outputs(0, 1),
+                        "streams8_vs_mlx_lm_server": outputs(8, 8),
+                        "short_nonstreamed_vs_mlx_lm_server": outputs(20, 20),
+                        "completion_tokens": {"single_stream": {"ours": 64}}}}
+
+
+def serving_old() -> dict:
+    """The schema before the rewrite: no sweep, no cold TTFT, no outputs."""
+    return {"model": "tiny-dense", "streams": 8,
+            "single_stream": {"ours_http_tps": 600.0, "mlx_lm_generate_tps": 1000.0,
+                              "ratio": 0.6},
+            "aggregate": {"ours_tps": 1100.0, "mlx_lm_server_tps": 1000.0, "ratio": 1.1}}
+
+
+def results_dir(tmp_path: Path) -> Path:
+    write(tmp_path, "multiturn-tiny-hybrid.json", multiturn())
+    write(tmp_path, "multiturn-tiny-hybrid-1k-turns.json", multiturn_1k_turns())
+    write(tmp_path, "agents-tiny-hybrid.json", agents())
+    write(tmp_path, "restart-tiny-hybrid.json", restart())
+    write(tmp_path, "serving-tiny-hybrid.json", serving_new())
+    write(tmp_path, "serving-tiny-dense.json", serving_old())
+    (tmp_path / "multiturn-tiny-hybrid-bf16.json").write_text("{not json")
+    write(tmp_path, "runs.json", {"runs": {"agents-tiny-hybrid-bf16": {
+        "bench": "agents", "model": "tiny-hybrid-bf16", "status": "failed", "returncode": 1,
+        "seconds": 3.0, "command": "python -m bench.agents", "log": "logs/a.log",
+        "log_tail": "Traceback ...\nRuntimeError: replica died"}}})
+    write(tmp_path, "machine.json", {"cpu": "test CPU", "cores": 2, "memory_bytes": 8 << 30})
+    return tmp_path
+
+
+def table(markdown: str) -> dict[tuple[str, str, str], list[str]]:
+    """Summary rows by (bench, model, metric): [ours, mlx-lm, ratio, goal, status]."""
+    section = markdown.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines()[4:]:
+        if line.startswith("| "):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[tuple(cells[:3])] = cells[3:]
+    return rows
+
+
+def test_runner_plans_quick_flags_and_records_a_failing_bench(tmp_path):
+    args = parse_args(["--only", "agents,serving", "--serving-models", "tiny-hybrid,tiny-dense",
+                       "--out", str(tmp_path)])
+    assert plan(args) == [("agents", "tiny-hybrid", ""), ("agents", "tiny-hybrid-bf16", ""),
+                          ("serving", "tiny-hybrid", ""), ("serving", "tiny-dense", "")]
+    assert quick_flags("serving", "  --tokens TOKENS\n  --quick  smaller") == ["--quick"]
+    assert quick_flags("restart", "[--turns TURNS] [--long-turns N]") == [
+        "--turns", "3", "--long-turns", "0"]
+    # multiturn's 1K-token-turn replay runs after the plain ones, on the first model
+    args = parse_args(["--only", "multiturn", "--out", str(tmp_path)])
+    assert plan(args) == [("multiturn", "tiny-hybrid", ""), ("multiturn", "tiny-hybrid-bf16", ""),
+                          ("multiturn", "tiny-hybrid", "1k-turns")]
+    help_text = "[--turns TURNS] [--system-tokens N] [--user-tokens N] [--gen GEN] [--goal G]"
+    assert variant_flags("multiturn", "1k-turns", help_text, quick=False) == [
+        "--turns", "6", "--system-tokens", "4600", "--user-tokens", "1000", "--goal", "0.95"]
+    quick = merge_flags(quick_flags("multiturn", help_text),
+                        variant_flags("multiturn", "1k-turns", help_text, quick=True))
+    assert quick == ["--turns", "3", "--system-tokens", "1200", "--user-tokens", "250",
+                     "--gen", "8", "--goal", "0.95"]  # the variant's values win
+
+    record = run_bench("no_such_bench", "tiny-hybrid", tmp_path, [], timeout=120)
+    assert record["status"] == "failed" and record["returncode"] != 0
+    assert "no_such_bench" in record["log_tail"]
+    assert record["log"] == "logs/no_such_bench-tiny-hybrid.log"
+    record = run_bench("no_such_bench", "tiny-hybrid", tmp_path, [], timeout=120,
+                       variant="1k-turns")
+    assert record["model"] == "tiny-hybrid-1k-turns" and record["variant"] == "1k-turns"
+    assert record["out"] == "no_such_bench-tiny-hybrid-1k-turns.json"
+
+
+def test_report_only_renders_an_existing_directory(tmp_path):
+    write(tmp_path, "multiturn-tiny-hybrid.json", multiturn())
+    assert bench_main(["--report-only", "--out", str(tmp_path)]) == 0
+    machine = json.loads((tmp_path / "machine.json").read_text())
+    assert machine["cores"] and machine["python"] and "git_commit" in machine
+    assert "ttft-per-turn-tiny-hybrid.png" in (tmp_path / "REPORT.md").read_text()
+
+
+def real_records() -> list[dict]:
+    """bench/serving_real.py's per-request records for two rounds: ours slightly slower on
+    the 1-token request, as fast on answers, every forced call JSON; mlx_lm.server none."""
+    out = []
+    for rnd in range(2):
+        for arm, wall, tps in (("ours", 1.05, 9.5), ("mlx_lm_server", 1.0, 10.0)):
+            for i in (2 * rnd, 2 * rnd + 1):
+                out.append({"row": "nonstreamed", "i": i, "round": rnd, "arm": arm,
+                            "total_s": wall + i / 100, "text": "Hello", "tokens": 1,
+                            "prompt_tokens": 49, "cached_tokens": 24, "finish_reason": "length"})
+            out.append({"row": "answers", "i": rnd, "round": rnd, "arm": arm, "total_s": 7.5,
+                        "text": "Once upon a time", "tokens": 64, "prompt_tokens": 42,
+                        "cached_tokens": 29, "finish_reason": "length", "ttft": 1.0,
+                        "decode_s": 63 / tps, "decode_tps": tps, "e2e_tps": 64 / 7.5})
+        for arm in ("ours", "mlx_lm_server", "mlx_lm_server_tools_template"):
+            made = arm == "ours"
+            out.append({"row": "tool_call", "i": rnd, "round": rnd, "arm": arm, "total_s": 4.0,
+                        "status": 200, "error": None,
+                        "finish_reason": "tool_calls" if made else "stop",
+                        "tool_calls": int(made), "name": "get_weather" if made else None,
+                        "arguments": '{"city": "Paris"}' if made else None,
+                        "json_arguments": made, "arguments_object": made,
+                        "content": "" if made else "The weather in | Paris\nis sunny",
+                        "tokens": 31, "prompt_tokens": 231, "cached_tokens": 222})
+    return out
+
+
+def test_a_real_models_interleaved_rows(tmp_path):
+    """Issue 28: bench/serving_real.py's result, judged by the short-request goals, with the
+    forced tool call a count (every request) and no point on the throughput plot."""
+    from bench import serving_real
+
+    plan = serving_real.RealPlan(rounds=2, nonstreamed=2, answers=1, tool_calls=1)
+    arms = ["ours", "mlx_lm_server", "mlx_lm_server_tools_template"]
+    result = serving_real.build_result("smollm2-135m", Path("/m"), {}, plan, real_records(),
+                                       arms)
+    assert result["short_requests"]["nonstreamed"]["ratio_per_round"] == pytest.approx(
+        [1.055 / 1.005, 1.075 / 1.025])  # each round's medians
+    assert result["tool_call"]["ours"]["fraction"] == 1.0 and result["tool_call"]["met"]
+    assert result["tool_call"]["mlx_lm_server"]["finish_reasons"] == {"stop": 2}
+    write(tmp_path, "serving-smollm2-135m.json", result)
+    text = report.write_report(tmp_path).read_text()
+    rows = {metric: cells for (bench, model, metric), cells in table(text).items()
+            if (bench, model) == ("serving", "smollm2-135m")}
+    plain = rows["non-streamed, max_tokens 1 (49-token prompts), median"]
+    assert plain[:2] == ["1.065 s", "1.015 s"] and plain[-2:] == ["≤ 1.1×", "met"]
+    assert rows["64-token answers, decode tok/s (usage's completion tokens)"] == [
+        "9.50 tok/s", "10.00 tok/s", "0.950×", "≥ 0.95×", "met"]
+    assert rows["64-token answers, tok/s over the whole request"][-1] == "info"
+    assert rows["forced tool call, arguments parse as JSON"] == [
+        "2/2", "mlx_lm.server 0/2; mlx_lm.server with our template 0/2", "", "all", "met"]
+    assert rows["identical outputs"][0] == "6/6"
+    assert not any(m.startswith(("single-stream", "8 streams", "cold")) for m in rows)
+    section = text.split("## Serving, real model", 1)[1].split("\n## ", 1)[0]
+    assert "by round: 1.050×, 1.049×" in section
+    assert '| ours | 2 | 2 | 2 | {\'tool_calls\': 2} | 4.000 s | `{"city": "Paris"}` |' in section
+    assert "The weather in \\| Paris is sunny" in section  # a table cell stays one cell
+    assert "throughput-vs-concurrency.png" not in text
+
+
+def test_the_runner_takes_the_trace_replays_model():
+    args = parse_args(["--only", "serving,traces", "--serving-models", "smollm2-135m",
+                       "--traces-models", "smollm2-135m"])
+    assert plan(args) == [("serving", "smollm2-135m", ""), ("traces", "smollm2-135m", "")]
+    assert plan(parse_args(["--only", "traces"])) == [("traces", "tiny-hybrid", "")]

@@ -1,0 +1,129 @@
+"""One test per private seam in ``serve_app.models.compat``, against the installed mlx-lm and Ray.
+
+An upgrade that moves or changes one of these internals fails its test here,
+by name, before it fails a request.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from serve_app.models import compat
+from serve_app.models.embedded import materialize
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return materialize("tiny-hybrid", tmp_path_factory.mktemp("m"))
+
+
+def python_lines(code: str, timeout: float) -> list[str]:
+    """What ``code`` prints, run by this Python in a process of its own (a Ray of its own)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                          text=True, timeout=timeout).stdout.strip().splitlines()
+
+
+def _states(caches: list) -> list[mx.array]:
+    return [a for _, a in tree_flatten([c.state for c in caches]) if a is not None]
+
+
+@pytest.mark.parametrize("env, separate", [({}, True), (compat.serve_replica_env(), False)])
+def test_serve_replica_env_switches_rays_user_code_thread(env, separate):
+    """Ray Serve reads the flag at import; our value turns the second loop off."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from ray.serve._private import constants as c; "
+            "print(c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD)")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    assert out == str(separate)
+
+
+def test_kv_store_round_trips_across_processes_of_one_cluster():
+    """What a replica writes in Ray's KV store, another process of the cluster reads."""
+    code = (
+        "import ray, subprocess, sys\n"
+        "from serve_app.models import compat\n"
+        "ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
+        "@ray.remote(num_cpus=0)\n"
+        "def write():\n"
+        "    compat.kv_put('ns_probe', 'app/m/r1', b'one')\n"
+        "    compat.kv_put('ns_probe', 'app/m/r2', b'two')\n"
+        "    compat.kv_put('ns_probe', 'app/other/r1', b'x')\n"
+        "ray.get(write.remote())\n"
+        "print(sorted(compat.kv_items('ns_probe', 'app/m/').items()))\n"
+        "compat.kv_delete('ns_probe', 'app/m/r1')\n"
+        "print(sorted(compat.kv_items('ns_probe', 'app/m/')))\n"
+        "ray.shutdown()\n"
+        "print(compat.kv_items('ns_probe', 'app/'))\n")
+    out = python_lines(code, timeout=120)
+    assert out == ["[('app/m/r1', b'one'), ('app/m/r2', b'two')]", "['app/m/r2']", "{}"]
+
+
+def test_the_head_node_resource_marks_the_head_and_places_an_actor_there():
+    """``HEAD_NODE_RESOURCE``: the head has it in ``ray.nodes()``, and an actor asking for
+    a sliver of it runs on the head (the ingress's placement, ``ingress.on_head_node``)."""
+    code = (
+        "import ray\n"
+        "from ray.cluster_utils import Cluster\n"
+        "from serve_app.models.compat import HEAD_NODE_RESOURCE\n"
+        "c = Cluster(initialize_head=True, head_node_args={'num_cpus': 1, "
+        "'include_dashboard': False})\n"
+        "worker = c.add_node(num_cpus=4)\n"
+        "ray.init(address=c.address, log_to_driver=False)\n"
+        "c.wait_for_nodes()\n"
+        "heads = [n['NodeID'] for n in ray.nodes() if HEAD_NODE_RESOURCE in n['Resources']]\n"
+        "@ray.remote(num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001})\n"
+        "def where():\n"
+        "    return ray.get_runtime_context().get_node_id()\n"
+        "print(len(heads), ray.get(where.remote()) == heads[0] != worker.node_id)\n"
+        "ray.shutdown(); c.shutdown()\n")
+    out = python_lines(code, timeout=180)
+    assert out[-1] == "1 True"
+
+
+def test_assigned_to_replica_returns_once_a_replica_took_the_call():
+    """``assigned_to_replica``: a handle call (whole or streamed) is assigned to a replica
+    long before its answer; a call no replica can take yet is not."""
+    code = (
+        "import asyncio, time, ray\n"
+        "from ray import serve\n"
+        "from serve_app.models.compat import assigned_to_replica\n"
+        "ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)\n"
+        "@serve.deployment(max_ongoing_requests=1)\n"
+        "class Slow:\n"
+        "    async def __call__(self):\n"
+        "        await asyncio.sleep(3)\n"
+        "        return 'done'\n"
+        "    async def gen(self):\n"
+        "        await asyncio.sleep(3)\n"
+        "        yield 'x'\n"
+        "handle = serve.run(Slow.bind(), name='probe', route_prefix=None)\n"
+        "async def main():\n"
+        "    tic = time.monotonic()\n"
+        "    first = handle.remote()\n"
+        "    await assigned_to_replica(first)\n"
+        "    took = time.monotonic() - tic\n"
+        "    second = handle.remote()  # the one replica is busy: not taken yet\n"
+        "    try:\n"
+        "        await asyncio.wait_for(asyncio.shield(assigned_to_replica(second)), 1.0)\n"
+        "        waited = False\n"
+        "    except TimeoutError:\n"
+        "        waited = True\n"
+        "    print(took < 2.0, await first == 'done', waited, await second == 'done')\n"
+        "    stream = handle.options(stream=True).gen.remote()\n"
+        "    await assigned_to_replica(stream)\n"
+        "    print([x async for x in stream])\n"
+        "asyncio.run(main())\n"
+        "serve.shutdown(); ray.shutdown()\n")
+    out = python_lines(code, timeout=180)
+    ours = [line for line in out if line.startswith(("True", "False", "["))]
+    assert ours == ["True True True True", "['x']"]
