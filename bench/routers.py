@@ -85,6 +85,8 @@ GOAL_VS_RAY_PREFIX = 0.8
 GOAL_VS_POW2 = 0.6
 SLOT = "serve_app_bench_slot"
 RETRY_AFTER_S = 1.0
+FAILED_MEANS = ("a request that raised (HTTP error status, broken connection) or a stream "
+                "cut: ended by an SSE error event (replica_lost) or without a finish_reason")
 HANG_S = 120.0
 
 
@@ -218,12 +220,16 @@ def loss_report(rows: list[dict], kill_at_s: float, wall_s: float) -> dict:
         return sum(r["cached_tokens"] or 0 for r in part) / prompt if prompt else None
 
     last_third = [r for r in ok if r["start_s"] >= wall_s * 2 / 3]
-    return {"kill_at_s": kill_at_s, "wall_s": wall_s, "turns": len(ok),
+    return {"kill_at_s": kill_at_s, "wall_s": wall_s, "failed_means": FAILED_MEANS,
+            "turns": len(ok),
             "failed_turns_after_kill": len(failed),
             "cut_streams_after_kill": sum(1 for r in failed if r.get("cut")),
             "failed_turns_before_kill": sum(1 for r in rows
                                             if r["error"] and r["end_s"] < kill_at_s),
-            "recovery_s": (max(r["start_s"] for r in failed) - kill_at_s) if failed else 0.0,
+            # From the kill until the last failed turn sent after it (0: none failed): a
+            # stream cut by the kill started before it.
+            "recovery_s": max((r["start_s"] - kill_at_s for r in failed
+                               if r["start_s"] >= kill_at_s), default=0.0),
             "hangs": sum(1 for r in rows if r["end_s"] - r["start_s"] > HANG_S),
             "cached_fraction_before_kill": fraction([r for r in ok if r["end_s"] < kill_at_s]),
             "cached_fraction_last_third": fraction(last_third),
@@ -298,6 +304,8 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         return
     runs = result["runs"]
+    if not runs:  # --only-node-loss: nothing to plot
+        return
     labels = [f"{r['router']}\n{r['nodes']}n/{r['sessions']}s" for r in runs]
     fig, ax = plt.subplots(figsize=(max(8, len(runs) * 0.9), 4))
     x = range(len(runs))

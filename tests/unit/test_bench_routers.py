@@ -57,6 +57,15 @@ def test_the_report_counts_cut_streams_as_failed_turns():
     assert report["cached_fraction_last_third"] == pytest.approx(0.5)
 
 
+def test_recovery_runs_from_the_kill_to_the_last_failed_turn_sent_after_it():
+    cut_by_the_kill = row(7, 9, "cut", cut=True)
+    assert loss_report([cut_by_the_kill, row(10, 11)], 8.0, 20.0)["recovery_s"] == 0.0
+    report = loss_report([cut_by_the_kill, row(10, 11, "503"), row(12.5, 13, "503"),
+                          row(14, 15)], 8.0, 20.0)
+    assert report["recovery_s"] == pytest.approx(4.5)
+    assert report["failed_turns_after_kill"] == 3 and report["cut_streams_after_kill"] == 1
+
+
 def test_stream_chat_reports_the_error_event_that_ended_the_stream(monkeypatch):
     lines = ['data: {"choices": [{"delta": {"content": "a wh"}, "finish_reason": null}]}',
              "data: " + json.dumps({"error": LOST})]
