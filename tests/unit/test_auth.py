@@ -1,30 +1,18 @@
-"""API keys: `serve run` started with SERVE_APP_API_KEYS and a key file, through the real
-clients and raw HTTP; the key file's checks at `python -m serve_app check`; the
-middleware's order (no body is read before the key is checked)."""
+"""API keys without a server: digests compared, admin keys from the environment and the
+key file, the middleware keeping the controls to admin keys and answering before it reads
+a body, and the builder handing on digests only (the HTTP end to end is
+tests/integration/test_auth_http.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import re
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-import httpx
-import openai
 import pytest
-import yaml
 
-from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.api import auth
 from serve_app.config import api_keys
 from serve_app.config.profile import ProfileError, parse_profile
 from serve_app.deploy.app import build_app, keyed_profile
-from tests.support import REPO
-from tests.support.servers import running
 
 DENSE = "auth-dense"
 HYBRID = "auth-hybrid"
@@ -43,118 +31,6 @@ MODELS = [
     {"name": HYBRID, "source": "embedded:tiny-hybrid", "context_length": 1024,
      "max_tokens": 64, "cache": {"block_size": BS}, "routing": {"mode": "prefix"}},
 ]
-MAX_BYTES = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory, model_home):
-    tmp = tmp_path_factory.mktemp("auth")
-    key_file = tmp / "keys"
-    key_file.write_text(f"# serve_app keys\n\n{KEY_FILE_KEY}\n")
-    key_file.chmod(0o600)
-    port = free_port()
-    config = write_config(tmp / "serve.yaml", port, MODELS,
-                          cache_store={"ssd_dir": str(tmp / "kv")},
-                          ingress={"num_cpus": 0, "api_keys_file": str(key_file),
-                                   "max_request_bytes": MAX_BYTES})
-    env = {"SERVE_APP_HOME": str(model_home), api_keys.ENV_VAR: f"{KEY_A}, {KEY_B}",
-           "RAY_metrics_report_interval_ms": "500"}
-    with running(ServerProcess.serve_run(config, port, tmp / "serve.log", env=env, api_key=KEY_A),
-                 [m["name"] for m in MODELS]) as proc:
-        yield proc
-
-
-def raw(server: ServerProcess, method: str, path: str, key: str | None = None,
-        header: str = "authorization", **kw) -> httpx.Response:
-    headers = kw.pop("headers", {})
-    if key is not None:
-        headers[header] = f"Bearer {key}" if header == "authorization" else key
-    return httpx.request(method, f"{server.base_url}{path}", headers=headers, timeout=120,
-                         **kw)
-
-
-CHAT = {"model": DENSE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-ROUTES = [
-    ("GET", "/v1/models", None),
-    ("GET", f"/v1/models/{DENSE}", None),
-    ("GET", "/v1/stats", None),
-    ("GET", "/metrics", None),
-    ("POST", "/v1/chat/completions", CHAT),
-    ("POST", "/v1/completions", {"model": DENSE, "prompt": "hi", "max_tokens": 2}),
-    ("POST", "/v1/responses", {"model": DENSE, "input": "hi", "max_output_tokens": 2}),
-    ("POST", "/v1/messages", {**CHAT, "max_tokens": 2}),
-    ("POST", "/v1/messages/count_tokens", {"model": DENSE, "messages": CHAT["messages"]}),
-    ("GET", "/v1/no-such-route", None),
-]
-
-
-def assert_401(r: httpx.Response, path: str, present: bool) -> None:
-    assert r.status_code == 401, (path, r.status_code, r.text)
-    assert r.headers["www-authenticate"] == "Bearer"
-    body = r.json()
-    message = "invalid API key" if present else "no API key"
-    if path.startswith("/v1/messages"):
-        assert body["type"] == "error"
-        assert body["error"]["type"] == "authentication_error"
-        assert body["error"]["message"].startswith(message)
-    else:
-        assert body["error"]["code"] == "invalid_api_key"
-        assert body["error"]["type"] == "invalid_request_error"
-        assert body["error"]["message"].startswith(message)
-    assert WRONG not in r.text
-
-
-def _send_unread(port: int, head: bytes, body_bytes: int) -> tuple[bytes, float, int]:
-    """Send a request head, then up to ``body_bytes`` of body while reading the answer:
-    the answer, its time, and how many body bytes went out before it came."""
-    sent = 0
-    tic = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
-        s.sendall(head)
-        s.setblocking(False)
-        chunk = b"x" * 65536
-        answer = b""
-        while time.monotonic() - tic < 60:
-            try:
-                answer += s.recv(65536)
-            except BlockingIOError:
-                pass
-            if b"\r\n\r\n" in answer:
-                break
-            if sent < body_bytes:
-                try:
-                    sent += s.send(chunk[: body_bytes - sent])
-                except (BlockingIOError, BrokenPipeError, ConnectionResetError):
-                    time.sleep(0.01)
-            else:
-                time.sleep(0.01)
-    return answer, time.monotonic() - tic, sent
-
-
-def ask(server: ServerProcess, key: str, model: str, prompt: str) -> int:
-    """The cached prompt tokens of a completion of ``prompt`` (no chat template: its
-    shared first tokens would be each key's own earlier chats)."""
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0,
-                           timeout=120)
-    out = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
-    return out.usage.prompt_tokens_details.cached_tokens
-
-
-def _uncommented_authorization(config_text: str) -> dict:
-    """The commented `authorization:` block of dashboards/prometheus.yml, as YAML."""
-    lines = config_text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip() == "# authorization:")
-    block = [lines[start]]
-    for line in lines[start + 1:]:
-        if not re.match(r"\s*#\s{2,}\S", line):
-            break
-        block.append(line)
-    indent = len(lines[start]) - len(lines[start].lstrip())
-    text = "\n".join(line[indent:].replace("# ", "", 1) for line in block)
-    return yaml.safe_load(text)["authorization"]
-
-
-PROMETHEUS = shutil.which("prometheus")
 
 
 # ---- without a server ---------------------------------------------------------------------
@@ -330,14 +206,6 @@ def test_no_keys_logs_one_warning(caplog):
         auth.ApiKeys().log_startup()
     (record,) = caplog.records
     assert record.levelname == "WARNING" and "WITHOUT authentication" in record.message
-
-
-def _check(tmp_path: Path, key_file: Path) -> subprocess.CompletedProcess:
-    config = write_config(tmp_path / "serve.yaml", 8000,
-                          [{"name": "m", "source": "embedded:tiny-dense"}],
-                          ingress={"api_keys_file": str(key_file)})
-    return subprocess.run([sys.executable, "-m", "serve_app", "check", str(config)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def test_the_middleware_answers_before_reading_the_body():

@@ -206,33 +206,6 @@ def test_plots_are_pngs_linked_relatively(tmp_path):
     assert "snapshots ssd_sidecar |  | 400 MiB |  |  |  |" in memory and "raylet" not in memory
 
 
-def real_records() -> list[dict]:
-    """bench/serving_real.py's per-request records for two rounds: ours slightly slower on
-    the 1-token request, as fast on answers, every forced call JSON; mlx_lm.server none."""
-    out = []
-    for rnd in range(2):
-        for arm, wall, tps in (("ours", 1.05, 9.5), ("mlx_lm_server", 1.0, 10.0)):
-            for i in (2 * rnd, 2 * rnd + 1):
-                out.append({"row": "nonstreamed", "i": i, "round": rnd, "arm": arm,
-                            "total_s": wall + i / 100, "text": "Hello", "tokens": 1,
-                            "prompt_tokens": 49, "cached_tokens": 24, "finish_reason": "length"})
-            out.append({"row": "answers", "i": rnd, "round": rnd, "arm": arm, "total_s": 7.5,
-                        "text": "Once upon a time", "tokens": 64, "prompt_tokens": 42,
-                        "cached_tokens": 29, "finish_reason": "length", "ttft": 1.0,
-                        "decode_s": 63 / tps, "decode_tps": tps, "e2e_tps": 64 / 7.5})
-        for arm in ("ours", "mlx_lm_server", "mlx_lm_server_tools_template"):
-            made = arm == "ours"
-            out.append({"row": "tool_call", "i": rnd, "round": rnd, "arm": arm, "total_s": 4.0,
-                        "status": 200, "error": None,
-                        "finish_reason": "tool_calls" if made else "stop",
-                        "tool_calls": int(made), "name": "get_weather" if made else None,
-                        "arguments": '{"city": "Paris"}' if made else None,
-                        "json_arguments": made, "arguments_object": made,
-                        "content": "" if made else "The weather in | Paris\nis sunny",
-                        "tokens": 31, "prompt_tokens": 231, "cached_tokens": 222})
-    return out
-
-
 def test_speculative_rows_judge_the_controlled_draft_against_its_expected_speedup(tmp_path):
     """Issue 29: alpha 0.8 within 20% of the expected speedup is met, 25% under is not;
     outputs identical to plain decoding is a count row; the runner runs the controlled

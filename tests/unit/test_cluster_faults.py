@@ -1,47 +1,15 @@
-"""Cross-node fetch and the block directory on a real multi-node Ray cluster.
-
-Two (then three) Ray nodes on this machine (``ray.cluster_utils.Cluster``), a cache
-store on each, the cluster's block directory. This process plays a replica on the
-head node: it fetches through Ray's object store what another node's store holds,
-sees a node die in the middle of a fetch (a clean miss, not a hang), and sees the
-directory forget the dead node and learn a node that joins.
-"""
+"""The payloads of the cross-node fetch tests fit the layout those fetches are checked
+against (the fetches on a real multi-node Ray are tests/cluster/test_cluster_faults.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import threading
-import time
-from pathlib import Path
-
 import numpy as np
-import pytest
-import ray
-from ray.cluster_utils import Cluster
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from serve_app.cache.client import FetchRequest
-from serve_app.cache.hashing import chain
 from serve_app.cache.layout import KV, ArraySpec, Layout
-from serve_app.cache.match import Match, MatchQuery
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
-from serve_app.cluster.directory_service import DIRECTORY_NAME, NAMESPACE
-from serve_app.config.profile import CacheStoreProfile
-from serve_app.store.actor import ACTOR_OPTIONS, CacheStore, store_name
-from tests.support import REPO
 
 BS = 4
 LAYOUT = Layout((KV,), arrays=((ArraySpec((1, 2, None, 8), "float32"),) * 2,), epoch="t")
-EXPORT_DELAY_S = 4.0
-
-
-class SlowStore(CacheStore):
-    """A store whose exports take a while: the window in which its node is killed."""
-
-    def export(self, req):
-        time.sleep(EXPORT_DELAY_S)
-        return super().export(req)
 
 
 def payload(seed: int) -> BlockPayload:
@@ -49,122 +17,6 @@ def payload(seed: int) -> BlockPayload:
     arrays = tuple(Tensor(rng.standard_normal((1, 2, BS, 8)).astype(np.float32), "float32")
                    for _ in range(2))
     return BlockPayload({0: arrays})
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    os.environ.setdefault("RAY_TMPDIR", "/tmp/ray_cluster_faults")
-    Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "object_store_memory": 100 << 20})
-    c.add_node(num_cpus=1, object_store_memory=100 << 20)
-    try:
-        ray.init(address=c.address, logging_level="ERROR",
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-        c.wait_for_nodes()
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-
-
-def store_on(node_id: str, cls=CacheStore):
-    """The node's store actor, named as replicas find it, feeding the directory."""
-    return ray.remote(**ACTOR_OPTIONS)(cls).options(
-        name=store_name(node_id), namespace=NAMESPACE, lifetime="detached",
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(CacheStoreProfile(hot_budget=1 << 26, ssd=False, directory="on"),
-             feed_interval_s=0.2)
-
-
-def fill(store, node_id: str, tokens: list[int]) -> list[str]:
-    """Put a chain's blocks into a store (as that node's replica would)."""
-    ids = chain("root", tokens, BS)
-    parents = ["root", *ids]
-    refs = []
-    for i, block_id in enumerate(ids):
-        p = payload(i)
-        refs.append(store.put.remote("m", block_id, parents[i], p.nbytes, False,
-                                     [ray.put(p)], None,
-                                     tuple(tokens[i * BS:(i + 1) * BS])))
-    assert all(ray.get(refs, timeout=60))
-    return ids
-
-
-def request(ids: list[str], tokens: list[int]) -> FetchRequest:
-    return FetchRequest("m", ids, LAYOUT, BS, {}, root="root", tokens=tuple(tokens[:-1]))
-
-
-def wait_for(check, timeout: float = 60.0, what: str = ""):
-    deadline = time.monotonic() + timeout
-    while True:
-        out = check()
-        if out:
-            return out
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
-def check_fetch_and_node_loss(cluster, local, other, ids, tokens, directory, client):
-    offer = wait_for(lambda: client.remote_prefix(ids), what="the follower's copy")
-    assert offer.node_id == other and offer.blocks == 6
-
-    # A fetch of the blocks past the first two crosses the object store, checked and
-    # promoted into this node's store.
-    got = asyncio.run(client.fetch_remote(request(ids, tokens), 2, other, timeout=60))
-    assert got is not None and len(got.payloads) == 4 and got.seconds >= EXPORT_DELAY_S
-    for i, p in enumerate(got.payloads):
-        np.testing.assert_array_equal(p.kv[0][0].data, payload(2 + i).kv[0][0].data)
-    wait_for(lambda: _lookup(local, ids[2:]).present == 4, what="the promotion")
-
-    # The other node dies while its store prepares an export: a clean miss, long before
-    # the fetch's timeout.
-    killer = threading.Timer(1.0, cluster.remove_node, args=(_node(cluster, other),))
-    killer.start()
-    tic = time.monotonic()
-    got = asyncio.run(client.fetch_remote(request(ids, tokens), 0, other, timeout=120))
-    assert got is None and time.monotonic() - tic < 60
-    killer.join()
-
-    # The directory forgets the dead node; a node that joins is learned from its store.
-    # The directory may have lived on the dead node: then it restarts elsewhere, empty,
-    # and the stores that remain send it full snapshots.
-    wait_for(lambda: (nodes := _nodes(directory)) is not None and other not in nodes,
-             what="the directory to forget the dead node")
-    wait_for(lambda: client.remote_prefix(ids) is None, what="the follower to forget it")
-    node = cluster.add_node(num_cpus=1, object_store_memory=100 << 20)
-    cluster.wait_for_nodes()
-    new = node.node_id
-    fill(store_on(new), new, tokens[: 3 * BS + 1])
-    wait_for(lambda: client.remote_prefix(ids) == type(offer)(new, 3),
-             what="the follower to learn the new node")
-    nodes = wait_for(lambda: _nodes(directory), what="the directory")
-    assert other not in nodes and nodes[new] == 3
-
-
-def _directory():
-    try:
-        return ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
-    except ValueError:
-        return None
-
-
-def _nodes(directory) -> dict[str, int] | None:
-    """The directory's nodes; None while it restarts."""
-    try:
-        return ray.get(directory.nodes.remote(), timeout=30)
-    except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
-        return None
-
-
-def _lookup(store, ids: list[str]) -> Match:
-    found = ray.get(store.match.remote(MatchQuery(ids, layout=LAYOUT.digest)), timeout=30)
-    ray.get(store.release.remote(found.lease))
-    return found
-
-
-def _node(cluster: Cluster, node_id: str):
-    return next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
 
 
 def test_a_payload_put_by_this_process_is_a_block_payload():

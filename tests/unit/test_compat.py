@@ -21,15 +21,6 @@ def hybrid_dir(tmp_path_factory):
     return materialize("tiny-hybrid", tmp_path_factory.mktemp("m"))
 
 
-def python_lines(code: str, timeout: float) -> list[str]:
-    """What ``code`` prints, run by this Python in a process of its own (a Ray of its own)."""
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                          text=True, timeout=timeout).stdout.strip().splitlines()
-
-
 def test_download_model_keeps_a_local_directory(hybrid_dir):
     assert compat.download_model(str(hybrid_dir)) == hybrid_dir
 

@@ -1,20 +1,13 @@
-"""``python -m serve_app gc``: dry run and --apply do what they report, no MLX needed."""
+"""``python -m serve_app gc --apply`` deletes through the store, under its lock, and
+leaves its index matching the files on disk; no MLX needed."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import numpy as np
 
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_fs import TMP_MARK
 from tests.unit.test_ssd import bid, meta, tensors
-
-
-def gc(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "serve_app", "gc", *args],
-                          capture_output=True, text=True, timeout=120)
 
 
 def populate(root) -> SSDStore:
@@ -32,11 +25,6 @@ def populate(root) -> SSDStore:
 
 def files(root) -> set[str]:
     return {p.name for p in root.rglob("*") if p.is_file() and p.name != "LOCK"}
-
-
-def sizes(root) -> dict[str, int]:
-    return {str(p): p.stat().st_size for p in root.rglob("*")
-            if p.is_file() and p.name != "LOCK"}
 
 
 def test_apply_deletes_under_the_store_lock_and_keeps_its_index(tmp_path):

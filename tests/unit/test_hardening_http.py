@@ -1,22 +1,15 @@
-"""Hardening of the HTTP front: startup readiness and bad input.
-
-A server of its own (started here, so its startup can be watched from the
-moment the port listens) with a small request-size limit and prompt bound.
-In-process tests cover JSON nesting, the prompt bound before tokenizing and
-the engine warm-up. The last live test kills the model replica mid-request.
-"""
+"""Hardening of the HTTP front, in-process: JSON nesting bounded, the prompt bound checked
+before tokenizing, the engine warm-up leaving no trace in its counters, the new profile
+keys' defaults, an ApiError pickled intact and the cache-isolating key read from either
+API's header (the live server is tests/integration/test_hardening_http.py)."""
 
 from __future__ import annotations
 
 import json
-import socket
-import time
 
-import httpx
 import mlx_lm
 import pytest
 
-from bench.devserver import ServerProcess, descendants, free_port, write_config
 from serve_app.api.body import MAX_JSON_DEPTH, parse_json
 from serve_app.config.profile import ModelProfile, parse_profile
 from serve_app.models.embedded import materialize
@@ -26,122 +19,16 @@ from serve_app.serving.request import (
     CompletionRequest,
 )
 from serve_app.serving.service import ModelService
-from tests.support.servers import running
-
-MODEL = "tiny-hybrid"
-CONTEXT = 4096
-MAX_PROMPT_CHARS = 3000
-MAX_REQUEST_BYTES = 256 * 1024
-MODELS = [{"name": MODEL, "source": "embedded:tiny-hybrid", "context_length": CONTEXT,
-           "max_prompt_chars": MAX_PROMPT_CHARS, "max_tokens": 16,
-           "cache": {"block_size": 16}}]
-STARTUP_TIMEOUT_S = 240.0
 
 
 def nested(depth: int) -> str:
     return "[" * depth + "]" * depth
 
 
-def chat_body(content: str = "hello", **extra) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}],
-            "max_tokens": 2, "temperature": 0, **extra}
-
-
-def error_of(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, (r.status_code, r.text[:300])
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    return err
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
-
-
-def _observe(client: httpx.Client, what: str) -> dict:
-    """One request during startup: what the client saw, or the transport error."""
-    tic = time.monotonic()
-    try:
-        if what == "health":
-            r = client.get("/health")
-        else:
-            r = client.post("/v1/completions",
-                            json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
-    except httpx.HTTPError as exc:
-        return {"what": what, "error": repr(exc), "seconds": time.monotonic() - tic}
-    try:
-        body = r.json()
-    except ValueError:
-        body = r.text
-    return {"what": what, "status": r.status_code, "retry_after": r.headers.get("retry-after"),
-            "body": body, "seconds": time.monotonic() - tic}
-
-
-@pytest.fixture(scope="module")
-def young(tmp_path_factory, model_home):
-    """A server watched from the moment its port listens until /health says 200.
-
-    Yields (server, observations): every /health and completion answer seen
-    during startup, alternating, in order.
-    """
-    tmp = tmp_path_factory.mktemp("hardening")
-    port = free_port()
-    config = write_config(tmp / "serve.yaml", port, MODELS,
-                          ingress={"num_cpus": 0, "max_request_bytes": MAX_REQUEST_BYTES},
-                          cache_store={"ssd_dir": str(tmp / "kv")})
-    server = ServerProcess.serve_run(config, port, tmp / "serve.log",
-                                     env={"SERVE_APP_HOME": str(model_home)})
-    seen: list[dict] = []
-    with running(server):
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _listening(port):
-            if server.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server never listened; log:\n{server.log_tail()}")
-            time.sleep(0.05)
-        with httpx.Client(base_url=server.base_url, timeout=60) as client:
-            while not (seen and seen[-1]["what"] == "health" and seen[-1].get("status") == 200):
-                if server.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"never ready; seen {seen[-4:]}; log:\n"
-                                       f"{server.log_tail()}")
-                seen.append(_observe(client, "complete"))
-                seen.append(_observe(client, "health"))
-                time.sleep(0.05)
-            seen.append(_observe(client, "complete"))
-        server.wait_ready([MODEL], timeout=30)  # records the pids to stop
-        yield server, seen
-
-
-def post(server, path: str, **kw) -> httpx.Response:
-    return httpx.post(f"{server.base_url}{path}", timeout=60, **kw)
-
-
 # ---- startup readiness ------------------------------------------------------------------
 
 
-def _proxy_not_found(o: dict) -> bool:
-    """Serve's proxy itself, before our application's route exists: 404, plain text."""
-    return o.get("status") == 404 and isinstance(o["body"], str) and "not found" in o["body"]
-
-
-def _not_ready(o: dict) -> bool:
-    body = o.get("body")
-    return (o.get("status") == 503 and o["retry_after"] is not None
-            and int(o["retry_after"]) >= 1 and isinstance(body, dict)
-            and body["error"]["code"] == "model_not_ready"
-            and body["error"]["type"] == "service_unavailable"
-            and MODEL in body["error"]["message"])
-
-
 # ---- request size ---------------------------------------------------------------------
-
-
-def _chunks(data: bytes, size: int = 16 * 1024):
-    for i in range(0, len(data), size):
-        yield data[i:i + size]
 
 
 # ---- JSON nesting ----------------------------------------------------------------------
@@ -177,23 +64,6 @@ def test_parse_json_bounds_nesting(raw, ok):
 
 
 # ---- prompt bound before tokenizing ----------------------------------------------------
-
-
-def _replica_pids(server) -> list[int]:
-    out = []
-    for pid in descendants(server.proc.pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"ServeReplica:llm:model-" in f.read():
-                    out.append(pid)
-        except OSError:
-            pass
-    return out
-
-
-def _in_flight(server) -> int:
-    r = httpx.get(f"{server.base_url}/v1/stats", timeout=30)
-    return r.json()["models"][MODEL]["engine"]["in_flight"]
 
 
 class _NoTokenizer:

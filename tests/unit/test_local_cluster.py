@@ -1,4 +1,5 @@
-"""``python -m serve_app local-cluster``, as docs/cluster.md runs it: real nodes, own SSD dirs."""
+"""``python -m serve_app local-cluster``'s default SSD root: this user's, and private (the
+real nodes are tests/cluster/test_local_cluster.py)."""
 
 from __future__ import annotations
 

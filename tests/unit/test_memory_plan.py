@@ -3,10 +3,7 @@ arithmetic, the profile keys, and ``check`` refusing what cannot fit."""
 
 from __future__ import annotations
 
-import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -325,12 +322,6 @@ def test_sizes_are_bytes_or_auto(tmp_path, value, expected):
 
 
 # ---- check -----------------------------------------------------------------------------
-
-
-def run_check(path: Path, home: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SERVE_APP_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "serve_app", "check", str(path)], cwd=REPO,
-                          capture_output=True, text=True, env=env, timeout=120)
 
 
 def test_the_builder_resolves_an_auto_hot_budget(home, monkeypatch):

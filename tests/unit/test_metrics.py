@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 
 import pytest
 
@@ -35,10 +34,6 @@ from serve_app.serving.request import CompletionRequest
 from tests.engine.test_cache_exact import make_services
 from tests.support import REPO
 from tests.unit.test_tiers import DISK, entry, wait
-
-PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(not PROMTOOL, reason="promtool (Debian: prometheus) "
-                                                         "is not installed")
 
 
 class ListRecorder(Recorder):
@@ -222,20 +217,3 @@ def test_service_records_latency_and_cache_counters(tmp_path):
 
 
 # ---- /metrics on the API port -------------------------------------------------------------
-
-
-def node_text(node: str, value: float) -> str:
-    ray_labels = (f'Component="core_worker",NodeAddress="{node}",SessionName="s",'
-                  f'Version="2.60.0",WorkerId="w{node[-1]}",otel_scope_name="x",'
-                  'otel_scope_schema_url="",otel_scope_version=""')
-    return (
-        "# HELP ray_serve_app_prefix_cache_walkbacks_total Walkbacks.\n"
-        "# TYPE ray_serve_app_prefix_cache_walkbacks_total counter\n"
-        f'ray_serve_app_prefix_cache_walkbacks_total{{{ray_labels},model="m"}} {value}\n'
-        "# HELP ray_serve_app_cache_bytes Bytes.\n"
-        "# TYPE ray_serve_app_cache_bytes gauge\n"
-        f'ray_serve_app_cache_bytes{{{ray_labels},kind="block",model="m",tier="hot"}} 10.0\n'
-        "# HELP ray_tasks Ray's own.\n"
-        "# TYPE ray_tasks gauge\n"
-        f"ray_tasks{{{ray_labels}}} 3.0\n"
-    )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -141,18 +139,3 @@ def test_stream_interval_stretches_with_running_streams(running, interval_ms):
     service = SimpleNamespace(profile=profile, engine=SimpleNamespace(
         stats=SimpleNamespace(running_batch_size=running)))
     assert ModelService.stream_interval(service) == pytest.approx(interval_ms / 1000)
-
-
-def _check(config: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "serve_app", "check", str(config), *flags],
-                          cwd=REPO, capture_output=True, text=True)
-
-
-MAC_VARIANTS = {  # configs/qwen-mac.yaml's comments: what to change on other Macs
-    16: ({"context_length": 16384, "max_batch_size": 2}, {"hot_budget": "1GiB"}),
-    32: ({}, {}),
-    64: ({"max_batch_size": 6}, {"hot_budget": "4GiB"}),
-    128: ({"name": "qwen3.5-27b", "source": "mlx-community/Qwen3.5-27B-4bit",
-           "context_length": 65536, "max_batch_size": 8,
-           "cache": {"checkpoint_interval": 2048}}, {"hot_budget": "8GiB"}),
-}

@@ -1,28 +1,19 @@
-"""A hardened request path: every bad input is a 400 (or 413/429/504) in the API's own
-shape, before any expensive work, and the server keeps serving.
-
-One server of its own (``serve run``): a prefix-routed model with two replicas (the
-ingress templates its requests, the router picks a replica) and a one-replica model
-with one batch slot, each with a tiny queue, and a 3-second request timeout. Tests
-that need no server check the router's fallback, the grammar limits and the prompt
-bound's arithmetic.
-"""
+"""A hardened request path without a server: the prefix router's fallback when Serve has
+no stats or it raises, what the prompt bound counts, the grammar limits that refuse a
+pathological schema and the bounded prepare stage (the live 400/413/429/504 answers are
+tests/integration/test_request_limits.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
-import time
-import uuid
 from collections import OrderedDict
 from types import SimpleNamespace
 
-import httpx
 import llguidance
 import pytest
 
-from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.cache.hashing import salted_root
 from serve_app.cache.match import Tier
 from serve_app.cluster.routing import REASONS, PrefixAffinityRouter, ReplicaInfo
@@ -40,142 +31,10 @@ from serve_app.serving.structured import (
     StructuredOutputError,
     compile_response_format,
 )
-from tests.support.servers import running
 
-ROUTED = "limits-routed"
-SLOW = "limits-slow"
-MAX_MESSAGES = 8
-TIMEOUT_S = 3.0
-MODELS = [
-    {"name": ROUTED, "source": "embedded:tiny-dense", "context_length": 4096,
-     "num_replicas": 2, "routing": {"mode": "prefix"}, "max_batch_size": 1,
-     "max_queued_requests": 0, "max_tokens": 4000, "max_messages": MAX_MESSAGES,
-     "cache": {"block_size": 16}},
-    # Default max_messages (4096); one slot and two queued requests.
-    {"name": SLOW, "source": "embedded:tiny-dense", "context_length": 4096,
-     "max_batch_size": 1, "max_queued_requests": 2, "max_tokens": 4000,
-     "cache": {"enabled": False}},
-]
-# Never satisfiable: compiling it fails, in the prepare stage (a 400 when it runs).
-BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "bad",
-                                                     "schema": {"type": "nonsense"}}}
 # An allOf of four 8-way anyOfs (2.8 KB): 2 s to compile under llguidance's defaults.
 PATHOLOGICAL = {"allOf": [{"anyOf": [{"type": "object", "properties": {f"a{j}_{i}": {
     "type": "integer"}}, "required": [f"a{j}_{i}"]} for i in range(8)]} for j in range(4)]}
-
-
-@pytest.fixture(scope="module")
-def limited(tmp_path_factory, model_home):
-    tmp = tmp_path_factory.mktemp("limits")
-    port = free_port()
-    config = write_config(tmp / "serve.yaml", port, MODELS,
-                          ingress={"num_cpus": 0, "request_timeout_s": TIMEOUT_S},
-                          cache_store={"ssd_dir": str(tmp / "kv")})
-    with running(ServerProcess.serve_run(config, port, tmp / "serve.log",
-                                     env={"SERVE_APP_HOME": str(model_home)}),
-                 [ROUTED, SLOW]) as server:
-        yield server
-
-
-def post(server, path: str, body: dict | bytes, **kw) -> httpx.Response:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    kw.setdefault("timeout", 120)
-    return httpx.post(f"{server.base_url}{path}", content=content,
-                      headers={"Content-Type": "application/json", "x-api-key": "k",
-                               "anthropic-version": "2023-06-01"}, **kw)
-
-
-def openai_error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, (r.status_code, r.text[:300])
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    return err
-
-
-def anthropic_error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, (r.status_code, r.text[:300])
-    body = r.json()
-    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
-    return body["error"]
-
-
-def chat(model: str, content: str = "hello", **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": content}],
-            "max_tokens": 4, "temperature": 0, **extra}
-
-
-def messages_body(model: str, **extra) -> dict:
-    return {"model": model, "max_tokens": 4,
-            "messages": [{"role": "user", "content": "hello"}], **extra}
-
-
-def stats(server, model: str) -> dict:
-    return httpx.get(f"{server.base_url}/v1/stats", timeout=60).json()["models"][model]
-
-
-def post_admitted(server, path: str, body: dict, timeout: float = 30.0) -> httpx.Response:
-    """``post``, again after each 429 (a replica still busy with a stream just closed:
-    Serve may route there before it has seen the cancellation)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        r = post(server, path, body)
-        if r.status_code != 429 or time.monotonic() > deadline:
-            return r
-        time.sleep(0.2)
-
-
-def assert_serving(server, model: str) -> None:
-    r = post_admitted(server, "/v1/chat/completions", chat(model, uuid.uuid4().hex))
-    assert r.status_code == 200, r.text[:300]
-    assert r.json()["usage"]["completion_tokens"] >= 1
-
-
-def wait_idle(server, model: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = stats(server, model)
-        if s["engine"]["in_flight"] == 0:
-            return s
-        assert time.monotonic() < deadline, s["engine"]
-        time.sleep(0.1)
-
-
-class Held:
-    """Streams of ``max_tokens`` 4000 held open (each admitted: its headers came), closed
-    on exit, so the model's slot and queue stay full meanwhile."""
-
-    def __init__(self, server, model: str, n: int) -> None:
-        self.server, self.model, self.n = server, model, n
-        self.ready = threading.Barrier(n + 1)
-        self.stop = threading.Event()
-        self.statuses: list[int] = []
-
-    def _hold(self) -> None:
-        body = {**chat(self.model, uuid.uuid4().hex), "max_tokens": 4000, "stream": True}
-        for _ in range(50):  # Serve's router may pick a busy replica: its engine says 429
-            with httpx.stream("POST", f"{self.server.base_url}/v1/chat/completions",
-                              json=body, timeout=120) as r:
-                if r.status_code == 429 and self.model == ROUTED:
-                    time.sleep(0.1)
-                    continue
-                self.statuses.append(r.status_code)
-                self.ready.wait(60)
-                self.stop.wait(120)
-                return
-
-    def __enter__(self) -> Held:
-        self.threads = [threading.Thread(target=self._hold) for _ in range(self.n)]
-        for t in self.threads:
-            t.start()
-            time.sleep(0.3)  # in order: the first takes the slot
-        self.ready.wait(60)
-        assert self.statuses == [200] * self.n, self.statuses
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(60)
 
 
 # ---- cache_salt ------------------------------------------------------------------------
@@ -295,11 +154,6 @@ def test_each_message_schemas_and_stops_count_in_the_prompt_bound():
 
 
 # ---- numbers and grammars ---------------------------------------------------------------
-
-
-def with_huge(body: dict, field: str, digits: int = 5000) -> bytes:
-    """``body`` with ``field`` set to an integer of ``digits`` digits, as JSON text."""
-    return json.dumps({**body, field: "HUGE"}).replace('"HUGE"', "9" * digits).encode()
 
 
 def test_grammar_limits_are_what_refuses_the_pathological_schema(model_home):

@@ -1,10 +1,7 @@
-"""Faults and concurrency of the cache-store actor, on a real local Ray.
-
-A second server on a locked directory serves without SSD and says why; a slow
-put (staging backpressure, inline write) or a lookup waiting for the SSD index
-holds up no other call; a replica's lookup always sees the blocks it published
-before; a block that cannot be published is counted.
-"""
+"""Faults of the cache store without Ray: a second store on a locked directory is refused
+and says why, a hot payload lost with its owner is a shorter restore (never an error), and
+a full publish queue drops and counts a block instead of blocking the event loop (the
+actor on a real Ray is tests/integration/test_store_faults.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +11,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import ray
 
 from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
 from serve_app.config.profile import CacheStoreProfile
-from serve_app.store.actor import CacheStore, make_ssd
+from serve_app.store.actor import make_ssd
 from serve_app.store.client import RayCacheClient
 from tests.unit.test_ssd import bid
 
@@ -26,9 +22,6 @@ from tests.unit.test_ssd import bid
 def ssd_config(root: Path, **over) -> CacheStoreProfile:
     return CacheStoreProfile(**{"hot_budget": 1 << 20, "ssd": True, "ssd_dir": str(root),
                                 "ssd_cache_max_size": 1 << 30, "ssd_min_free": 0, **over})
-
-
-NO_SSD = CacheStoreProfile(ssd=False)
 
 
 def test_a_locked_directory_is_refused_not_shared(tmp_path, caplog):
@@ -51,33 +44,6 @@ def payload(i: int, nbytes: int = 4096) -> BlockPayload:
 
 def block(i: int, nbytes: int = 4096) -> CapturedBlock:
     return CapturedBlock(bid(i), bid(i - 1), payload(i, nbytes))
-
-
-def timed(ref):
-    tic = time.monotonic()
-    out = ray.get(ref, timeout=30)
-    return out, time.monotonic() - tic
-
-
-class IndexNotReady(CacheStore):
-    """Injected: the SSD index stays "rebuilding", so every lookup waits its full 2 s
-    for it. (Really slow indexing needs a directory of ~10^5 files: minutes to build
-    here.)"""
-
-    def __init__(self, config: CacheStoreProfile) -> None:
-        super().__init__(config)
-        self.tiers.ssd.ready.wait(30)
-        self.tiers.ssd.ready.clear()
-
-
-class Unpicklable:
-    """A payload Ray cannot serialize: the publish fails in the replica."""
-
-    nbytes = 16
-    has_state = False
-
-    def __reduce__(self):
-        raise TypeError("this payload cannot be serialized")
 
 
 def test_a_hot_payload_lost_with_its_owner_is_a_shorter_restore_not_an_error(tmp_path):
@@ -130,22 +96,6 @@ def test_a_hot_payload_lost_with_its_owner_is_a_shorter_restore_not_an_error(tmp
     finally:
         for s in services:
             s.shutdown()
-
-
-class OldProtocolStore(CacheStore):
-    """A store actor left running by older code: its methods no longer match."""
-
-    PROTOCOL = 1
-
-
-class NoProtocolStore:
-    """Older still: no ``protocol`` method at all."""
-
-    def __init__(self, config: CacheStoreProfile) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
 
 
 def test_a_promotion_never_blocks_the_event_loop_on_a_full_publish_queue():
