@@ -247,3 +247,36 @@ def test_sync_sampled_tokens_patches_the_step_that_samples(hybrid_dir):
         compat.sync_sampled_tokens(None)
     assert synced == plain and seen
     assert GenerationBatch.__dict__.get("_serve_app_syncs_tokens")
+
+
+def test_a_rows_sampler_is_the_object_mlx_lms_plain_step_calls(hybrid_dir):
+    """``DecodeRows.sampler``: a row inserted with its own sampler gets that very object (a
+    verify step draws with it, so both step kinds share its position); a row without one
+    gets the generator's fallback; mlx-lm's plain step calls the row's own."""
+    model, _ = mlx_lm.load(str(hybrid_dir))
+    calls: list[int] = []
+
+    def mine(logprobs: mx.array) -> mx.array:
+        calls.append(logprobs.shape[0])
+        return mx.argmax(logprobs, axis=-1)
+
+    gen = BatchGenerator(model, stop_tokens=[], prefill_step_size=8,
+                         stream=mx.default_stream(mx.default_device()))
+    seen: list[tuple[bool, bool]] = []
+
+    def step(rows: compat.DecodeRows) -> list:
+        for i, uid in enumerate(rows.uids):
+            sampler = rows.sampler(i)
+            seen.append((uid == uids[0], sampler is mine))
+            assert callable(sampler)
+        return rows.plain_step()
+
+    compat.install_decode_step(gen, step)
+    uids = gen.insert([list(range(3, 23)), list(range(40, 52))], max_tokens=[4, 4],
+                      samplers=[mine, None])
+    before = len(calls)
+    for _ in range(30):
+        gen.next()
+    assert seen and all(is_mine == own for own, is_mine in seen), seen
+    assert any(own for own, _ in seen) and not all(own for own, _ in seen)
+    assert len(calls) > before  # the plain step drew with the row's own sampler
