@@ -5,13 +5,31 @@ Arms (each measured with the others idle):
 - **ours** under one ``serve run``: ``tensor: 2`` on ``tiny-dense`` and ``pipeline: 2`` on
   ``tiny-hybrid`` (``placement: pack``: both ranks on this machine over MLX's ``ring``
   backend on loopback), and each model unsharded in one process;
-- **mlx_lm.server** under ``mlx.launch -n 2 --backend ring`` (tensor parallel, and
-  ``--pipeline``), and in one process.
+- **mlx_lm.server**'s distributed mode (tensor parallel, and ``--pipeline``): each rank
+  its own ``mlx_lm.server`` process, given ``MLX_RANK`` and a ``ring`` hostfile
+  (``MLX_HOSTFILE``) in its environment, as ours are; and in one process.
+
+Both sides' ranks start the same way, and neither under a launcher: ours are Ray worker
+processes (the Serve replica is rank 0, rank 1 a Ray actor) that set ``MLX_RANK`` and
+``MLX_HOSTFILE`` and call ``mx.distributed.init`` (``serve_app/parallel/group.py``).
+``mlx.launch`` would start mlx_lm.server's ranks with one I/O thread each that relays
+their output and polls ``select`` with the ranks' stdin pipes in its write set: a pipe is
+always writable, so the thread never sleeps: ``mlx.launch -n 2`` of two ranks that only
+sleep took 7 CPU-seconds in its first 6 s here, more than one of the 2 cores. The run of
+2026-12-04 started mlx_lm.server under it (its tensor-parallel decode was 0.075x its
+unsharded one). The bench writes the hostfile ``mlx.launch`` would write (one loopback
+address per rank) and starts the ranks itself.
 
 For each: decode tok/s of one stream and the aggregate of eight concurrent streams
-(medians of rounds), cold TTFT of a ~1k-token conversation, TTFT of its second turn, and
-TTFT of that second turn again after the server was stopped and started (ours restores
-it from SSD on every rank; mlx_lm.server has no disk tier). Plus what the engine's
+(medians of rounds), cold TTFT of a ~3.7k-token conversation, TTFT of its second turn, and
+TTFT of that second turn again after the server was stopped and started. That last one
+compares unlike things: ours restores the turn from its disk tier on every rank,
+mlx_lm.server has no disk tier and prefills it again; it shows what the disk tier buys,
+not one server's restore against another's. Before the restart the bench waits until our
+store has written every block, stops the server, and evicts every block file from the
+page cache (``fsync``, then ``posix_fadvise(POSIX_FADV_DONTNEED)``; the fraction still
+resident, read back with ``mincore``, is reported), so the restore reads the disk (a
+VM's virtual disk here, which its host may cache). Plus what the engine's
 command channel costs per step (``/v1/stats``' ranks) and whether the answers are the
 same text as the unsharded model's at temperature 0.
 
@@ -25,21 +43,31 @@ Usage: python -m bench.sharded [--tokens N] [--rounds R] [--out PATH] [--plot PA
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
+import mmap
+import os
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from bench.common import emit, ready, stream_chat, workdir
+from bench.common import emit, ready, stream_chat, wait_written, workdir
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.models.embedded import materialize
 
 GOALS = {"decode_vs_mlx_lm_server": 0.95, "second_turn_ttft_vs_mlx_lm_server": 0.5}
+RANKS_STARTED = ("each rank its own process with MLX_RANK and a ring MLX_HOSTFILE in its "
+                 "environment, on both sides (ours: Ray workers; mlx_lm.server: started by "
+                 "the bench); no mlx.launch")
+RESTART_COMPARES = ("ours restored from its disk tier (page cache evicted first) against "
+                    "mlx_lm.server prefilling again: it has no disk tier")
 BS = 64
-PAIRS = {  # mode -> (embedded model, our model name, unsharded name, mlx.launch extra args)
+PAIRS = {  # mode -> (embedded model, our model name, unsharded name, mlx_lm.server args)
     "tensor": ("tiny-dense", "t2", "dense", []),
     "pipeline": ("tiny-hybrid", "p2", "hybrid", ["--pipeline"]),
 }
@@ -91,7 +119,56 @@ def _median(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def ours(tmp: Path, tokens: int, rounds: int) -> dict:
+def block_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def evict(paths: list[Path]) -> None:
+    """Write each file out and drop it from the page cache (clean pages only go)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident_fraction(paths: list[Path]) -> float | None:
+    """The fraction of these files' pages in the page cache now (``mincore`` on a
+    read-only mapping of each, which reads nothing in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    resident = total = 0
+    for path in paths:
+        size = path.stat().st_size
+        if size == 0:
+            continue
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = ctypes.create_string_buffer(pages)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if address in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap {path}")
+            try:
+                if libc.mincore(address, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore {path}")
+            finally:
+                libc.munmap(address, size)
+        finally:
+            os.close(fd)
+        resident += sum(b & 1 for b in vec.raw)
+        total += pages
+    return resident / total if total else None
+
+
+def ours(tmp: Path, tokens: int, rounds: int) -> tuple[dict, dict]:
+    """Every arm of ours, and what the page cache held of the block files at the restart."""
     models = []
     for mode, (src, sharded, whole, _) in PAIRS.items():
         models.append({"name": sharded, "source": f"embedded:{src}", "context_length": 8192,
@@ -119,30 +196,66 @@ def ours(tmp: Path, tokens: int, rounds: int) -> dict:
                     "seconds_per_step": r0["channel_seconds"] / max(r0["steps"], 1),
                     "command_messages": r0["command_messages"],
                     "command_bytes": r0["command_bytes"]}
-        time.sleep(3)  # the store writes its blocks to SSD behind the requests
+        for name in names:  # the store writes its blocks to SSD behind the requests
+            wait_written(server, name, timeout=120)
     finally:
         server.stop()
+    files = block_files(tmp / "kv")
+    before = resident_fraction(files)
+    evict(files)
+    page_cache = {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
+                  "resident_before_evict": before,
+                  "resident_after_evict": resident_fraction(files)}
     server = ready(ServerProcess.serve_run(config, port, tmp / "ours-2.log"), names)
     try:
         for name in names:
             out[name].update(after_restart(server.base_url, name, out[name]["turn"], tokens))
     finally:
         server.stop()
-    return out
+    return out, page_cache
+
+
+@dataclass
+class RankProcesses:
+    """An ``mlx_lm.server`` whose ranks are processes of their own; rank 0 serves HTTP."""
+
+    ranks: list[ServerProcess]
+
+    @property
+    def base_url(self) -> str:
+        return self.ranks[0].base_url
+
+    def stop(self) -> None:
+        """SIGKILL every rank, by pid: it keeps nothing to save, and a rank left waiting in
+        a collective does not answer SIGINT."""
+        for rank in self.ranks:
+            rank.kill()
 
 
 def mlx_lm_server(tmp: Path, tag: str, model_dir: Path, ranks: int, extra: list[str],
-                  tokens: int) -> ServerProcess:
+                  tokens: int) -> RankProcesses:
+    """``ranks`` mlx_lm.server processes on loopback, started as ours are: each told its
+    rank and the ring hostfile through its environment, none under ``mlx.launch`` (whose
+    I/O thread per rank spins: see the module's docstring)."""
     port = free_port()
-    server = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port",
-              str(port), "--max-tokens", str(tokens), *extra]
+    argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port",
+            str(port), "--max-tokens", str(tokens), *extra]
+    env: dict[str, str] = {}
     if ranks > 1:
-        launch = str(Path(sys.executable).with_name("mlx.launch"))
-        argv = [launch, "-n", str(ranks), "--backend", "ring", "--starting-port",
-                str(free_port()), "--", *server]
-    else:
-        argv = server
-    return ready(ServerProcess(argv, port, tmp / f"{tag}.log"), [str(model_dir)])
+        hosts = tmp / f"{tag}-hosts.json"
+        hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]))
+        env["MLX_HOSTFILE"] = str(hosts)
+    started: list[ServerProcess] = []
+    try:
+        for rank in range(ranks - 1, -1, -1):  # the followers first: rank 0 waits for them
+            started.insert(0, ServerProcess(argv, port, tmp / f"{tag}-rank{rank}.log",
+                                            env={**env, "MLX_RANK": str(rank)}))
+        ready(started[0], [str(model_dir)])
+    except BaseException:
+        for process in started:
+            process.kill()
+        raise
+    return RankProcesses(started)
 
 
 def theirs(tmp: Path, tokens: int, rounds: int) -> dict:
@@ -245,10 +358,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
+    load_before = os.getloadavg()
     with workdir() as tmp:
+        arms, page_cache = ours(tmp, args.tokens, args.rounds)
         result = {"goals": GOALS, "tokens": args.tokens, "rounds": args.rounds,
-                  "ours": ours(tmp, args.tokens, args.rounds),
+                  "ranks_started": RANKS_STARTED, "restart_compares": RESTART_COMPARES,
+                  "ours": arms, "page_cache_at_restart": page_cache,
                   "mlx_lm_server": theirs(tmp, args.tokens, args.rounds)}
+    # Other processes on the machine skew every figure: the load average around the run.
+    result["loadavg_1_5_15"] = {"before": load_before, "after": os.getloadavg()}
     for side in ("ours", "mlx_lm_server"):
         for r in result[side].values():
             r.pop("turn", None)
