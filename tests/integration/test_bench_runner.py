@@ -1,8 +1,6 @@
-"""The benchmark report from small synthetic results: no server, no bench is run.
-
-The report judges every goal of issue 11 from the benches' JSON, so its table must
-say met/missed correctly, tolerate an older serving schema, a failed bench and an
-unreadable file, and write its plots as PNGs linked relatively.
+"""The bench runner (``python -m bench``): its plan and flags, a failing bench run as a
+process and recorded, ``--report-only`` on a results directory, and a real model's
+interleaved rows through the report (the report's own tests: tests/unit/test_bench_report.py).
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ import pytest
 from bench import report
 from bench.__main__ import main as bench_main
 from bench.__main__ import merge_flags, parse_args, plan, quick_flags, run_bench, variant_flags
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def write(directory: Path, name: str, data: dict) -> None:
@@ -34,87 +30,6 @@ def multiturn() -> dict:
     return {"model": "tiny-hybrid", "turns": turns,
             "ttft_sum_turns_2_on": {"ours": 0.5, "ours_cold": 20.0, "mlx_lm_server": 1.0},
             "ratio_vs_mlx_lm_server": 0.5, "vs_mlx_lm_server_outputs": outputs(6, 6)}
-
-
-def multiturn_1k_turns() -> dict:
-    """Issue 21's replay: ~1K-token turns after a ~4.6K-token system prompt."""
-    return {**multiturn(), "settings": {"turns": 6, "system_tokens": 4600, "user_tokens": 1000},
-            "ttft_sum_turns_2_on": {"ours": 1.0, "ours_cold": 20.0, "mlx_lm_server": 1.0},
-            "ratio_vs_mlx_lm_server": 1.0}
-
-
-def agents() -> dict:
-    timeline = [{"t": 0.5 * i, "hot_bytes": i << 20, "ssd_bytes": (i // 2) << 20,
-                 "staging_bytes": (i % 2) << 19} for i in range(10)]
-    return {"model": "tiny-hybrid", "ttft_total": {"ours": 9.0, "mlx_lm_server": 10.0},
-            "ratio_vs_mlx_lm_server": 0.9,
-            "recomputed_within_new_plus_one_block": {"ours": 10, "mlx_lm_server": 8,
-                                                     "requests": 12},
-            "vs_mlx_lm_server_outputs": outputs(12, 12), "cache_bytes_timeline": timeline}
-
-
-def restart() -> dict:
-    return {"model": "tiny-hybrid",
-            "last_turn_ttft": {"ours_after_restart": 0.2, "ours_cold": 4.0,
-                               "mlx_lm_server_after_restart": 0.5},
-            "ratio_vs_cold": 0.05, "ratio_vs_mlx_lm_server": 0.4,
-            "vs_mlx_lm_server_outputs": outputs(6, 7),
-            "peak_rss_bytes_long_session": {"ssd_sidecar": 400 << 20}}
-
-
-def serving_new() -> dict:
-    """The schema the rewritten serving bench emits (sweep, cold TTFT, RSS)."""
-    sweep = [{"streams": n, "ours_tps": 100.0 * n, "mlx_lm_server_tps": 90.0 * n,
-              "ratio": 100 / 90} for n in (1, 2, 4)]
-    sweep.append({"streams": 8, "ours_tps": 1200.0, "mlx_lm_server_tps": 1000.0, "ratio": 1.2})
-    rss = {"idle_mib": 500.0, "peak_mib": 600.0, "peak_phase": "streams8",
-           "idle_cpu": {"total_pct": 12.34, "processes": {"raylet": 3.0}},
-           "pss_idle_mib": 400.0, "pss_peak_mib": None, "processes": {"raylet": 50.0}}
-    return {"model": "tiny-hybrid", "concurrency": sweep,
-            "single_stream": {"ours_http_tps": 100.0, "mlx_lm_server_http_tps": 100.0,
-                              "mlx_lm_generate_tps": 150.0, "ratio": 1.0},
-            "aggregate": {"streams": 8, "ours_tps": 1200.0, "mlx_lm_server_tps": 1000.0,
-                          "ratio": 1.2},
-            "cold_ttft": {"prompt_tokens": 4096, "ours_s": 1.2, "mlx_lm_server_s": 1.0},
-            "short_requests": {
-                "requests": 20, "prompt_tokens": {"ours": 61, "mlx_lm_server": 61},
-                "nonstreamed": {"max_tokens": 1, "ours_median_s": 0.1,
-                                "mlx_lm_server_median_s": 0.08, "ours_p90_s": 0.15,
-                                "mlx_lm_server_p90_s": 0.1, "ratio": 1.25},
-                "streamed_ttft": {"ours_median_s": 0.05, "mlx_lm_server_median_s": 0.06},
-                "single_stream": {"max_tokens": 64, "ours_tps": 150.0,
-                                  "mlx_lm_server_tps": 200.0, "ratio": 0.75}},
-            "rss": {"ours": rss, "mlx_lm_server": {"idle_mib": 300.0}, "note": "RSS ...",
-                    "lean": {"idle_mib": 1550.0}},
-            "outputs": {"single_stream_vs_mlx_lm_server": outputs(1, 1),
-                        "mlx_lm_server_vs_stream_generate": outputs(0, 1),
-                        "streams8_vs_mlx_lm_server": outputs(8, 8),
-                        "short_nonstreamed_vs_mlx_lm_server": outputs(20, 20),
-                        "completion_tokens": {"single_stream": {"ours": 64}}}}
-
-
-def serving_old() -> dict:
-    """The schema before the rewrite: no sweep, no cold TTFT, no outputs."""
-    return {"model": "tiny-dense", "streams": 8,
-            "single_stream": {"ours_http_tps": 600.0, "mlx_lm_generate_tps": 1000.0,
-                              "ratio": 0.6},
-            "aggregate": {"ours_tps": 1100.0, "mlx_lm_server_tps": 1000.0, "ratio": 1.1}}
-
-
-def results_dir(tmp_path: Path) -> Path:
-    write(tmp_path, "multiturn-tiny-hybrid.json", multiturn())
-    write(tmp_path, "multiturn-tiny-hybrid-1k-turns.json", multiturn_1k_turns())
-    write(tmp_path, "agents-tiny-hybrid.json", agents())
-    write(tmp_path, "restart-tiny-hybrid.json", restart())
-    write(tmp_path, "serving-tiny-hybrid.json", serving_new())
-    write(tmp_path, "serving-tiny-dense.json", serving_old())
-    (tmp_path / "multiturn-tiny-hybrid-bf16.json").write_text("{not json")
-    write(tmp_path, "runs.json", {"runs": {"agents-tiny-hybrid-bf16": {
-        "bench": "agents", "model": "tiny-hybrid-bf16", "status": "failed", "returncode": 1,
-        "seconds": 3.0, "command": "python -m bench.agents", "log": "logs/a.log",
-        "log_tail": "Traceback ...\nRuntimeError: replica died"}}})
-    write(tmp_path, "machine.json", {"cpu": "test CPU", "cores": 2, "memory_bytes": 8 << 30})
-    return tmp_path
 
 
 def table(markdown: str) -> dict[tuple[str, str, str], list[str]]:

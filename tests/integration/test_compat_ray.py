@@ -1,22 +1,16 @@
-"""One test per private seam in ``serve_app.models.compat``, against the installed mlx-lm and Ray.
+"""The seams of ``serve_app.models.compat`` that need Ray or a process of their own:
+Serve's user-code thread flag, the KV store across processes, the head node resource,
+a handle call's assignment to a replica.
 
-An upgrade that moves or changes one of these internals fails its test here,
-by name, before it fails a request.
+An upgrade of Ray that moves or changes one of these internals fails its test here, by
+name, before it fails a request (the in-process seams: tests/unit/test_compat.py).
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 
 from serve_app.models import compat
-from serve_app.models.embedded import materialize
-
-
-@pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory):
-    return materialize("tiny-hybrid", tmp_path_factory.mktemp("m"))
 
 
 def python_lines(code: str, timeout: float) -> list[str]:
@@ -26,10 +20,6 @@ def python_lines(code: str, timeout: float) -> list[str]:
 
     return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                           text=True, timeout=timeout).stdout.strip().splitlines()
-
-
-def _states(caches: list) -> list[mx.array]:
-    return [a for _, a in tree_flatten([c.state for c in caches]) if a is not None]
 
 
 @pytest.mark.parametrize("env, separate", [({}, True), (compat.serve_replica_env(), False)])

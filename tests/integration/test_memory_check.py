@@ -1,10 +1,10 @@
-"""The memory plan (no Ray): cache bytes against real mlx-lm caches, the budget and hot-tier
-arithmetic, the profile keys, and ``check`` refusing what cannot fit."""
+"""``python -m serve_app check`` and the memory plan: it refuses a profile that cannot fit,
+naming memory and the numbers, and prints the plan of one that fits (the plan's arithmetic:
+tests/unit/test_memory_plan.py)."""
 
 from __future__ import annotations
 
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.config.profile import Profile
-from serve_app.memory.plan import (
-    ModelFootprint,
-)
-from serve_app.memory.shapes import CacheShape
 from tests.support import REPO
 
 TINY = {"name": "m", "source": "embedded:tiny-dense"}
-EMPTY_SAFETENSORS = struct.pack("<Q", 2) + b"{}"  # a header and no tensor
 
 
 @pytest.fixture(scope="module")
@@ -28,49 +22,11 @@ def home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("memory_plan_home")
 
 
-def cache_nbytes(cache: list, valid_only: bool = False) -> int:
-    """Bytes an mlx-lm prompt cache holds: KV buffers (or their filled part) and states."""
-    total = 0
-    for c in cache:
-        if type(c).__name__ == "KVCache":
-            k, v = c.keys, c.values
-            if valid_only:
-                k, v = k[..., : c.offset, :], v[..., : c.offset, :]
-            total += k.nbytes + v.nbytes
-        else:
-            total += sum(a.nbytes for a in c.cache)
-    return total
-
-
-# ---- cache bytes: the arithmetic against mlx-lm's own caches ---------------------------
-
-
-# ---- the budget, the hot tier and what is refused ------------------------------------
-
-
-def fp(name: str, weights: int, kv: int = 0, pinned: bool = False) -> ModelFootprint:
-    return ModelFootprint(name, weights, kv, 1, 1, CacheShape(kv), pinned=pinned)
-
-
-def profile(models: list[dict], **sections) -> Profile:
-    return Profile.model_validate({"models": models, **sections})
-
-
-def named(*names: str, pinned: tuple[str, ...] = ()) -> list[dict]:
-    return [{"name": n, "source": "org/model", "pinned": n in pinned} for n in names]
-
-
-# ---- profile keys ----------------------------------------------------------------------
-
-
 def write(tmp_path: Path, args: dict) -> Path:
     path = tmp_path / "profile.yaml"
     path.write_text(yaml.safe_dump({"applications": [
         {"name": "llm", "import_path": "serve_app.app:build_app", "args": args}]}))
     return path
-
-
-# ---- check -----------------------------------------------------------------------------
 
 
 def run_check(path: Path, home: Path) -> subprocess.CompletedProcess:
@@ -106,6 +62,3 @@ def test_check_prints_the_plan_of_a_profile_that_fits(tmp_path, home):
     assert "memory budget 4.00 GiB = 4294967296 bytes" in done.stdout
     assert "KV 2.00 MiB for 2 x 1024 tokens at 1.00 KiB a token" in done.stdout
     assert "hot tier: 3.5" in done.stdout  # 4 GiB - 488 MiB staging - the model's 3.4 MiB
-
-
-# ---- the docs' sizing table (docs/mac.md) ----------------------------------------------

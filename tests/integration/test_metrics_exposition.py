@@ -1,4 +1,7 @@
-"""Metric definitions, docs and dashboards agree; stats become the right samples (no Ray)."""
+"""Prometheus's own tools on what we export: the dashboards' Prometheus configs pass
+``promtool check config``, nodes' metrics merge into one exposition ``promtool check
+metrics`` accepts, and every histogram is in the first scrape (the metric table and the
+stats' samples: tests/unit/test_metrics.py)."""
 
 from __future__ import annotations
 
@@ -12,35 +15,12 @@ from serve_app.metrics.exposition import merge_exposition
 from serve_app.metrics.table import (
     METRICS,
     PHASES,
-    Recorder,
 )
 from tests.support import REPO
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(not PROMTOOL, reason="promtool (Debian: prometheus) "
                                                          "is not installed")
-
-
-class ListRecorder(Recorder):
-    """Keeps what it was given, to compare with what the stats imply."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def inc(self, name, value, labels):
-        self.calls.append(("inc", name, value, labels))
-
-    def zero(self, name, labels):
-        self.calls.append(("zero", name, 0, labels))
-
-    def set(self, name, value, labels):
-        self.calls.append(("set", name, value, labels))
-
-    def observe(self, name, value, labels):
-        self.calls.append(("observe", name, value, labels))
-
-    def observed(self, name: str) -> list[float]:
-        return [c[2] for c in self.calls if c[0] == "observe" and c[1] == name]
 
 
 # ---- one source of truth ------------------------------------------------------------------
@@ -52,9 +32,6 @@ def test_prometheus_configs_are_valid():
         done = subprocess.run([PROMTOOL, "check", "config", str(REPO / "dashboards" / name)],
                               capture_output=True, timeout=60)
         assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
-
-
-# ---- stats to samples ---------------------------------------------------------------------
 
 
 # ---- /metrics on the API port -------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""A sharded model's profile: what ``parse_profile`` and ``python -m serve_app check``
-refuse, each naming its key."""
+"""``python -m serve_app check`` refuses a tensor-parallel model whose mlx-lm architecture
+has no ``shard()``, naming the key, and only that model (what ``parse_profile`` refuses:
+tests/unit/test_parallel_check.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Profile validation: every kind of bad profile fails with the file and the key."""
+"""The shipped profiles and ``python -m serve_app check``: the default profile serves the
+real embedded model on loopback, the shipped and Mac profiles pass ``check`` here, a bad
+one fails naming its key (every kind of bad profile: tests/unit/test_profile.py)."""
 
 from __future__ import annotations
 

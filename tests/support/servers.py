@@ -40,15 +40,17 @@ def running(server: ServerProcess, models: Sequence[str] = (), *, timeout: float
         yield server
 
 
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 30.0,
+def wait_for(check: Callable[[], Any], what: str | Callable[[], str], timeout: float = 30.0,
              interval: float = 0.25) -> Any:
     """``check()``'s first truthy answer, polled every ``interval``; AssertionError naming
-    ``what`` after ``timeout`` seconds."""
+    ``what`` after ``timeout`` seconds (a callable ``what`` is asked then, so the message
+    can say what was seen last)."""
     deadline = time.monotonic() + timeout
     while True:
         got = check()
         if got:
             return got
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {said}")
         time.sleep(interval)
