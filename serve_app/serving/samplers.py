@@ -28,7 +28,7 @@ def token_key(seed: int, index: int) -> mx.array:
     return mx.random.key(int.from_bytes(digest, "little"))
 
 
-@dataclass
+@dataclass(eq=False)  # one per request: identity, never value equality
 class SeededSampler:
     """A seeded request's sampler: one key stream per request, indexed by the position of
     the token drawn (``token_key``). Whichever step draws token ``i`` (mlx-lm's plain

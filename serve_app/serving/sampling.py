@@ -49,5 +49,11 @@ class SamplingParams:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int)
                               or not 0 <= k <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed < 2**64):
+            # the API refuses these with a 400; a bad one built inside would fail the whole
+            # batch step that draws with it (its key takes 64 bits)
+            raise ValueError("seed must be None or an integer in 0..2**64-1")
         # A list would make the frozen dataclass unhashable: keep a tuple.
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
