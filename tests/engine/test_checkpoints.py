@@ -26,8 +26,7 @@ from serve_app.serving.engine_request import EngineRequest
 from serve_app.serving.request import CompletionRequest
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.service import ModelService
-from tests.engine.test_cache_exact import run
-from tests.engine.test_tails import generated
+from tests.support.engine import generated, run
 
 BS = 16
 

@@ -24,23 +24,8 @@ from serve_app.cache.match import Match, MatchQuery, Partial, Tier
 from serve_app.cache.payload import BlockPayload, PayloadError, RestorePlan, Tensor
 from serve_app.cache.request_plan import RequestPlan
 from serve_app.cache.tiers import TieredStore
-from tests.engine.test_formats import DENSES, Server, close_loaded
-
-BS = 16
-ROOT = "root"
-
-
-def tokens_of(seed: int, n: int, offset: int = 0) -> list[int]:
-    return [5 + (i * seed + offset) % 240 for i in range(n)]
-
-
-def diverge(prompt: list[int], at: int, n: int) -> list[int]:
-    """``prompt[:at]`` then ``n`` tokens of its own, the first one surely different."""
-    rest = [5 + (t + 101) % 240 for t in prompt[at : at + n]]
-    rest += tokens_of(7, n - len(rest), offset=3)
-    assert rest[0] != prompt[at]
-    return prompt[:at] + rest
-
+from tests.support.formats import DENSES, Server
+from tests.support.prefix import BS, ROOT, diverge, stored, tokens_of
 
 # ---- the prefix tree's index, kept by the store ------------------------------------------
 
@@ -78,13 +63,6 @@ def test_a_replaced_checkpoint_keeps_its_child_indexed_and_late_tokens_are_adopt
 
 
 # ---- lookups through the tiered store ------------------------------------------------
-
-
-def stored(tokens: list[int], *, with_state: bool = False) -> BlockPayload:
-    kv = Tensor(np.arange(len(tokens) * 2, dtype=np.float32).reshape(1, 1, len(tokens), 2),
-                "float32")
-    state = {1: (Tensor(np.ones((1, 3), np.float32), "float32"),)} if with_state else {}
-    return BlockPayload({0: (kv, kv)}, state)
 
 
 def publish(store: TieredStore, prompt: list[int], *, with_state: bool = False) -> list[str]:
@@ -226,12 +204,6 @@ def test_a_request_restored_to_a_cut_captures_its_own_chain():
 
 
 # ---- exactness on the real engine, every dense format -------------------------------------
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    yield tmp_path_factory.mktemp("common-prefix")
-    close_loaded()
 
 
 @pytest.mark.parametrize("name", DENSES)

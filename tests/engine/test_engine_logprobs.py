@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 
 import jsonschema
 import mlx.core as mx
@@ -26,6 +25,7 @@ from serve_app.serving.engine import Engine
 from serve_app.serving.engine_events import EngineEvent
 from serve_app.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from serve_app.serving.structured import compile_response_format
+from tests.support.engine import Collector
 
 BS = 16
 TOL = 1e-4
@@ -40,35 +40,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
-
-
-class Collector:
-    """Every event of one request, and a flag once it ended."""
-
-    def __init__(self) -> None:
-        self.events: list[EngineEvent] = []
-        self.done = threading.Event()
-
-    def __call__(self, event: EngineEvent) -> None:
-        self.events.append(event)
-        if event.finish_reason or event.error:
-            self.done.set()
-
-    @property
-    def tokens(self) -> list[int]:
-        return [e.token for e in self.events if e.token is not None]
-
-    @property
-    def scored(self) -> list[EngineEvent]:
-        return [e for e in self.events if e.token is not None]
-
-    @property
-    def finish(self) -> str | None:
-        return self.events[-1].finish_reason if self.done.is_set() else None
-
-    @property
-    def restored(self) -> int:
-        return next(e.restored for e in self.events if e.restored is not None)
 
 
 class Recorder:

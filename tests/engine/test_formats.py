@@ -11,106 +11,34 @@ request its hit, never the batch.
 from __future__ import annotations
 
 import threading
-import time
 
-import mlx_lm
 import numpy as np
 import pytest
 
-from serve_app.cache.client import LocalCacheClient
-from serve_app.cache.hashing import chain, salted_root
 from serve_app.cache.payload import BlockPayload, RestorePlan, Tensor, from_tensors
 from serve_app.cache.request_plan import RequestPlan
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_format import read_file
-from serve_app.cache.tiers import TieredStore
-from serve_app.config.catalog import FORMATS, REAL_MODELS
-from serve_app.config.profile import ModelProfile
-from serve_app.models.embedded import materialize
-from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
+from serve_app.config.catalog import REAL_MODELS
+from serve_app.config.paths import default_home
+from serve_app.models.embedded import _target
+from serve_app.serving.request import ChatCompletionRequest
 from serve_app.serving.sampling import SamplingParams
-from serve_app.serving.service import ModelService
-from tests.engine.test_cache_exact import run
-
-BS = 16
-HYBRIDS = [f"tiny-hybrid-{f}" if f != "fp32" else "tiny-hybrid" for f in FORMATS]
-DENSES = [f"tiny-dense-{f}" if f != "fp32" else "tiny-dense" for f in FORMATS]
-REALS = sorted(REAL_MODELS)  # SmolLM2-135M: 4-bit as its GGUF, fp32 and bf16
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    return tmp_path_factory.mktemp("formats")
+from tests.support.engine import run
+from tests.support.formats import (
+    BS,
+    DENSES,
+    HYBRIDS,
+    REALS,
+    Server,
+    branch,
+    prompt_of,
+)
 
 
-_loaded: dict[str, tuple] = {}
-
-
-def load(name: str, home) -> tuple:
-    """(path, model, tokenizer, cold service), once per model for the module."""
-    if name not in _loaded:
-        path = materialize(name, home)
-        model, tokenizer = mlx_lm.load(str(path))
-        cold = ModelService(ModelProfile(name="cold", source=f"embedded:{name}",
-                                         cache={"enabled": False}), model, tokenizer, path)
-        _loaded[name] = (path, model, tokenizer, cold)
-    return _loaded[name]
-
-
-def close_loaded() -> None:
-    """Shut the cold services of ``load`` down (a module that loaded models calls it)."""
-    for *_, cold in _loaded.values():
-        cold.shutdown()
-    _loaded.clear()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _shutdown():
-    yield
-    close_loaded()
-
-
-class Server:
-    """One 'process lifetime' of the cache for one model: service, store, directory."""
-
-    def __init__(self, name: str, home, directory=None, cache: dict | None = None,
-                 speculative: dict | None = None) -> None:
-        path, model, tokenizer, self.cold = load(name, home)
-        self.ssd = SSDStore(directory, 1 << 30) if directory is not None else None
-        self.store = TieredStore(1 << 30, self.ssd)
-        profile = ModelProfile(name="warm", source=f"embedded:{name}",
-                               cache={"block_size": BS, **(cache or {})},
-                               speculative=speculative)
-        self.service = ModelService(profile, model, tokenizer, path, LocalCacheClient(self.store))
-
-    def ask(self, prompt: list[int], n: int = 10) -> dict:
-        return run(self.service, CompletionRequest(model="m", prompt=prompt, max_tokens=n,
-                                                   temperature=0))
-
-    def cold_text(self, prompt: list[int], n: int = 10) -> str:
-        return run(self.cold, CompletionRequest(model="m", prompt=prompt, max_tokens=n,
-                                                temperature=0))["text"]
-
-    def ids(self, prompt: list[int]) -> list[str]:
-        return chain(salted_root(self.service.cache.root, None), prompt, BS)
-
-    def drain(self) -> None:
-        deadline = time.monotonic() + 30
-        while self.store.snapshot()["staging"]["pending_bytes"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        self.service.shutdown()
-
-
-def prompt_of(seed: int, blocks: int) -> list[int]:
-    return [5 + (i * seed) % 240 for i in range(blocks * BS + 3)]
-
-
-def branch(prompt: list[int]) -> list[int]:
-    """The same full blocks, other last tokens: no tail of ``prompt`` matches it, so
-    a restore of it exercises the full blocks and their checkpoints alone."""
-    return prompt[:-3] + [5 + (t + 7) % 240 for t in prompt[-3:]]
+def built(name: str) -> bool:
+    """Whether a real model is already materialized in the user's home."""
+    return (_target(name, default_home()) / "EMBEDDED").exists()
 
 
 @pytest.mark.parametrize("name", HYBRIDS + DENSES)
@@ -135,13 +63,16 @@ def test_warm_multi_turn_matches_cold(name, home):
 @pytest.mark.parametrize("name,storage", [
     *((n, s) for n in HYBRIDS for s in ("ssd_sidecar", "embedded")),
     *((n, "auto") for n in DENSES),  # no recurrent state: KV block files only
-    *((n, "auto") for n in REALS),
+    *(pytest.param(n, "auto", marks=[pytest.mark.slow, pytest.mark.skipif(
+        not built(n), reason=f"{n} is not built in {default_home()}: its build downloads "
+        "(a process and the network, which the engine layer may not use); a server that "
+        "served it once has built it")]) for n in REALS),
 ])
-def test_restart_from_ssd_matches_cold(name, storage, home, tmp_path, model_home):
+def test_restart_from_ssd_matches_cold(name, storage, home, tmp_path):
     """Cold, then restored from SSD after a restart, then from the hot tier, then its full
     blocks alone: the same tokens each time."""
-    if name in REAL_MODELS:  # one download and build for the session
-        home = model_home
+    if name in REAL_MODELS:  # built by a server, in the user's home: read, never rebuilt
+        home = default_home()
     cache = {"gdn_snapshot_storage": storage}
     prompt = prompt_of(7, 3)
     first = Server(name, home, tmp_path, cache)

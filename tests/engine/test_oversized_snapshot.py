@@ -13,28 +13,16 @@ import asyncio
 import pytest
 
 from serve_app.cache.hashing import chain, salted_root
-from tests.engine.test_formats import (
+from tests.support.formats import (
     BS,
     DENSES,
     HYBRIDS,
     Server,
     branch,
-    close_loaded,
     prompt_of,
 )
 
 RAM_BLOCKS = 2  # the share holds this many blocks of a conversation
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    return tmp_path_factory.mktemp("oversized")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _shutdown():
-    yield
-    close_loaded()
 
 
 def limit_to(server: Server, blocks: int) -> int:

@@ -41,9 +41,9 @@ from serve_app.serving.speculative import (
     expected_tokens,
 )
 from serve_app.serving.structured import compile_response_format
-from tests.engine.test_engine_logprobs import Collector
-from tests.engine.test_formats import DENSES as DENSES_
-from tests.engine.test_formats import HYBRIDS as HYBRIDS_
+from tests.support.engine import Collector
+from tests.support.formats import DENSES as DENSES_
+from tests.support.formats import HYBRIDS as HYBRIDS_
 
 # ---- units ----------------------------------------------------------------------------
 
@@ -426,7 +426,7 @@ def test_a_profile_turns_speculation_on_in_the_service(tmp_path: Path):
     directory (the 4-bit copy of the weights), give the plain text through the service."""
     from serve_app.serving.request import CompletionRequest
     from serve_app.serving.service import ModelService
-    from tests.engine.test_cache_exact import run as ask
+    from tests.support.engine import run as ask
 
     path = materialize("tiny-dense", tmp_path)
     model, tokenizer = mlx_lm.load(str(path))
@@ -457,19 +457,6 @@ MTPS = [f"tiny-hybrid-mtp-{f}" if f != "fp32" else "tiny-hybrid-mtp"
 SPEC = {"method": "ngram", "num_draft_tokens": 4, "adaptive": False}
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    return tmp_path_factory.mktemp("spec-formats")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_formats():
-    from tests.engine.test_formats import close_loaded
-
-    yield
-    close_loaded()
-
-
 def looping_prompt(seed: int, blocks: int) -> list[int]:
     """A prompt that repeats itself, so the lookup drafts from the first step."""
     period = [5 + (i * seed) % 240 for i in range(11)]
@@ -490,7 +477,7 @@ def test_every_format_warm_and_restored_from_ssd_gives_the_plain_tokens(name, st
     (hybrid checkpoints in sidecars and embedded in the block files), the tokens of a cold
     plain prefill and plain decoding; decode-time blocks captured while drafting restore
     exactly too."""
-    from tests.engine.test_formats import Server
+    from tests.support.formats import Server
 
     cache = {"gdn_snapshot_storage": storage}
     first = Server(name, home, tmp_path, cache, speculative=spec)

@@ -9,8 +9,6 @@ prefill.
 
 from __future__ import annotations
 
-import asyncio
-
 import mlx_lm
 import pytest
 
@@ -20,10 +18,8 @@ from serve_app.cache.tiers import TieredStore
 from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize
 from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
-from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.service import ModelService
-from serve_app.serving.stream import EventChannel
-from tests.engine.test_cache_exact import run
+from tests.support.engine import generated, run
 
 BS = 16
 MODELS = ["tiny-dense", "tiny-hybrid-bf16"]
@@ -50,24 +46,6 @@ def services(tmp_path_factory):
 
 def chat(messages: list[dict], n: int = 10) -> ChatCompletionRequest:
     return ChatCompletionRequest(model="m", messages=messages, max_tokens=n, temperature=0)
-
-
-def generated(service: ModelService, prompt: list[int], n: int) -> list[int]:
-    """The token ids a greedy request produces (its text may not re-tokenize to them)."""
-    tokens: list[int] = []
-
-    async def go():
-        channel = EventChannel(asyncio.get_running_loop())
-        service.engine.submit(prompt, SamplingParams(max_tokens=n), channel.put)
-        while True:
-            for e in await channel.take():
-                if e.token is not None:
-                    tokens.append(e.token)
-                if e.finish_reason or e.error:
-                    return
-
-    asyncio.run(go())
-    return tokens
 
 
 SYSTEM = "You are a careful assistant for tail tests. Answer briefly. " * 2

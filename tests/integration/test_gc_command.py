@@ -11,7 +11,7 @@ import numpy as np
 
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_fs import TMP_MARK
-from tests.unit.test_ssd import LAYOUT, bid, meta, tensors
+from tests.support.blocks import LAYOUT, bid, meta, tensors
 
 
 def gc(*args: str) -> subprocess.CompletedProcess:

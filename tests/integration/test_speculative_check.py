@@ -30,7 +30,7 @@ from serve_app.serving.speculative import (
     VerifyCost,
 )
 from serve_app.serving.structured import compile_response_format
-from tests.engine.test_engine_logprobs import Collector
+from tests.support.engine import Collector
 
 # ---- units ----------------------------------------------------------------------------
 
@@ -180,7 +180,7 @@ def home(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def _close_formats():
-    from tests.engine.test_formats import close_loaded
+    from tests.support.formats import close_loaded
 
     yield
     close_loaded()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +22,8 @@ from serve_app.config.profile import CacheStoreProfile
 from serve_app.metrics.table import DROP_REASONS
 from serve_app.store.actor import ACTOR_OPTIONS, CacheStore, CacheStoreActor, make_ssd, store_name
 from serve_app.store.client import MAX_UNACKED_PUTS, RayCacheClient
-from tests.unit.test_ssd import LAYOUT, bid
-from tests.unit.test_tiers import DISK
+from tests.support.blocks import DISK, LAYOUT, bid
+from tests.support.servers import wait_for
 
 
 def ssd_config(root: Path, **over) -> CacheStoreProfile:
@@ -44,10 +43,11 @@ def block(i: int, nbytes: int = 4096) -> CapturedBlock:
     return CapturedBlock(bid(i), bid(i - 1), payload(i, nbytes))
 
 
-def timed(ref):
-    tic = time.monotonic()
-    out = ray.get(ref, timeout=30)
-    return out, time.monotonic() - tic
+def answered_first(quick, slow) -> bool:
+    """Whether the call ``quick`` was answered before ``slow``, sent before it, was: the
+    actor did not make it wait behind ``slow``."""
+    ready, _ = ray.wait([quick, slow], num_returns=1, timeout=30)
+    return ready == [quick]
 
 
 def test_stats_show_why_the_ssd_tier_is_off(local_ray, tmp_path):
@@ -75,23 +75,23 @@ def test_stats_show_an_untrusted_directory(local_ray, tmp_path):
 
 def test_a_slow_put_does_not_hold_up_other_calls(local_ray, tmp_path):
     """A staging area of one byte: every put waits for room (backpressure, 0.5 s), then
-    writes inline. Meanwhile stats and lookups answer at once, and a replica keeps at
-    most MAX_UNACKED_PUTS puts in flight."""
+    writes inline. Meanwhile stats and lookups are answered before a put sent before
+    them, and a replica keeps at most MAX_UNACKED_PUTS puts in flight."""
     actor = CacheStoreActor.remote(ssd_config(tmp_path, gdn_ssd_pending_max_size=1))
     ray.get(actor.stats.remote(), timeout=60)
     client = RayCacheClient(actor)
     for i in range(12):
         client.publish("m", block(i), DISK)
-    deadline = time.monotonic() + 10
-    while client._in_flight < MAX_UNACKED_PUTS:  # the slow puts are running
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: client._in_flight >= MAX_UNACKED_PUTS, "the slow puts running", 10,
+             interval=0.01)
     most = 0
-    for _ in range(5):
-        _, took = timed(actor.stats.remote())
-        assert took < 0.3, f"stats waited {took:.2f} s behind puts"
-        _, took = timed(actor.match.remote(MatchQuery([bid(100)], layout=LAYOUT)))
-        assert took < 0.3, f"a lookup waited {took:.2f} s behind puts"
+    for i in range(5):
+        put = actor.put.remote("m", bid(200 + i), "", 4096, False, [ray.put(payload(i))],
+                               DISK)
+        assert answered_first(actor.stats.remote(), put), "stats waited behind a put"
+        lookup = actor.match.remote(MatchQuery([bid(100)], layout=LAYOUT))
+        assert answered_first(lookup, put), "a lookup waited behind a put"
+        assert ray.get(put, timeout=30) is not None
         most = max(most, client._in_flight)
     assert most <= MAX_UNACKED_PUTS
     found = asyncio.run(client._match(MatchQuery([bid(i) for i in range(12)], layout=LAYOUT)))
@@ -103,25 +103,36 @@ def test_a_slow_put_does_not_hold_up_other_calls(local_ray, tmp_path):
 
 class IndexNotReady(CacheStore):
     """Injected: the SSD index stays "rebuilding", so every lookup waits its full 2 s
-    for it. (Really slow indexing needs a directory of ~10^5 files: minutes to build
-    here.)"""
+    for it, counted while it waits. (Really slow indexing needs a directory of ~10^5
+    files: minutes to build here.)"""
 
     def __init__(self, config: CacheStoreProfile) -> None:
         super().__init__(config)
-        self.tiers.ssd.ready.wait(30)
+        assert self.tiers.ssd.ready.wait(30), "the SSD index was never read"
         self.tiers.ssd.ready.clear()
+        self.lookups_waiting = 0
+
+    def match(self, q: MatchQuery):
+        self.lookups_waiting += 1
+        try:
+            return super().match(q)
+        finally:
+            self.lookups_waiting -= 1
+
+    def waiting(self) -> int:
+        return self.lookups_waiting
 
 
 def test_a_lookup_waiting_for_the_index_does_not_hold_up_other_calls(local_ray, tmp_path):
     actor = ray.remote(**ACTOR_OPTIONS)(IndexNotReady).remote(ssd_config(tmp_path))
     ray.get(actor.stats.remote(), timeout=60)
     slow = actor.match.remote(MatchQuery([bid(0)], layout=LAYOUT))
-    time.sleep(0.2)  # the lookup is waiting now
-    _, took = timed(actor.stats.remote())
-    assert took < 0.5, f"stats waited {took:.2f} s behind a lookup"
+    wait_for(lambda: ray.get(actor.waiting.remote(), timeout=30) == 1,
+             "the lookup waiting for the index", 10, interval=0.02)
+    assert answered_first(actor.stats.remote(), slow), "stats waited behind a lookup"
     ref = ray.put(payload(0))
-    _, took = timed(actor.put.remote("m", bid(0), "", 4096, False, [ref], None))
-    assert took < 0.5, f"a put waited {took:.2f} s behind a lookup"
+    put = actor.put.remote("m", bid(0), "", 4096, False, [ref], None)
+    assert answered_first(put, slow), "a put waited behind a lookup"
     assert not ray.wait([slow], timeout=0)[0]  # still waiting for the index
     assert ray.get(slow, timeout=30).present == 1
     ray.kill(actor)
@@ -162,10 +173,12 @@ def test_a_block_that_cannot_be_published_is_counted(local_ray):
     client.publish("m", CapturedBlock(bid(0), "", Unpicklable()), None)
     found = asyncio.run(client._match(MatchQuery([bid(0)], layout=LAYOUT)))  # not held up
     assert found.present == 0 and client.dropped == 1
-    deadline = time.monotonic() + 10
-    while (stats := asyncio.run(client.stats()))["dropped"]["publish"] != 1:
-        assert time.monotonic() < deadline, stats["dropped"]
-        time.sleep(0.05)
+
+    def counted() -> dict | None:
+        stats = asyncio.run(client.stats())
+        return stats if stats["dropped"]["publish"] == 1 else None
+
+    stats = wait_for(counted, "the dropped publish counted by the store", 10, interval=0.05)
     assert stats["publisher"]["dropped"] == 1
     samples = {s.labels["reason"]: s.value for s in ray.get(actor.samples.remote(), timeout=30)
                if s.name == "serve_app_cache_dropped_blocks"}

@@ -25,7 +25,7 @@ from serve_app.serving.request import CompletionRequest
 from serve_app.serving.service import ModelService
 from serve_app.store.actor import get_or_create_actor
 from serve_app.store.client import RayCacheClient
-from tests.engine.test_cache_exact import run
+from tests.support.engine import run
 
 BS = 16
 TIMEOUT_S = 1.0
@@ -174,7 +174,7 @@ def test_an_engine_publish_never_waits_on_a_frozen_store(served):
     pid = ray.get(client.actor.pid.remote(), timeout=30)
     os.kill(pid, signal.SIGSTOP)
     try:
-        from tests.unit.test_store_faults import block
+        from tests.support.blocks import block
 
         before = client.dropped
         took = []

@@ -3,23 +3,11 @@ against (the fetches on a real multi-node Ray are tests/cluster/test_cluster_fau
 
 from __future__ import annotations
 
-import numpy as np
-
-from serve_app.cache.layout import KV, ArraySpec, Layout
-from serve_app.cache.payload import BlockPayload, CapturedBlock, Tensor
-
-BS = 4
-LAYOUT = Layout((KV,), arrays=((ArraySpec((1, 2, None, 8), "float32"),) * 2,), epoch="t")
-
-
-def payload(seed: int) -> BlockPayload:
-    rng = np.random.default_rng(seed)
-    arrays = tuple(Tensor(rng.standard_normal((1, 2, BS, 8)).astype(np.float32), "float32")
-                   for _ in range(2))
-    return BlockPayload({0: arrays})
+from serve_app.cache.payload import CapturedBlock
+from tests.support.blocks import SMALL_BS, SMALL_LAYOUT, small_payload
 
 
 def test_a_payload_put_by_this_process_is_a_block_payload():
-    """The helper's payloads fit the layout the fetches are checked against."""
-    assert LAYOUT.check(payload(0), BS, need_state=False) is None
-    assert CapturedBlock("b", "root", payload(0)).nbytes == payload(0).nbytes
+    """The shared payloads fit the layout the fetches are checked against."""
+    assert SMALL_LAYOUT.check(small_payload(0), SMALL_BS, need_state=False) is None
+    assert CapturedBlock("b", "root", small_payload(0)).nbytes == small_payload(0).nbytes

@@ -5,7 +5,6 @@ a lookup still finds the demoted blocks on SSD."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -16,7 +15,8 @@ from serve_app.cache.payload import BlockPayload, Tensor
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_format import DiskInfo
 from serve_app.cache.tiers import TieredStore
-from tests.unit.test_ssd import LAYOUT, MODEL, bid
+from tests.support.blocks import LAYOUT, MODEL, bid
+from tests.support.servers import wait_for
 
 EXACT = DiskInfo(MODEL, LAYOUT, 16, "ssd_sidecar", "fp32")
 NBYTES = 4096
@@ -29,23 +29,17 @@ def block(i: int, model: str = "x", checkpoint: bool = False) -> HotEntry:
                     handle=BlockPayload({0: (half, half)}, state), model=model)
 
 
-def wait(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-
-
 def tiered(tmp_path) -> TieredStore:
     ssd = SSDStore(tmp_path, 1 << 30)
     store = TieredStore(hot_budget=1 << 20, ssd=ssd, pending_max_bytes=1 << 20)
-    wait(ssd.ready.is_set)
+    wait_for(ssd.ready.is_set, "the SSD index", interval=0.01)
     return store
 
 
 def written(store: TieredStore) -> None:
     """Wait until the SSD writer has taken every staged block."""
-    wait(lambda: store.snapshot()["staging"]["pending_bytes"] == 0)
+    wait_for(lambda: store.snapshot()["staging"]["pending_bytes"] == 0,
+             "the staged blocks to reach SSD", interval=0.01)
 
 
 def lookup(store: TieredStore, ids: list[str], need_state: bool = False):

@@ -125,14 +125,15 @@ def test_a_follower_of_a_replaced_directory_resyncs_instead_of_grafting():
 def test_tiers_report_each_blocks_best_tier_as_it_changes(tmp_path):
     from serve_app.cache.ssd import SSDStore
     from serve_app.cache.tiers import TieredStore
-    from tests.unit.test_ssd import bid
-    from tests.unit.test_tiers import DISK, entry, wait
+    from tests.support.blocks import DISK, bid, entry
+    from tests.support.servers import wait_for
 
     ssd = SSDStore(tmp_path, 1 << 30)
     store = TieredStore(hot_budget=3 * 4096, ssd=ssd)
     for i in range(5):  # the two oldest fall out of RAM; all five reach the SSD
         store.put(entry(i), DISK)
-    wait(lambda: store.snapshot()["staging"]["pending_bytes"] == 0 and len(ssd.block_ids()) == 5)
+    wait_for(lambda: store.snapshot()["staging"]["pending_bytes"] == 0
+                 and len(ssd.block_ids()) == 5, "five blocks on SSD", interval=0.01)
     tiers = {e.block_id: e.tier for e in store.directory_events()}
     assert tiers == {bid(0): "ssd", bid(1): "ssd", bid(2): "hot", bid(3): "hot",
                      bid(4): "hot"}

@@ -31,9 +31,10 @@ from serve_app.metrics.table import (
 from serve_app.parallel.group import RankStatus
 from serve_app.serving.engine_events import EngineStats
 from serve_app.serving.request import CompletionRequest
-from tests.engine.test_cache_exact import make_services
 from tests.support import REPO
-from tests.unit.test_tiers import DISK, entry, wait
+from tests.support.blocks import DISK, entry
+from tests.support.engine import make_services
+from tests.support.servers import wait_for
 
 
 class ListRecorder(Recorder):
@@ -148,7 +149,8 @@ def test_store_samples_match_the_files_on_disk(tmp_path):
     store = TieredStore(hot_budget=3 * 4096, ssd=ssd, pending_max_bytes=1 << 20)
     for i in range(5):  # the hot tier holds three: two hot evictions
         store.put(entry(i), DISK)
-    wait(lambda: store.snapshot()["staging"]["writes_done"] == 5)
+    wait_for(lambda: store.snapshot()["staging"]["writes_done"] == 5, "five SSD writes",
+                 interval=0.01)
     samples = store_samples(store.stats(), {DISK.model[:16]: "m"})
 
     def value(name: str, **labels: str) -> float:

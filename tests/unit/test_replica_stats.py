@@ -198,7 +198,7 @@ def test_every_stats_field_declares_how_it_combines():
 def test_two_copies_of_a_real_replica_double_every_counter(tmp_path):
     """Read from a real service's stats: merged with a copy of itself, every summed field
     doubles, every maxed or answering one stays, the derived ones are recomputed."""
-    from tests.engine.test_cache_exact import chat, make_services, run
+    from tests.support.engine import chat, make_services, run
 
     warm, cold, _ = make_services("tiny-dense", tmp_path)
     try:

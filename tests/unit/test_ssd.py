@@ -14,22 +14,7 @@ import serve_app.cache.ssd as ssd_module
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_format import SSDError, digest_of, read_header
 from serve_app.cache.ssd_fs import FORMAT_VERSION, TMP_MARK
-
-LAYOUT = hashlib.sha256(b"layout").hexdigest()
-MODEL = hashlib.sha256(b"model").hexdigest()
-
-
-def bid(i: int) -> str:
-    return hashlib.sha256(f"block{i}".encode()).hexdigest()
-
-
-def tensors(n: int = 256) -> dict[str, np.ndarray]:
-    return {"k0": np.arange(n, dtype=np.float32), "v0": np.ones(n, dtype=np.float32)}
-
-
-def meta(model: str = MODEL) -> dict[str, str]:
-    return {"model": model, "layout": LAYOUT, "parent_id": "", "block_size": "16",
-            "tokens": "16"}
+from tests.support.blocks import LAYOUT, MODEL, bid, meta, tensors
 
 
 def store(tmp_path, budget: int = 1 << 30, **kw) -> SSDStore:

@@ -19,7 +19,7 @@ from serve_app.cache.ssd_format import SSDError, read_file
 from serve_app.cache.ssd_fs import untrusted_reason
 from serve_app.config.profile import CacheStoreProfile
 from serve_app.store.actor import make_ssd
-from tests.unit.test_ssd import MODEL, bid, meta, tensors
+from tests.support.blocks import MODEL, bid, meta, tensors
 
 
 def config(root) -> CacheStoreProfile:

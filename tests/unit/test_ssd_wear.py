@@ -11,8 +11,8 @@ from serve_app.cache.ssd import SSDStore, WriteResult
 from serve_app.cache.tiers import TieredStore
 from serve_app.cache.wear import AUTO_FRACTION_PER_HOUR, RollingByteBudget, auto_write_budget
 from serve_app.metrics.table import DROP_REASONS, store_samples
-from tests.unit.test_ssd import LAYOUT, MODEL, bid, meta, tensors
-from tests.unit.test_tiers import DISK, entry, wait
+from tests.support.blocks import DISK, LAYOUT, MODEL, bid, entry, meta, tensors
+from tests.support.servers import wait_for
 
 
 class Clock:
@@ -105,7 +105,8 @@ def test_tiered_store_counts_the_drops_and_exports_them(tmp_path):
     store = TieredStore(hot_budget=1 << 20, ssd=ssd, pending_max_bytes=1 << 20)
     for i in range(4):  # files of ~4.2 KB: one fits the budget
         store.put(entry(i), DISK)
-    wait(lambda: store.snapshot()["staging"]["pending_bytes"] == 0)
+    wait_for(lambda: store.snapshot()["staging"]["pending_bytes"] == 0,
+                 "the staged blocks to reach SSD", interval=0.01)
     stats = store.stats()
     assert stats.dropped_ssd_write_budget == 3 and stats.writes_dropped == 3
     assert stats.ssd_written_bytes == ssd.stats.bytes_written > 0

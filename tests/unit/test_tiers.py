@@ -3,33 +3,16 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
-from serve_app.cache.hot import HotEntry
 from serve_app.cache.match import Drop, MatchQuery, StateAt
-from serve_app.cache.payload import BlockPayload, Tensor
 from serve_app.cache.ssd import SSDStore
-from serve_app.cache.ssd_format import DiskInfo, SSDError, digest_of, read_file
+from serve_app.cache.ssd_format import SSDError, digest_of, read_file
 from serve_app.cache.tiers import GONE, TieredStore
-from tests.unit.test_ssd import LAYOUT, MODEL, bid, meta, tensors
-
-DISK = DiskInfo(MODEL, LAYOUT, 16, "ssd_sidecar", "fp32")
-
-
-def entry(i: int, nbytes: int = 4096) -> HotEntry:
-    half = Tensor(np.full(nbytes // 8, i, dtype=np.float32), "float32")
-    payload = BlockPayload({0: (half, half)})
-    return HotEntry(bid(i), bid(i - 1), nbytes, False, handle=payload, model="m")
-
-
-def wait(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+from tests.support.blocks import DISK, LAYOUT, bid, entry, meta, tensors
+from tests.support.servers import wait_for
 
 
 def test_pending_blocks_are_readable_before_their_file_exists(tmp_path):
@@ -44,7 +27,8 @@ def test_pending_blocks_are_readable_before_their_file_exists(tmp_path):
     assert not ssd.block_path(bid(0)).exists()
     store.release(found.lease)
     gate.set()
-    wait(lambda: store.snapshot()["staging"]["pending_bytes"] == 0)
+    wait_for(lambda: store.snapshot()["staging"]["pending_bytes"] == 0,
+                 "the staged blocks to reach SSD", interval=0.01)
     found = store.match(MatchQuery([bid(0)], need_state=False, layout=LAYOUT))
     assert [s.tier for s in found.sources] == ["ssd"]
     assert ssd.block_path(bid(0)).exists()
@@ -57,7 +41,8 @@ def test_chain_spans_tiers_in_order(tmp_path):
     store = TieredStore(hot_budget=1 << 20, ssd=ssd, pending_max_bytes=1 << 20)
     for i in range(3):
         store.put(entry(i), DISK)
-    wait(lambda: store.snapshot()["staging"]["pending_bytes"] == 0)
+    wait_for(lambda: store.snapshot()["staging"]["pending_bytes"] == 0,
+                 "the staged blocks to reach SSD", interval=0.01)
     store.hot.remove(bid(1))  # only on disk now
     found = store.match(MatchQuery([bid(i) for i in range(4)], layout=LAYOUT))
     assert found.present == 3
@@ -99,7 +84,7 @@ def test_lookup_racing_an_eviction_is_a_clean_miss(tmp_path, tier):
     it misses cleanly. It used to raise AttributeError on the vanished entry's path."""
     ssd = embedded_on_disk(tmp_path)
     store = EvictingStore(hot_budget=1 << 20, ssd=ssd)
-    wait(ssd.ready.is_set)
+    wait_for(ssd.ready.is_set, "the SSD index", interval=0.01)
     store.victim = ssd.block_entry(bid(0))
     if tier == "hot":  # the block is hot too, without its checkpoint
         store.put(entry(0), None)
@@ -119,7 +104,7 @@ def test_drop_removes_only_the_file_the_reader_saw(tmp_path):
     the same name stays (a stale drop used to delete the fresh file)."""
     ssd = SSDStore(tmp_path, 1 << 30)
     store = TieredStore(hot_budget=1 << 20, ssd=ssd)
-    wait(ssd.ready.is_set)
+    wait_for(ssd.ready.is_set, "the SSD index", interval=0.01)
     ssd.write("block", bid(0), tensors(), meta())
     found = store.match(MatchQuery([bid(0)], need_state=False, layout=LAYOUT))
     old = found.sources[0].file_digest
@@ -141,6 +126,7 @@ def test_a_block_no_tier_keeps_is_counted_as_dropped(tmp_path):
     assert store.put(entry(1, 512), DISK)
     low = TieredStore(hot_budget=1 << 20, ssd=SSDStore(tmp_path, 1 << 30, 1 << 62))
     assert low.put(entry(0), DISK)  # hot keeps it; the SSD write is skipped (no free space)
-    wait(lambda: low.snapshot()["staging"]["pending_bytes"] == 0)
+    wait_for(lambda: low.snapshot()["staging"]["pending_bytes"] == 0,
+                 "the staged blocks to reach SSD", interval=0.01)
     snap = low.snapshot()
     assert snap["dropped"]["ssd_low_space"] == 1 == snap["staging"]["writes_dropped"]

@@ -1,0 +1,91 @@
+"""The embedded models in every weight format, loaded once per test module, and a warm
+'process lifetime' of the cache for one of them (:class:`Server`): what the exactness
+tests of tests/engine share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx_lm
+
+from serve_app.cache.client import LocalCacheClient
+from serve_app.cache.hashing import chain, salted_root
+from serve_app.cache.ssd import SSDStore
+from serve_app.cache.tiers import TieredStore
+from serve_app.config.catalog import FORMATS, REAL_MODELS
+from serve_app.config.profile import ModelProfile
+from serve_app.models.embedded import materialize
+from serve_app.serving.request import CompletionRequest
+from serve_app.serving.service import ModelService
+from tests.support.engine import run
+from tests.support.servers import wait_for
+
+BS = 16
+HYBRIDS = [f"tiny-hybrid-{f}" if f != "fp32" else "tiny-hybrid" for f in FORMATS]
+DENSES = [f"tiny-dense-{f}" if f != "fp32" else "tiny-dense" for f in FORMATS]
+REALS = sorted(REAL_MODELS)  # SmolLM2-135M: 4-bit as its GGUF, fp32 and bf16
+
+_loaded: dict[str, tuple] = {}
+
+
+def load(name: str, home: Path) -> tuple:
+    """(path, model, tokenizer, cold service), once per model until :func:`close_loaded`
+    (tests/engine/conftest.py calls it after each module)."""
+    if name not in _loaded:
+        path = materialize(name, home)
+        model, tokenizer = mlx_lm.load(str(path))
+        cold = ModelService(ModelProfile(name="cold", source=f"embedded:{name}",
+                                         cache={"enabled": False}), model, tokenizer, path)
+        _loaded[name] = (path, model, tokenizer, cold)
+    return _loaded[name]
+
+
+def close_loaded() -> None:
+    """Shut the cold services of :func:`load` down and forget the models."""
+    for *_, cold in _loaded.values():
+        cold.shutdown()
+    _loaded.clear()
+
+
+class Server:
+    """One 'process lifetime' of the cache for one model: service, store, directory."""
+
+    def __init__(self, name: str, home: Path, directory=None, cache: dict | None = None,
+                 speculative: dict | None = None) -> None:
+        path, model, tokenizer, self.cold = load(name, home)
+        self.ssd = SSDStore(directory, 1 << 30) if directory is not None else None
+        self.store = TieredStore(1 << 30, self.ssd)
+        profile = ModelProfile(name="warm", source=f"embedded:{name}",
+                               cache={"block_size": BS, **(cache or {})},
+                               speculative=speculative)
+        self.service = ModelService(profile, model, tokenizer, path, LocalCacheClient(self.store))
+
+    def ask(self, prompt: list[int], n: int = 10) -> dict:
+        return run(self.service, CompletionRequest(model="m", prompt=prompt, max_tokens=n,
+                                                   temperature=0))
+
+    def cold_text(self, prompt: list[int], n: int = 10) -> str:
+        return run(self.cold, CompletionRequest(model="m", prompt=prompt, max_tokens=n,
+                                                temperature=0))["text"]
+
+    def ids(self, prompt: list[int]) -> list[str]:
+        return chain(salted_root(self.service.cache.root, None), prompt, BS)
+
+    def drain(self) -> None:
+        """Wait until every staged block is on SSD (a 'restart' reads only files)."""
+        wait_for(lambda: not self.store.snapshot()["staging"]["pending_bytes"],
+                 "the staged blocks to reach SSD", interval=0.02)
+
+    def close(self) -> None:
+        self.service.shutdown()
+
+
+def prompt_of(seed: int, blocks: int) -> list[int]:
+    """``blocks`` full blocks and three tokens more."""
+    return [5 + (i * seed) % 240 for i in range(blocks * BS + 3)]
+
+
+def branch(prompt: list[int]) -> list[int]:
+    """The same full blocks, other last tokens: no tail of ``prompt`` matches it, so
+    a restore of it exercises the full blocks and their checkpoints alone."""
+    return prompt[:-3] + [5 + (t + 7) % 240 for t in prompt[-3:]]
