@@ -9,7 +9,6 @@ middle of a block.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import mlx_lm
 import numpy as np
@@ -22,22 +21,9 @@ from serve_app.cache.payload import Tensor
 from serve_app.cache.tiers import TieredStore
 from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize
-from serve_app.serving.events import Delta, Finish, Start
 from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
 from serve_app.serving.service import ModelService
-
-BS = 16
-
-
-def make_services(name: str, home):
-    path = materialize(name, home)
-    model, tokenizer = mlx_lm.load(str(path))
-    client = LocalCacheClient(TieredStore(1 << 30))
-    warm = ModelService(ModelProfile(name="warm", source=f"embedded:{name}",
-                                     cache={"block_size": BS}), model, tokenizer, path, client)
-    cold = ModelService(ModelProfile(name="cold", source=f"embedded:{name}",
-                                     cache={"enabled": False}), model, tokenizer, path, None)
-    return warm, cold, client
+from tests.support.engine import BS, chat, make_services, run
 
 
 @pytest.fixture(scope="module", params=["tiny-dense", "tiny-hybrid"])
@@ -56,30 +42,6 @@ def hybrid_services(tmp_path_factory):
     yield warm, cold, client
     warm.shutdown()
     cold.shutdown()
-
-
-def run(service: ModelService, request) -> dict:
-    async def go():
-        prepared = service.prepare(request)
-        text, start, finish = [], None, None
-        async for events in service.stream(prepared):
-            for e in events:
-                if isinstance(e, Start):
-                    start = e
-                elif isinstance(e, Delta):
-                    text.append(e.text)
-                elif isinstance(e, Finish):
-                    finish = e
-        # The finish event's count is what the engine really restored (usage).
-        return {"text": "".join(text), "cached": finish.cached_tokens,
-                "planned": start.cached_tokens,
-                "prompt": prepared.prompt, **dataclasses.asdict(finish)}
-
-    return asyncio.run(go())
-
-
-def chat(messages, n=20):
-    return ChatCompletionRequest(model="m", messages=messages, max_tokens=n, temperature=0)
 
 
 def test_multi_turn_restores_and_matches_cold(services):
@@ -187,12 +149,19 @@ def test_disabled_cache_says_why(services):
 
 
 class SlowAnswer(LocalCacheClient):
-    """The store grants the lease, then the answer takes a while to come back (as an
-    actor reply can): a client that hangs up meanwhile must not leave it pinned."""
+    """The store grants the lease, then the answer comes back only when ``answer`` is set
+    (as an actor reply can be late): a client that hangs up meanwhile must not leave it
+    pinned."""
+
+    def __init__(self, store: TieredStore) -> None:
+        super().__init__(store)
+        self.granted = asyncio.Event()
+        self.answer = asyncio.Event()
 
     async def _match(self, q):
         found = self.store.match(q)
-        await asyncio.sleep(0.3)
+        self.granted.set()
+        await self.answer.wait()
         return found
 
 
@@ -200,22 +169,29 @@ def test_disconnect_during_lookup_leaks_no_lease(tmp_path):
     path = materialize("tiny-dense", tmp_path)
     model, tokenizer = mlx_lm.load(str(path))
     store = TieredStore(1 << 30)
+    client = SlowAnswer(store)
     service = ModelService(ModelProfile(name="warm", source="embedded:tiny-dense",
                                         cache={"block_size": BS}), model, tokenizer, path,
-                           SlowAnswer(store))
+                           client)
     prompt = [7 + i % 200 for i in range(3 * BS + 2)]
     req = CompletionRequest(model="m", prompt=prompt, max_tokens=2, temperature=0)
+    client.answer.set()
     run(service, req)  # its blocks are cached now
 
     async def hang_up():
+        client.granted, client.answer = asyncio.Event(), asyncio.Event()
         stream = service.stream(service.prepare(req))
         task = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0.1)  # the lookup ran, its answer is on the way
+        await asyncio.wait_for(client.granted.wait(), 30)  # the answer is on the way
         assert store._leases  # pinned right now
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.5)
+        client.answer.set()  # the late answer arrives after the hang-up
+        for _ in range(1000):  # the lookup's own task ends and gives its lease back
+            if not store._leases:
+                break
+            await asyncio.sleep(0.01)
 
     asyncio.run(hang_up())
     assert not store._leases and store.snapshot()["pinned_blocks"] == 0

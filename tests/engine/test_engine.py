@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import threading
-
 import mlx_lm
 import pytest
 
 from serve_app.models.embedded import materialize
 from serve_app.serving.admission import QueueFullError
 from serve_app.serving.engine import Engine
-from serve_app.serving.engine_events import EngineEvent
 from serve_app.serving.sampling import SamplingParams
-
-
-class Collector:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.finish: EngineEvent | None = None
-        self.done = threading.Event()
-
-    def __call__(self, event: EngineEvent) -> None:
-        if event.token is not None:
-            self.tokens.append(event.token)
-        if event.finish_reason or event.error:
-            self.finish = event
-            self.done.set()
+from tests.support.engine import Collector
+from tests.support.servers import wait_for
 
 
 @pytest.fixture(scope="module", params=["tiny-dense", "tiny-hybrid"])
@@ -69,7 +54,7 @@ def test_batched_equals_solo_and_really_batches(engine, loaded):
         assert c.done.wait(60)
     assert [c.tokens for c in together] == solo
     assert engine.snapshot().peak_batch_size == 6
-    assert all(c.finish.finish_reason in ("length", "stop") for c in together)
+    assert all(c.finish in ("length", "stop") for c in together)
 
 
 def test_long_prompt_is_prefilled_in_chunks_and_matches(engine, loaded):
@@ -91,12 +76,11 @@ def test_long_prompt_is_prefilled_in_chunks_and_matches(engine, loaded):
 def test_cancel_frees_the_slot(engine, loaded):
     _, tokenizer = loaded
     c = run(engine, prompts(tokenizer, 1)[0], SamplingParams(max_tokens=100000))
-    while len(c.tokens) < 3:
-        c.done.wait(0.01)
+    wait_for(lambda: len(c.tokens) >= 3, "three tokens", interval=0.01)
     rid = engine.stats.submitted
     engine.cancel(rid)
     assert c.done.wait(30)
-    assert c.finish.finish_reason == "cancelled"
+    assert c.finish == "cancelled"
     snap = engine.snapshot()
     assert snap.in_flight == 0 and snap.cancelled == 1
 

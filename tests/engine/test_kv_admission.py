@@ -5,8 +5,6 @@ elsewhere."""
 
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 import mlx_lm
 import pytest
@@ -17,7 +15,8 @@ from serve_app.models.embedded import materialize
 from serve_app.serving.admission import KVBudgetError
 from serve_app.serving.engine import Engine
 from serve_app.serving.sampling import SamplingParams
-from tests.engine.test_engine import Collector
+from tests.support.engine import Collector
+from tests.support.servers import wait_for
 
 
 @pytest.fixture(scope="module", params=["tiny-dense", "tiny-hybrid"])
@@ -63,12 +62,16 @@ def test_requests_wait_for_kv_while_others_run(engine):
     all finish with all their tokens, and every reservation is given back."""
     engine.set_kv_budget(2 * one_request_bytes(engine))
     held = submit_many(engine, 6, 40)
-    peak_in_use = 0
-    while not all(c.done.is_set() for c in held):
-        peak_in_use = max(peak_in_use, engine.snapshot().kv_in_use_bytes)
-        time.sleep(0.001)
+    in_use = [0]  # sampled while they run
+
+    def all_done() -> bool:
+        in_use.append(engine.snapshot().kv_in_use_bytes)
+        return all(c.done.is_set() for c in held)
+
+    wait_for(all_done, "all six requests to finish", 120, interval=0.001)
+    peak_in_use = max(in_use)
     snap = engine.snapshot()
-    assert all(c.finish.finish_reason == "length" and len(c.tokens) == 40 for c in held)
+    assert all(c.finish == "length" and len(c.tokens) == 40 for c in held)
     assert snap.peak_batch_size == 2
     assert snap.kv_waited == 4
     assert 0 < peak_in_use <= 2 * one_request_bytes(engine)
@@ -90,14 +93,12 @@ def test_a_request_over_the_budget_by_itself_is_refused(engine):
 def test_cancelling_a_waiting_request(engine):
     engine.set_kv_budget(one_request_bytes(engine))
     running, waiting = submit_many(engine, 2, 200)
-    deadline = time.monotonic() + 30
-    while engine.snapshot().kv_waiting != 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_for(lambda: engine.snapshot().kv_waiting == 1, "the second request to wait for KV",
+             interval=0.005)
     engine.cancel(2)  # the second request: still waiting for KV
-    assert waiting.done.wait(30) and waiting.finish.finish_reason == "cancelled"
+    assert waiting.done.wait(30) and waiting.finish == "cancelled"
     assert waiting.tokens == []
-    assert running.done.wait(60) and running.finish.finish_reason == "length"
+    assert running.done.wait(60) and running.finish == "length"
     snap = engine.snapshot()
     assert snap.in_flight == 0 and snap.kv_waiting == 0 and snap.kv_in_use_bytes == 0
 
@@ -130,7 +131,7 @@ def test_limits_are_set_on_metal_after_each_generator(engine, monkeypatch):
         failing = Collector()
         engine.submit([1, 2, 3], SamplingParams(max_tokens=4, logits_processors=(boom,)),
                       failing)
-        assert failing.done.wait(30) and failing.finish.error is not None
+        assert failing.done.wait(30) and failing.error is not None
         wait_applied(engine)
         assert mx.set_cache_limit(1 << 30) == 12_345_678
     finally:

@@ -19,9 +19,9 @@ from serve_app.cache.tiers import TieredStore
 from serve_app.config.profile import ModelProfile
 from serve_app.serving.request import CompletionRequest
 from serve_app.serving.service import ModelService
-from tests.engine.test_cache_exact import run
-from tests.engine.test_formats import BS, DENSES, HYBRIDS, close_loaded, load, prompt_of
-from tests.engine.test_formats import home as home  # noqa: F401  (the module's model home fixture)
+from tests.support.engine import run
+from tests.support.formats import BS, DENSES, HYBRIDS, load, prompt_of
+from tests.support.servers import wait_for
 
 
 class TwoNodeClient(LocalCacheClient):
@@ -48,12 +48,6 @@ class TwoNodeClient(LocalCacheClient):
         found = await self.peer.fetch(req)
         await self.peer.release(found.lease)
         return found
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _shutdown():
-    yield
-    close_loaded()
 
 
 def service(name: str, home, client: LocalCacheClient) -> ModelService:
@@ -149,7 +143,7 @@ def test_no_remote_without_a_directory():
 
 def test_a_node_whose_last_block_has_no_checkpoint_sends_up_to_one_that_has(home):
     """Hybrid: the other node walks back to its last checkpoint; what it sends restores."""
-    from tests.engine.test_tails import generated
+    from tests.support.engine import generated
 
     name = "tiny-hybrid"
     cold = load(name, home)[3]
@@ -178,7 +172,7 @@ def test_blocks_another_node_holds_only_on_ssd_restore_exactly(name, storage, ho
     or embedded) are on its SSD alone; it reads and checks them, and they restore here
     exactly as a cold prefill computes."""
     from serve_app.cache.ssd import SSDStore
-    from tests.engine.test_formats import Server
+    from tests.support.formats import Server
 
     prompt = prompt_of(13, 5)
     before = Server(name, home, tmp_path, {"gdn_snapshot_storage": storage})
@@ -208,6 +202,8 @@ class ManyNodeClient(LocalCacheClient):
         self.peers = {n: LocalCacheClient(s) for n, s in peers.items()}
         self.wedged: set[str] = set()
         self.asked: list[str] = []
+        self.timeouts: list[float] = []  # the timeout each ask was given
+        self.cut: list[str] = []  # the wedged nodes whose asks ran into their timeout
 
     def remote_prefix(self, block_ids: list[str], usable=None) -> RemotePrefix | None:
         best = None
@@ -223,8 +219,10 @@ class ManyNodeClient(LocalCacheClient):
     async def _export(self, node_id: str, req: FetchRequest,
                       timeout: float) -> FetchedChain | None:
         self.asked.append(node_id)
+        self.timeouts.append(timeout)
         if node_id in self.wedged:  # no answer: the caller's timeout runs out
             await asyncio.sleep(timeout)
+            self.cut.append(node_id)
             return None
         peer = self.peers[node_id]
         found = await peer.fetch(req)
@@ -237,8 +235,6 @@ def test_a_wedged_node_is_skipped_and_spares_fetches_from_healthy_ones(home):
     until its breaker opens after 2 in a row; then requests fetch from node C (holding
     half of each prompt) at once, with the timeout of C's own link. After the cool-down
     B is tried again, and once it answers it is used again. Tokens are always exact."""
-    import time
-
     name = "tiny-dense"
     cold = load(name, home)[3]
     store_a, store_b, store_c = (TieredStore(1 << 30, None) for _ in range(3))
@@ -256,25 +252,28 @@ def test_a_wedged_node_is_skipped_and_spares_fetches_from_healthy_ones(home):
     policy = node_a.cache.remote
     policy.min_timeout, policy.breaker_failures, policy.breaker_cool_down_s = 0.5, 2, 1.0
     try:
-        def timed(p):
-            tic = time.monotonic()
+        def exact(p):
             out = ask(node_a, p)
             assert out["text"] == ask(cold, p)["text"]
-            return out, time.monotonic() - tic
+            return out
 
         for p in prompts[:2]:  # B is asked and times out: prefilled instead
-            out, _ = timed(p)
+            out = exact(p)
             assert out["cached"] < BS  # (every prompt_of starts with the same token)
-        assert client.asked == ["node-b", "node-b"]
+        assert client.asked == ["node-b", "node-b"] and client.cut == ["node-b", "node-b"]
         assert policy.links["node-b"].breaker.is_open
-        out, took = timed(prompts[2])  # B skipped: C's two blocks, without waiting on B
-        assert client.asked[-1] == "node-c" and out["cached"] == 2 * BS
-        assert took < 0.5, took
+        out = exact(prompts[2])  # B skipped: C's two blocks, without waiting on B
+        assert client.asked == ["node-b", "node-b", "node-c"] and out["cached"] == 2 * BS
+        assert client.cut == ["node-b", "node-b"]  # no third wait on B
+        # C was asked with its own link's timeout, not one stretched by B's failures.
+        assert client.timeouts[-1] == policy.min_timeout
         assert policy.links["node-c"].failures == 0
         assert policy.timeout(0, "node-c") == policy.min_timeout  # C's link is unharmed
-        time.sleep(1.1)  # cool-down over: B is probed again, and now it answers
+        # Cool-down over: B is probed again, and now it answers.
+        wait_for(lambda: not policy.links["node-b"].breaker.is_open, "node B's cool-down",
+                 timeout=10, interval=0.05)
         client.wedged.clear()
-        out, _ = timed(prompts[3])
+        out = exact(prompts[3])
         assert client.asked[-1] == "node-b" and out["cached"] == 4 * BS
         assert not policy.links["node-b"].breaker.is_open
         stats = node_a.cache_stats

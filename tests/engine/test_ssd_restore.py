@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import time
 
 import mlx_lm
 import pytest
@@ -22,7 +21,8 @@ from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize
 from serve_app.serving.request import CompletionRequest
 from serve_app.serving.service import ModelService
-from tests.engine.test_cache_exact import run
+from tests.support.engine import run
+from tests.support.servers import wait_for
 
 BS = 16
 
@@ -55,12 +55,12 @@ class Server:
                                                    temperature=0))
 
     def drain(self, timeout: float = 30.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
+        """The staging counters once every staged block is written (or dropped)."""
+        def landed() -> dict | None:
             staging = self.store.snapshot()["staging"]
-            if staging["pending_bytes"] == 0 or time.monotonic() > deadline:
-                return staging
-            time.sleep(0.02)
+            return staging if staging["pending_bytes"] == 0 else None
+
+        return wait_for(landed, "the staged blocks to reach SSD", timeout, interval=0.02)
 
     def ids(self, prompt: list[int]) -> list[str]:
         return chain(salted_root(self.service.cache.root, None), prompt, BS)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,8 @@ from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_format import DiskInfo
 from serve_app.cache.stats import Cleared, Usage
 from serve_app.cache.tiers import TieredStore
-from tests.unit.test_ssd import LAYOUT
+from tests.support.blocks import LAYOUT
+from tests.support.servers import wait_for
 
 A, B = "org/model-a.v1", "org/model-b.v1"  # names: how the hot tier knows a block's model
 IDENTITY = {A: hashlib.sha256(b"identity a").hexdigest(),  # what the SSD tier knows
@@ -47,13 +47,6 @@ def disk(model: str) -> DiskInfo:
     return DiskInfo(IDENTITY[model], LAYOUT, 16, "ssd_sidecar", "fp32")
 
 
-def wait(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "never happened"
-        time.sleep(0.01)
-
-
 def files_on_disk(root: Path) -> set[str]:
     return {p.stem for p in root.rglob("*.safetensors")}
 
@@ -71,11 +64,12 @@ def stores(tmp_path):
     both tiers (written through the write-behind thread)."""
     ssd = SSDStore(tmp_path / "kv", 1 << 30)
     store = TieredStore(hot_budget=1 << 20, ssd=ssd, pending_max_bytes=1 << 20)
-    wait(ssd.ready.is_set)
+    wait_for(ssd.ready.is_set, "the SSD index", interval=0.01)
     for model, n in ((A, 4), (B, 3)):
         for i in range(n):
             assert store.put(entry(model, i), disk(model))
-    wait(lambda: store.snapshot()["staging"]["pending_bytes"] == 0)
+    wait_for(lambda: store.snapshot()["staging"]["pending_bytes"] == 0,
+             "the staged blocks to reach SSD", interval=0.01)
     assert all(ssd.has_block(b) for b in chain(A, 4) + chain(B, 3))
     return store, ssd
 
@@ -226,14 +220,22 @@ def test_clear_waits_for_the_models_staged_writes(tmp_path):
     real_write = ssd.write
     ssd.write = lambda *a, **k: gate.wait(10) and real_write(*a, **k)
     store = TieredStore(hot_budget=1 << 20, ssd=ssd, pending_max_bytes=1 << 20)
-    wait(ssd.ready.is_set)
+    wait_for(ssd.ready.is_set, "the SSD index", interval=0.01)
     store.put(entry(A, 0), disk(A))
+    waiting = threading.Event()
+    real_wait_staged = store._wait_staged
+
+    def wait_staged(model: str, wait_s: float) -> None:
+        waiting.set()
+        real_wait_staged(model, wait_s)
+
+    store._wait_staged = wait_staged
     out: list[Cleared] = []
     clearing = threading.Thread(target=lambda: out.append(
-        store.clear(A, frozenset({IDENTITY[A]}), wait_s=10.0)))
+        store.clear(A, frozenset({IDENTITY[A]}), wait_s=60.0)))
     clearing.start()
-    time.sleep(0.2)
-    assert clearing.is_alive() and not ssd.block_path(bid(A, 0)).exists()
+    assert waiting.wait(10), "clear never waited for the staged write"
+    assert not out and not ssd.block_path(bid(A, 0)).exists()
     gate.set()
     clearing.join(10)
     assert not clearing.is_alive()

@@ -3,11 +3,14 @@ leaves its index matching the files on disk; no MLX needed."""
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import numpy as np
 
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_fs import TMP_MARK
-from tests.unit.test_ssd import bid, meta, tensors
+from tests.support.blocks import bid, meta, tensors
 
 
 def populate(root) -> SSDStore:
@@ -28,12 +31,9 @@ def files(root) -> set[str]:
 
 
 def test_apply_deletes_under_the_store_lock_and_keeps_its_index(tmp_path):
-    """``--apply`` deletes through the store (``SSDStore.remove_path``): each deletion
-    waits for the store's lock (held here by another thread, as a writer would) and
-    leaves the index and byte count matching the files on disk."""
-    import threading
-    import time
-
+    """``--apply`` deletes through the store (``SSDStore.remove_path``): every file goes
+    while this thread holds the store's lock (as a writer would wait for it), and the
+    index and byte count match the files on disk after."""
     from serve_app.cli import gc as gc_module
 
     populate(tmp_path)
@@ -41,20 +41,16 @@ def test_apply_deletes_under_the_store_lock_and_keeps_its_index(tmp_path):
     s.open(clean=False)
     doomed = gc_module.plan(s, budget_given=True)
     assert {d.why for d in doomed} == {"temp_file", "orphan", "over_budget"}
-    held = threading.Event()
+    locked_at_unlink: list[bool] = []
+    real_unlink = os.unlink
 
-    def writer() -> None:
-        with s._lock:
-            held.set()
-            time.sleep(0.5)
+    def unlink(path, *args, **kwargs):
+        locked_at_unlink.append(s._lock._is_owned())
+        return real_unlink(path, *args, **kwargs)
 
-    t = threading.Thread(target=writer)
-    t.start()
-    held.wait(5)
-    tic = time.monotonic()
-    out = gc_module.apply(s, doomed)
-    assert time.monotonic() - tic >= 0.4  # it waited for the lock
-    t.join()
+    with mock.patch("os.unlink", unlink):
+        out = gc_module.apply(s, doomed)
+    assert len(locked_at_unlink) >= len(doomed) and all(locked_at_unlink), locked_at_unlink
     assert set(out["files"]) == {str(d.path) for d in doomed}
     assert s.orphans() == []
     on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.safetensors"))

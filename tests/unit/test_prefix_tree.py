@@ -8,7 +8,6 @@ plain scan would say; and through the store, for blocks known only from SSD.
 from __future__ import annotations
 
 import random
-import time
 
 import numpy as np
 
@@ -21,7 +20,8 @@ from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_format import DiskInfo
 from serve_app.cache.tiers import TieredStore
 from serve_app.cache.tree import PrefixTree
-from tests.engine.test_common_prefix import BS, ROOT, diverge, stored, tokens_of
+from tests.support.prefix import BS, ROOT, diverge, stored, tokens_of
+from tests.support.servers import wait_for
 
 
 def brute(children: dict[str, tuple[int, ...]], query: tuple[int, ...]):
@@ -103,10 +103,8 @@ def on_disk(tmp_path, prompt: list[int], lie: bool = False) -> list[str]:
         said = [t + 1 for t in own] if lie and i == 1 else own
         writer.put(HotEntry(bid, ids[i - 1] if i else ROOT, 64, False,
                             handle=stored(own), token_ids=tuple(said)), disk)
-    deadline = time.monotonic() + 30
-    while not all(writer.ssd.has_block(b) for b in ids) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert all(writer.ssd.has_block(b) for b in ids)
+    wait_for(lambda: all(writer.ssd.has_block(b) for b in ids), "every block on SSD",
+             interval=0.02)
     return ids
 
 
