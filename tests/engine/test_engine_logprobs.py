@@ -135,9 +135,15 @@ def test_greedy_logprobs_match_generate_step(engine, loaded):
     c = run(engine, prompt, SamplingParams(max_tokens=n, logprobs=MAX_TOP_LOGPROBS))
     wait(c)
     ref = reference(model, prompt, n)
+    # mlx-lm's generator never stops: the engine's answer is all of it, or all of it up to
+    # and including the first stop token.
+    stops = set(tokenizer.eos_token_ids)
+    end = next((i + 1 for i, (t, _) in enumerate(ref) if t in stops), n)
+    ref = ref[:end]
     events = c.scored
-    assert events and [e.token for e in events] == [t for t, _ in ref][: len(events)]
-    for e, (token, vector) in zip(events, ref, strict=False):
+    assert [e.token for e in events] == [t for t, _ in ref]
+    assert c.finish == ("stop" if end < n or ref[-1][0] in stops else "length")
+    for e, (token, vector) in zip(events, ref, strict=True):
         check_event(e, MAX_TOP_LOGPROBS)
         assert len(e.top_logprobs) == MAX_TOP_LOGPROBS
         # Greedy: the chosen token is the most likely, so first of the alternatives.

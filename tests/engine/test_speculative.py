@@ -11,7 +11,6 @@ planted bug (drafts kept while they are the argmax).
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -446,7 +445,13 @@ def test_a_profile_turns_speculation_on_in_the_service(tmp_path: Path):
             service.shutdown()
         methods.append(stats.speculative_method)
         assert (stats.drafted_tokens > 0) == (spec is not None)
-        assert json.dumps(stats.accepted_lengths)
+        # One accepted length per drafting row and step, adding up to the accepted tokens,
+        # none longer than the drafts.
+        lengths = {int(n): k for n, k in stats.accepted_lengths.items()}
+        assert sum(lengths.values()) == stats.drafting_row_steps
+        assert sum(n * k for n, k in lengths.items()) == stats.accepted_tokens
+        assert all(0 <= n <= 4 for n in lengths)
+        assert bool(lengths) == (spec is not None)
     assert texts[1:] == texts[:1] * 2
     assert methods == ["", "ngram", "draft"]
 
