@@ -1,9 +1,9 @@
-"""Hardening of the HTTP front: startup readiness and bad input.
+"""Hardening of the HTTP front, live: startup readiness, bad input, a replica killed.
 
-A server of its own (started here, so its startup can be watched from the
-moment the port listens) with a small request-size limit and prompt bound.
-In-process tests cover JSON nesting, the prompt bound before tokenizing and
-the engine warm-up. The last live test kills the model replica mid-request.
+A server of its own (started here, so its startup can be watched from the moment the
+port listens) with a small request-size limit and prompt bound. One test kills the model
+replica mid-request and waits until Serve has replaced it, so the others find a ready
+server in any order (the in-process checks: tests/unit/test_hardening_http.py).
 """
 
 from __future__ import annotations
@@ -17,18 +17,14 @@ import time
 import uuid
 
 import httpx
-import mlx_lm
 import pytest
 
 from bench.devserver import ServerProcess, descendants, free_port, write_config
 from serve_app.api.body import MAX_JSON_DEPTH
-from serve_app.config.profile import ModelProfile
-from serve_app.models.embedded import materialize
 from serve_app.serving.request import (
     MESSAGE_OVERHEAD_CHARS,
 )
-from serve_app.serving.service import ModelService
-from tests.support.servers import running
+from tests.support.servers import running, wait_for
 
 MODEL = "tiny-hybrid"
 CONTEXT = 4096
@@ -83,6 +79,23 @@ def _observe(client: httpx.Client, what: str) -> dict:
             "body": body, "seconds": time.monotonic() - tic}
 
 
+def _observe_until_ready(server: ServerProcess, timeout: float) -> list[dict]:
+    """Completion and /health answers, alternating, until /health says 200, then one more
+    completion: everything a client saw, in order."""
+    seen: list[dict] = []
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        def ready() -> bool:
+            assert server.proc.poll() is None, f"the server exited; log:\n{server.log_tail()}"
+            seen.append(_observe(client, "complete"))
+            seen.append(_observe(client, "health"))
+            return seen[-1].get("status") == 200
+
+        wait_for(ready, lambda: f"/health to say 200; seen {seen[-4:]}; log:\n"
+                                f"{server.log_tail()}", timeout, interval=0.05)
+        seen.append(_observe(client, "complete"))
+    return seen
+
+
 @pytest.fixture(scope="module")
 def young(tmp_path_factory, model_home):
     """A server watched from the moment its port listens until /health says 200.
@@ -97,22 +110,13 @@ def young(tmp_path_factory, model_home):
                           cache_store={"ssd_dir": str(tmp / "kv")})
     server = ServerProcess.serve_run(config, port, tmp / "serve.log",
                                      env={"SERVE_APP_HOME": str(model_home)})
-    seen: list[dict] = []
     with running(server):
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _listening(port):
-            if server.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server never listened; log:\n{server.log_tail()}")
-            time.sleep(0.05)
-        with httpx.Client(base_url=server.base_url, timeout=60) as client:
-            while not (seen and seen[-1]["what"] == "health" and seen[-1].get("status") == 200):
-                if server.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"never ready; seen {seen[-4:]}; log:\n"
-                                       f"{server.log_tail()}")
-                seen.append(_observe(client, "complete"))
-                seen.append(_observe(client, "health"))
-                time.sleep(0.05)
-            seen.append(_observe(client, "complete"))
+        def listening() -> bool:
+            assert server.proc.poll() is None, f"the server exited; log:\n{server.log_tail()}"
+            return _listening(port)
+
+        wait_for(listening, "the server's port to listen", STARTUP_TIMEOUT_S, interval=0.05)
+        seen = _observe_until_ready(server, STARTUP_TIMEOUT_S)
         server.wait_ready([MODEL], timeout=30)  # records the pids to stop
         yield server, seen
 
@@ -272,8 +276,16 @@ def _in_flight(server) -> int:
 
 
 def test_replica_killed_mid_request_is_503_then_recovers(young):
-    """Runs last among the live tests: it takes the model down and waits for it."""
+    """It takes the model down; however it ends, it waits for Serve's new replica, so the
+    tests after it find the server ready."""
     server, _ = young
+    try:
+        _kill_the_replica_mid_request(server)
+    finally:
+        server.wait_ready([MODEL], timeout=STARTUP_TIMEOUT_S)
+
+
+def _kill_the_replica_mid_request(server: ServerProcess) -> None:
     (pid,) = _replica_pids(server)
     # Long, uncached prefills, one each (two requests of one prompt would not run together:
     # the second waits for the first's blocks and restores them).
@@ -292,12 +304,14 @@ def test_replica_killed_mid_request_is_503_then_recovers(young):
     threads = [threading.Thread(target=call, args=(stream,)) for stream in (False, True)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while _in_flight(server) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # Both running (or, on a fast machine, both already answered: then the kill finds an
+    # idle replica and the answers are 200s, which the checks below accept).
+    wait_for(lambda: _in_flight(server) >= 2 or not any(t.is_alive() for t in threads),
+             "both requests in flight", 30, interval=0.01)
     os.kill(pid, signal.SIGKILL)
     for t in threads:
         t.join(timeout=120)
+        assert not t.is_alive(), "a request hung after its replica was killed"
     # The whole answer had sent nothing: it is sent again, and answered by the replica Serve
     # starts in place of the dead one, or (no replica took it in time) 503 with Retry-After.
     status, retry_after, text = results[False]
@@ -318,37 +332,6 @@ def test_replica_killed_mid_request_is_503_then_recovers(young):
         assert status == 503, text
         assert json.loads(text)["error"]["code"] in ("replica_lost", "not_routed"), text
     # Until Serve has replaced and warmed the replica: 503 with Retry-After, never a hang.
-    seen: list[dict] = []
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        while not (seen and seen[-1]["what"] == "health" and seen[-1].get("status") == 200):
-            assert time.monotonic() < deadline, seen[-4:]
-            seen.append(_observe(client, "complete"))
-            seen.append(_observe(client, "health"))
-        seen.append(_observe(client, "complete"))
+    seen = _observe_until_ready(server, STARTUP_TIMEOUT_S)
     assert all(_not_ready(o) or o.get("status") == 200 for o in seen), seen
     assert seen[-1]["status"] == 200
-
-
-class _NoTokenizer:
-    """Fails any tokenizer use: the prompt bound must not need one."""
-
-    def __init__(self, real) -> None:
-        self.real = real
-
-    def apply_chat_template(self, *a, **kw):
-        raise AssertionError("tokenizer called")
-
-    def encode(self, *a, **kw):
-        raise AssertionError("tokenizer called")
-
-
-@pytest.fixture(scope="module")
-def service(model_home):
-    path = materialize("tiny-dense", model_home)
-    model, tokenizer = mlx_lm.load(str(path))
-    profile = ModelProfile(name="m", source="embedded:tiny-dense", context_length=64,
-                           cache={"enabled": False})
-    svc = ModelService(profile, model, tokenizer)
-    yield svc
-    svc.shutdown()
