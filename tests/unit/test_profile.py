@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from serve_app.config.profile import ModelProfile, ProfileError, load_serve_config, parse_profile
-from serve_app.deploy.app import build_app
+from serve_app.deploy.app import build_app, deployment_name
 from tests.support import REPO
 
 GOOD_MODEL = {"name": "m", "source": "embedded:tiny-dense"}
@@ -124,7 +124,12 @@ def test_builder_rejects_bad_args_before_any_deployment():
 
 def test_builder_binds_one_deployment_per_model():
     app = build_app({"models": [GOOD_MODEL, {**GOOD_MODEL, "name": "org/other"}]})
-    assert app is not None
+    ingress = app._bound_deployment
+    replicas = ingress.init_args[1]  # the ingress is handed each model's deployment by name
+    assert ingress.name == "ingress" and list(replicas) == ["m", "org/other"]
+    names = [r._bound_deployment.name for r in replicas.values()]
+    assert names == [deployment_name("m"), deployment_name("org/other")]
+    assert len(set(names)) == 2
 
 
 @pytest.mark.parametrize("running, interval_ms", [(0, 25), (1, 25), (2, 25), (4, 50),
