@@ -44,8 +44,19 @@ def hybrid_services(tmp_path_factory):
     cold.shutdown()
 
 
-def test_multi_turn_restores_and_matches_cold(services):
-    warm, cold, _ = services
+@pytest.fixture(params=["tiny-dense", "tiny-hybrid"])
+def fresh_services(request, tmp_path):
+    """Services of their own: a store that no other test has captured into."""
+    warm, cold, client = make_services(request.param, tmp_path)
+    yield warm, cold, client
+    warm.shutdown()
+    cold.shutdown()
+
+
+def test_multi_turn_restores_and_matches_cold(fresh_services):
+    """The store's bytes are what was captured less what was evicted: counted from a store
+    of its own (another test's repeated captures would count twice)."""
+    warm, cold, _ = fresh_services
     messages = [{"role": "system", "content": "You are terse. " * 6}]
     previous_prompt = 0
     for turn in range(5):
