@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.devserver import ServerProcess, free_port, write_config
-from tests.support.servers import TEST_MODELS, running
+from bench.devserver import ServerProcess
+from tests.support.servers import TEST_MODELS, serving
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,5 @@ def local_ray():
 def server(tmp_path_factory, model_home) -> ServerProcess:
     """One ``serve run`` of :data:`TEST_MODELS` shared by the tests that only talk to it."""
     tmp = tmp_path_factory.mktemp("server")
-    port = free_port()
-    config = write_config(tmp / "serve.yaml", port, TEST_MODELS,
-                          cache_store={"ssd_dir": str(tmp / "kv")})
-    env = {"SERVE_APP_HOME": str(model_home)}
-    with running(ServerProcess.serve_run(config, port, tmp / "serve.log", env=env),
-                 [m["name"] for m in TEST_MODELS]) as proc:
+    with serving(tmp, TEST_MODELS, model_home, cache_store={"ssd_dir": str(tmp / "kv")}) as proc:
         yield proc

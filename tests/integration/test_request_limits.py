@@ -3,9 +3,8 @@ shape, before any expensive work, and the server keeps serving.
 
 One server of its own (``serve run``): a prefix-routed model with two replicas (the
 ingress templates its requests, the router picks a replica) and a one-replica model
-with one batch slot, each with a tiny queue, and a 3-second request timeout. Tests
-that need no server check the router's fallback, the grammar limits and the prompt
-bound's arithmetic.
+with one batch slot, each with a tiny queue, and a 3-second request timeout (the checks
+that need no server: tests/unit/test_request_limits.py).
 """
 
 from __future__ import annotations
@@ -14,22 +13,18 @@ import json
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from types import SimpleNamespace
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from bench.devserver import ServerProcess, free_port, write_config
-from serve_app.cluster.routing import PrefixAffinityRouter
-from serve_app.metrics.table import Recorder
-from serve_app.serving.prepare import PreparedRequest
 from serve_app.serving.request import (
     MAX_CACHE_SALT_CHARS,
 )
-from tests.support.servers import running
+from tests.support.clients import anthropic_client, openai_client
+from tests.support.servers import serving, wait_for
+from tests.support.threads import Threads
 
 ROUTED = "limits-routed"
 SLOW = "limits-slow"
@@ -56,13 +51,9 @@ PATHOLOGICAL = {"allOf": [{"anyOf": [{"type": "object", "properties": {f"a{j}_{i
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory, model_home):
     tmp = tmp_path_factory.mktemp("limits")
-    port = free_port()
-    config = write_config(tmp / "serve.yaml", port, MODELS,
-                          ingress={"num_cpus": 0, "request_timeout_s": TIMEOUT_S},
-                          cache_store={"ssd_dir": str(tmp / "kv")})
-    with running(ServerProcess.serve_run(config, port, tmp / "serve.log",
-                                     env={"SERVE_APP_HOME": str(model_home)}),
-                 [ROUTED, SLOW]) as server:
+    with serving(tmp, MODELS, model_home,
+                 ingress={"num_cpus": 0, "request_timeout_s": TIMEOUT_S},
+                 cache_store={"ssd_dir": str(tmp / "kv")}) as server:
         yield server
 
 
@@ -120,24 +111,25 @@ def assert_serving(server, model: str) -> None:
 
 
 def wait_idle(server, model: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = stats(server, model)
-        if s["engine"]["in_flight"] == 0:
-            return s
-        assert time.monotonic() < deadline, s["engine"]
-        time.sleep(0.1)
+    last: dict = {}
+
+    def idle() -> dict | None:
+        last.update(stats(server, model))
+        return dict(last) if last["engine"]["in_flight"] == 0 else None
+
+    return wait_for(idle, lambda: f"{model} idle: {last.get('engine')}", timeout, 0.1)
 
 
 class Held:
     """Streams of ``max_tokens`` 4000 held open (each admitted: its headers came), closed
-    on exit, so the model's slot and queue stay full meanwhile."""
+    on exit, so the model's slot and queue stay full meanwhile. They are opened one after
+    the other, each once the one before was admitted: the first takes the slot."""
 
     def __init__(self, server, model: str, n: int) -> None:
         self.server, self.model, self.n = server, model, n
-        self.ready = threading.Barrier(n + 1)
         self.stop = threading.Event()
         self.statuses: list[int] = []
+        self.threads = Threads()
 
     def _hold(self) -> None:
         body = {**chat(self.model, uuid.uuid4().hex), "max_tokens": 4000, "stream": True}
@@ -148,23 +140,24 @@ class Held:
                     time.sleep(0.1)
                     continue
                 self.statuses.append(r.status_code)
-                self.ready.wait(60)
                 self.stop.wait(120)
                 return
 
     def __enter__(self) -> Held:
-        self.threads = [threading.Thread(target=self._hold) for _ in range(self.n)]
-        for t in self.threads:
-            t.start()
-            time.sleep(0.3)  # in order: the first takes the slot
-        self.ready.wait(60)
-        assert self.statuses == [200] * self.n, self.statuses
+        try:
+            for i in range(self.n):
+                thread = self.threads.start(self._hold)
+                wait_for(lambda i=i, t=thread: len(self.statuses) > i or not t.is_alive(),
+                         f"held stream {i + 1} of {self.n} admitted", 60, interval=0.05)
+            assert self.statuses == [200] * self.n, self.statuses
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
-        for t in self.threads:
-            t.join(60)
+        self.threads.join(60)
 
 
 # ---- cache_salt ------------------------------------------------------------------------
@@ -199,36 +192,6 @@ def test_a_salt_over_the_length_bound_is_400(limited, path):
     assert r.status_code == 200, r.text[:300]
 
 
-class _Replica(SimpleNamespace):
-    pass
-
-
-class Counting(Recorder):
-    def __init__(self) -> None:
-        self.counts: dict[tuple[str, str], float] = {}
-
-    def inc(self, name: str, value: float, labels: dict[str, str]) -> None:
-        key = (name, labels.get("reason", ""))
-        self.counts[key] = self.counts.get(key, 0) + value
-
-
-def _router() -> PrefixAffinityRouter:
-    """The router's own state without Ray Serve's constructor (it needs a live handle)."""
-    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)
-    router.model, router.load_cost_tokens = "m", 512.0
-    router.follower = SimpleNamespace(prefix_by_node=lambda ids: {})
-    router.recorder = Counting()
-    router.ongoing, router.decided, router.error_logged = {}, OrderedDict(), False
-    router.layout = None
-    router.suspects = {}
-    return router
-
-
-def _pending(rid: str, prompt: list[int]):
-    prepared = PreparedRequest(prompt=prompt, params=None, stops=[], salt=None)
-    return SimpleNamespace(args=[prepared], metadata=SimpleNamespace(internal_request_id=rid))
-
-
 # ---- timeouts ----------------------------------------------------------------------------
 
 
@@ -237,7 +200,7 @@ def test_a_request_not_answered_in_time_is_504_and_its_work_is_cancelled(limited
     results: dict[str, object] = {}
 
     def call_openai() -> None:
-        client = openai.OpenAI(base_url=f"{limited.base_url}/v1", api_key="k", max_retries=0)
+        client = openai_client(limited, "k")
         try:
             client.chat.completions.create(model=SLOW, max_tokens=4000, temperature=0,
                                            messages=[{"role": "user", "content": "go"}])
@@ -246,7 +209,7 @@ def test_a_request_not_answered_in_time_is_504_and_its_work_is_cancelled(limited
             results["openai"] = exc
 
     def call_anthropic() -> None:
-        client = anthropic.Anthropic(base_url=limited.base_url, api_key="k", max_retries=0)
+        client = anthropic_client(limited, "k")
         try:
             client.messages.create(model=SLOW, max_tokens=4000,
                                    messages=[{"role": "user", "content": "go"}])
@@ -255,14 +218,10 @@ def test_a_request_not_answered_in_time_is_504_and_its_work_is_cancelled(limited
             results["anthropic"] = exc
 
     with Held(limited, SLOW, 1):  # the only slot is taken: both wait in the queue
-        tic = time.monotonic()
-        threads = [threading.Thread(target=f) for f in (call_openai, call_anthropic)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        seconds = time.monotonic() - tic
-        print(f"both timed out after {seconds:.2f} s (timeout {TIMEOUT_S} s)")
+        calls = Threads()
+        for call in (call_openai, call_anthropic):
+            calls.start(call)
+        calls.join(60)
         exc = results["openai"]
         assert isinstance(exc, openai.APIStatusError) and exc.status_code == 504, exc
         assert exc.body["type"] == "timeout_error" and exc.body["code"] == "request_timeout"
@@ -271,10 +230,8 @@ def test_a_request_not_answered_in_time_is_504_and_its_work_is_cancelled(limited
         assert exc.body == {"type": "error", "error": {"type": "timeout_error",
                                                        "message": exc.body["error"]["message"]}}
         # Their replica work is gone while the held stream still runs: only it in flight.
-        deadline = time.monotonic() + 10
-        while stats(limited, SLOW)["engine"]["in_flight"] > 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for(lambda: stats(limited, SLOW)["engine"]["in_flight"] <= 1,
+                 "the timed-out requests' work cancelled", 10, interval=0.1)
     after = wait_idle(limited, SLOW)["engine"]
     assert after["cancelled"] - before["cancelled"] >= 3  # the two timed out, the held one
     assert after["generated_tokens"] - before["generated_tokens"] < 2 * 4000
@@ -349,12 +306,8 @@ def test_a_full_prefix_routed_model_answers_429_at_the_ingress_before_templating
             assert err["code"] == "queue_full" and "2 requests in flight" in err["message"]
         r = post(limited, "/v1/messages/count_tokens", messages_body(ROUTED))
         assert anthropic_error(r, 429)["type"] == "rate_limit_error"
-    deadline = time.monotonic() + 30
-    while True:  # the held streams' ends reach the ingress's count
-        r = post(limited, "/v1/chat/completions", chat(ROUTED, response_format=BAD_SCHEMA))
-        if r.status_code != 429 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    # Again after each 429 until the held streams' ends reach the ingress's count.
+    r = post_admitted(limited, "/v1/chat/completions", chat(ROUTED, response_format=BAD_SCHEMA))
     assert openai_error(r, 400)["param"].startswith("response_format")
     assert_serving(limited, ROUTED)
 
@@ -425,14 +378,17 @@ def test_stats_list_both_replicas_of_one_node_and_total_them(limited):
     own total, complete."""
     for _ in range(4):
         assert_serving(limited, ROUTED)
-    deadline = time.monotonic() + 60
-    while True:
-        s = wait_idle(limited, ROUTED)
-        listed = [r["stats"] for r in s["replicas"]]
-        if s["replicas_complete"] and sum(x["engine"]["finished"] for x in listed) >= 4:
-            break
-        assert time.monotonic() < deadline, s["replicas_note"]
-        time.sleep(0.5)
+    seen: dict = {}
+
+    def both_listed() -> dict | None:
+        seen.update(wait_idle(limited, ROUTED))
+        listed = [r["stats"] for r in seen["replicas"]]
+        counted = sum(x["engine"]["finished"] for x in listed) >= 4
+        return dict(seen) if seen["replicas_complete"] and counted else None
+
+    s = wait_for(both_listed, lambda: f"both replicas listed: {seen.get('replicas_note')}",
+                 60, interval=0.5)
+    listed = [r["stats"] for r in s["replicas"]]
     assert len({r["pid"] for r in s["replicas"]}) == 2
     assert len({r["node_id"] for r in s["replicas"]}) == 1
     for key in ("submitted", "finished", "prompt_tokens", "generated_tokens"):

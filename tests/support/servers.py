@@ -1,15 +1,17 @@
 """The one way a test runs a server: ``running(ServerProcess(...), models)`` waits until
 every model answers (or, ``generate=False``, shows in ``/v1/stats``), yields the server,
-and stops everything it started, by process id, however the block ends."""
+and stops everything it started, by process id, however the block ends; ``serving`` is
+``running`` of a ``serve run`` of a profile written for it."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from bench.devserver import ServerProcess
+from bench.devserver import ServerProcess, free_port, write_config
 
 DENSE = "tiny-dense"
 HYBRID = "tiny-hybrid"
@@ -38,6 +40,23 @@ def running(server: ServerProcess, models: Sequence[str] = (), *, timeout: float
         if models:
             server.wait_ready(list(models), timeout=timeout, generate=generate)
         yield server
+
+
+@contextmanager
+def serving(tmp: Path, models: list[dict], model_home: Path, *, env: dict | None = None,
+            api_key: str | None = None, timeout: float = 240.0, generate: bool = True,
+            **args: Any) -> Iterator[ServerProcess]:
+    """``serve run`` of ``models`` (the profile's other sections in ``args``) on a free
+    port, its config and log in ``tmp``, the embedded models from ``model_home``: yielded
+    once every model answers, stopped after. The one way the tests spell it."""
+    port = free_port()
+    config = write_config(tmp / "serve.yaml", port, models, **args)
+    server = ServerProcess.serve_run(config, port, tmp / "serve.log",
+                                     env={"SERVE_APP_HOME": str(model_home), **(env or {})},
+                                     api_key=api_key)
+    with running(server, [m["name"] for m in models], timeout=timeout,
+                 generate=generate) as proc:
+        yield proc
 
 
 def wait_for(check: Callable[[], Any], what: str | Callable[[], str], timeout: float = 30.0,
