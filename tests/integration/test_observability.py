@@ -10,14 +10,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from openai import OpenAI
+from openai.types.chat import ChatCompletion
 
 from bench.devserver import ServerProcess, free_port, write_config
 from dashboards.generate import DASHBOARDS, build, concrete, panel_queries
@@ -25,7 +24,9 @@ from serve_app.cache.ssd_format import read_header
 from serve_app.cache.ssd_fs import FORMAT_VERSION
 from serve_app.metrics.table import METRICS
 from tests.support import REPO
-from tests.support.servers import running
+from tests.support.clients import chat, openai_client, wait_written
+from tests.support.servers import running, wait_for
+from tests.support.threads import Threads
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -72,15 +73,14 @@ class Prometheus:
              f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}",
              "--web.enable-lifecycle"],
             stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, "prometheus down"
-            time.sleep(0.2)
+        wait_for(self.ready, "Prometheus ready", 60, interval=0.2)
+
+    def ready(self) -> bool:
+        assert self.proc.poll() is None, "Prometheus exited"
+        try:
+            return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def query(self, expr: str) -> list[dict]:
         r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
@@ -93,10 +93,14 @@ class Prometheus:
         return float(result[0]["value"][1]) if result else None
 
     def wait_for(self, expr: str, expected: float, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while (got := self.value(expr)) != expected:
-            assert time.monotonic() < deadline, f"{expr} = {got}, expected {expected}"
-            time.sleep(0.5)
+        """Until ``expr`` reads ``expected`` (a scrape and Ray's export behind the event)."""
+        got: list[float | None] = [None]
+
+        def reads() -> bool:
+            got[0] = self.value(expr)
+            return got[0] == expected
+
+        wait_for(reads, lambda: f"{expr} = {got[0]}, expected {expected}", timeout, 0.5)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -130,10 +134,8 @@ def stack(tmp_path, model_home):
         yield start, prometheus, tmp_path / "kv"
 
 
-def chat(server: ServerProcess, model: str, messages: list[dict]):
-    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="k", max_retries=0, timeout=120)
-    return client.chat.completions.create(model=model, messages=messages, max_tokens=12,
-                                          temperature=0)
+def ask(server: ServerProcess, model: str, messages: list[dict]) -> ChatCompletion:
+    return chat(openai_client(server, "k"), model, messages)
 
 
 def conversation(server: ServerProcess, model: str, turns: int) -> tuple[list[dict], list]:
@@ -143,7 +145,7 @@ def conversation(server: ServerProcess, model: str, turns: int) -> tuple[list[di
         messages.append({"role": "user",
                          "content": f"Turn {turn}: please describe the weather in detail, "
                                     f"then the tides, then the moon phase {turn}."})
-        reply = chat(server, model, messages)
+        reply = ask(server, model, messages)
         replies.append(reply)
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
     return messages[:-1], replies
@@ -160,31 +162,22 @@ def reject_one(server: ServerProcess) -> None:
         # Headers arrive once the replica has admitted the request (running or queued).
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
                           timeout=120) as r:
-            assert r.status_code == 200
-            started.wait()
+            assert r.status_code == 200, r.read()
+            started.wait(60)
             stop.wait(60)
 
-    threads = [threading.Thread(target=hold) for _ in range(2)]
-    for t in threads:
-        t.start()
-    started.wait()
-    r = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False},
-                   timeout=60)
-    stop.set()
-    for t in threads:
-        t.join()
+    holders = Threads()
+    holders.on_error.append(started.abort)  # a failed hold wakes the others at once
+    try:
+        for _ in range(2):
+            holders.start(hold)
+        started.wait(60)
+        r = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False},
+                       timeout=60)
+    finally:
+        stop.set()
+        holders.join(120)  # a holder's failure is raised here, before the barrier's
     assert r.status_code == 429, r.text
-
-
-def drained(server: ServerProcess, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = httpx.get(f"{server.base_url}/v1/stats", timeout=30).json()["models"]
-        store = stats[HYBRID]["cache_store"]
-        if store["staging"]["pending_bytes"] == 0 and store["ssd"]["index_ready"]:
-            return stats
-        assert time.monotonic() < deadline, store
-        time.sleep(0.2)
 
 
 def files(kv: Path, kind: str) -> list[Path]:
@@ -227,8 +220,7 @@ def test_metrics_follow_a_workload_across_a_restart(stack):
                       json={"model": HYBRID, "messages": [], "temperature": -1}
                       ).status_code == 400
     reject_one(first)
-    stats = drained(first)
-    store = stats[HYBRID]["cache_store"]
+    store = wait_written(first, HYBRID)
 
     for model, replies in ((HYBRID, hybrid), (DENSE, dense)):
         cached = sum(r.usage.prompt_tokens_details.cached_tokens for r in replies)
@@ -297,7 +289,7 @@ def test_metrics_follow_a_workload_across_a_restart(stack):
     # ---- session 2: the same request again, restored from SSD a block and a tail short
     second = start()
     prom.wait_for(m("prefix_cache_walkbacks_total", model=HYBRID), 0)  # the new series
-    again = chat(second, HYBRID, hybrid_messages)
+    again = ask(second, HYBRID, hybrid_messages)
     assert again.choices[0].message.content == last.choices[0].message.content
     expected = (restorable - 1) * BS
     assert again.usage.prompt_tokens_details.cached_tokens == expected
@@ -308,7 +300,7 @@ def test_metrics_follow_a_workload_across_a_restart(stack):
     assert prom.value(m("prefix_cache_ssd_read_bytes_total", model=HYBRID)) > 0
 
     # One more turn: now from the hot tier (SSD blocks were promoted on restore).
-    more = chat(second, HYBRID, [*hybrid_messages,
+    more = ask(second, HYBRID, [*hybrid_messages,
                                  {"role": "assistant",
                                   "content": again.choices[0].message.content},
                                  {"role": "user", "content": "And tomorrow?"}])
@@ -318,14 +310,18 @@ def test_metrics_follow_a_workload_across_a_restart(stack):
     assert prom.value(m("prefix_cache_hit_tokens_total", model=HYBRID, tier="hot")) > 0
     prom.wait_for(m("prefix_cache_walkbacks_total", model=HYBRID), 1)  # still exactly one
 
-    # ---- every panel of every dashboard has data; the scraped text is valid
-    time.sleep(3)  # a few samples of the new series for rate()
-    empty = []
-    for key in DASHBOARDS:
-        for title, expr in panel_queries(build(key)):
-            if not prom.query(concrete(expr)):
-                empty.append(f"{key} / {title}: {expr}")
-    assert not empty, "\n".join(empty)
+    # ---- every panel of every dashboard has data (rate() needs a few samples of the new
+    # series: until then a panel may be empty); the scraped text is valid
+    empty: list[str] = []
+
+    def every_panel_has_data() -> bool:
+        empty[:] = [f"{key} / {title}: {expr}" for key in DASHBOARDS
+                    for title, expr in panel_queries(build(key))
+                    if not prom.query(concrete(expr))]
+        return not empty
+
+    wait_for(every_panel_has_data, lambda: "data in every panel; empty:\n" + "\n".join(empty),
+             60, interval=1)
     promtool_check(httpx.get(f"{second.base_url}/metrics", timeout=30).text)
 
 
@@ -336,10 +332,8 @@ def every_metric_is_scraped_before_any_request(prom: Prometheus) -> None:
     for d in METRICS:
         pattern = f"ray_{d.name}" + {"counter": "_total", "gauge": "",
                                      "histogram": "_count"}[d.kind]
-        deadline = time.monotonic() + 60
-        while not prom.query(f'count({{__name__="{pattern}"}})'):
-            assert time.monotonic() < deadline, f"{pattern}: no series before any request"
-            time.sleep(0.5)
+        wait_for(lambda p=pattern: prom.query(f'count({{__name__="{p}"}})'),
+                 f"a series of {pattern} before any request", 60, interval=0.5)
         if d.kind == "histogram":
             for model in MODELS:
                 prom.wait_for(f'count({pattern}{{model="{model["name"]}"}}) > bool 0', 1)
@@ -354,9 +348,6 @@ def ray_service_discovery_is_current() -> None:
     """
     config = yaml.safe_load((REPO / "dashboards" / "prometheus-ray-cluster.yml").read_text())
     (path,) = config["scrape_configs"][0]["file_sd_configs"][0]["files"]
-    deadline = time.monotonic() + 60
-    while not Path(path).exists():
-        assert time.monotonic() < deadline, f"{path} was not written"
-        time.sleep(0.5)
+    wait_for(Path(path).exists, f"Ray to write {path}", 60, interval=0.5)
     assert Path(path).resolve().parent.name.startswith("session_")
     assert yaml.safe_load(Path(path).read_text())[0]["targets"]
