@@ -1,0 +1,170 @@
+"""Thought and answer split on token ids, streaming-safe; the budget and the answer's
+grammar gate (serve_app.reasoning), without an engine."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from serve_app.reasoning.budget import ThoughtGate
+from serve_app.reasoning.markers import ThinkingMarkers, markers_of
+from serve_app.reasoning.split import Part, ThoughtSplitter, opens_in_thought
+
+ONE = ThinkingMarkers((90,), (91,), "<think>", "</think>")
+MULTI = ThinkingMarkers((80, 81), (82, 83, 84), "<|a|>b", "<|c|>de")
+V = 100
+
+
+def parts(splitter: ThoughtSplitter, tokens: list[int]) -> list[tuple[str, int]]:
+    out = [(p.value, t) for tok in tokens for p, t in splitter.feed(tok)]
+    return out + [(p.value, t) for p, t in splitter.flush()]
+
+
+def test_a_thought_opened_by_the_output_ends_at_its_marker():
+    s = ThoughtSplitter(ONE, in_thought=False)
+    got = parts(s, [90, 1, 2, 91, 3, 90, 91, 4])
+    assert got == [("marker", 90), ("thought", 1), ("thought", 2), ("marker", 91),
+                   ("answer", 3), ("answer", 90), ("answer", 91), ("answer", 4)]
+    assert (s.thought_tokens, s.content_tokens) == (4, 2)
+
+
+def test_an_output_that_does_not_open_with_a_thought_is_all_answer():
+    s = ThoughtSplitter(ONE, in_thought=False)
+    assert parts(s, [5, 90, 6, 91]) == [("answer", t) for t in (5, 90, 6, 91)]
+    assert s.thought_tokens == 0
+
+
+def test_a_prompt_that_opened_the_thought_starts_inside_it():
+    s = ThoughtSplitter(ONE, in_thought=True)
+    assert parts(s, [1, 91, 2]) == [("thought", 1), ("marker", 91), ("answer", 2)]
+
+
+@pytest.mark.parametrize("cut", range(1, 9))
+def test_markers_of_several_tokens_split_the_same_however_the_tokens_arrive(cut):
+    tokens = [80, 81, 1, 82, 83, 2, 82, 83, 84, 3, 82]
+    whole = parts(ThoughtSplitter(MULTI, False), tokens)
+    assert whole == [("marker", 80), ("marker", 81), ("thought", 1), ("thought", 82),
+                     ("thought", 83), ("thought", 2), ("marker", 82), ("marker", 83),
+                     ("marker", 84), ("answer", 3), ("answer", 82)]
+    s = ThoughtSplitter(MULTI, False)
+    first = [(p.value, t) for tok in tokens[:cut] for p, t in s.feed(tok)]
+    rest = parts(s, tokens[cut:])
+    assert first + rest == whole
+
+
+def test_a_marker_left_open_at_the_end_is_flushed_as_what_it_was_inside():
+    s = ThoughtSplitter(MULTI, True)
+    assert parts(s, [1, 82, 83]) == [("thought", 1), ("thought", 82), ("thought", 83)]
+
+
+def test_the_prompt_says_whether_the_thought_is_open():
+    assert opens_in_thought([7, 8, 90, 10], ONE)
+    assert not opens_in_thought([7, 90, 1, 91, 10], ONE)  # enable_thinking false: closed
+    assert not opens_in_thought([7, 8, 10], ONE)
+    assert opens_in_thought([90, 1, 91, 5, 90], ONE)  # an earlier turn's thought, then open
+
+
+class Recorder:
+    """A stand-in for an answer grammar: records the prompt length it first saw and
+    allows only token 7."""
+
+    def __init__(self) -> None:
+        self.start: int | None = None
+        self.calls = 0
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.start is None:
+            self.start = tokens.size
+        self.calls += 1
+        return mx.where(mx.arange(V) == 7, logits, mx.array(float("-inf")))
+
+
+def drive(gate: ThoughtGate, prompt: list[int], choose) -> list[int]:
+    """Generate with ``gate`` as the only processor: ``choose(allowed)`` picks the next
+    token among those the gate leaves finite."""
+    out: list[int] = []
+    for _ in range(12):
+        logits = gate(mx.array(prompt + out), mx.zeros((1, V)))
+        allowed = [i for i, v in enumerate(logits[0].tolist()) if v != float("-inf")]
+        out.append(choose(allowed, len(out)))
+    return out
+
+
+def test_the_budget_closes_the_thought_with_the_models_own_marker():
+    gate = ThoughtGate(ONE, in_thought=True, budget=3)
+    out = drive(gate, [1, 2, 90], lambda allowed, i: 5 if 5 in allowed else allowed[0])
+    assert out[:4] == [5, 5, 5, 91] and gate.splitter.content_tokens == 3
+    gate = ThoughtGate(MULTI, in_thought=True, budget=2)
+    out = drive(gate, [1, 80, 81], lambda allowed, i: 5 if 5 in allowed else allowed[0])
+    assert out[:5] == [5, 5, 82, 83, 84]
+
+
+def test_a_budget_of_zero_closes_the_thought_at_once():
+    gate = ThoughtGate(ONE, in_thought=True, budget=0)
+    assert drive(gate, [90], lambda allowed, i: allowed[0])[0] == 91
+
+
+def test_the_answers_grammar_starts_after_the_thought():
+    rec: list[Recorder] = []
+
+    def answer():
+        rec.append(Recorder())
+        return (rec[-1],)
+
+    gate = ThoughtGate(ONE, in_thought=True, budget=2, answer=answer)
+    prompt = [1, 2, 90]
+    out = drive(gate, prompt, lambda allowed, i: 5 if 5 in allowed else allowed[0])
+    assert out[:3] == [5, 5, 91] and out[3:] == [7] * 9  # free thought, then the grammar
+    assert len(rec) == 1 and rec[0].start == len(prompt) + 3  # it saw the thought as prompt
+
+
+def test_an_output_that_may_open_a_thought_keeps_the_opening_marker_open():
+    rec: list[Recorder] = []
+
+    def answer():
+        rec.append(Recorder())
+        return (rec[-1],)
+
+    gate = ThoughtGate(ONE, in_thought=False, budget=1, answer=answer)
+    first: list[list[int]] = []
+
+    def choose(allowed: list[int], i: int) -> int:
+        if i == 0:
+            first.append(allowed)
+            return 90
+        return 5 if 5 in allowed else allowed[0]
+
+    out = drive(gate, [1], choose)
+    assert first == [[7, 90]]  # the grammar's token, and the opening marker
+    assert out[:4] == [90, 5, 91, 7]  # opened, one token of thought, closed, grammar
+    assert rec[-1].start == 1 + 3  # made again after the thought
+    gate = ThoughtGate(ONE, in_thought=False, budget=1, answer=answer)
+    out = drive(gate, [1], lambda allowed, i: allowed[0])
+    assert out == [7] * 12 and rec[-1].start == 1  # no thought: the first grammar stays
+
+
+def test_a_rollback_is_followed():
+    gate = ThoughtGate(ONE, in_thought=True, budget=2)
+    gate(mx.array([90]), mx.zeros((1, V)))
+    gate(mx.array([90, 5]), mx.zeros((1, V)))
+    gate(mx.array([90, 5, 91]), mx.zeros((1, V)))
+    assert gate.splitter.thought_done
+    logits = gate(mx.array([90, 5, 6]), mx.zeros((1, V)))  # 91 taken back, 6 instead
+    assert not gate.splitter.thought_done
+    assert [i for i, v in enumerate(logits[0].tolist()) if v != float("-inf")] == [91]
+
+
+def test_markers_come_from_the_tokenizer_or_the_named_parser(hybrid_tokenizer):
+    auto = markers_of(hybrid_tokenizer)
+    assert auto is not None and auto.start_text == "<think>" and len(auto.start) == 1
+    assert markers_of(hybrid_tokenizer, "qwen3") == auto
+    assert markers_of(hybrid_tokenizer, "none") is None
+
+
+@pytest.fixture(scope="module")
+def hybrid_tokenizer(model_home):
+    from mlx_lm.utils import load_tokenizer
+
+    from serve_app.models.embedded import materialize
+
+    return load_tokenizer(materialize("tiny-hybrid", model_home))
