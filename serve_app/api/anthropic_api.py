@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve_app.api.openai_api import Collector
-from serve_app.serving.events import Delta, Event, Failure, Finish, Start
+from serve_app.serving.events import Delta, Event, Failure, Finish, Reasoning, Start
 from serve_app.serving.request import ApiError
 from serve_app.serving.tools import ToolCall
 
@@ -139,6 +139,8 @@ class MessageStream:
             return self.tool_call(event)
         if isinstance(event, Start):
             return self.start(event.prompt_tokens, event.cached_tokens)
+        if isinstance(event, Reasoning):  # the thought is not sent on this API (yet)
+            return []
         if isinstance(event, Delta):
             return self.text(event.text)
         if isinstance(event, Finish):

@@ -36,7 +36,7 @@ from serve_app.config import api_keys
 from serve_app.metrics.table import Recorder
 from serve_app.models.compat import log_dir
 from serve_app.models.phase import SERVING
-from serve_app.serving.events import Delta, Event, Failure, Start
+from serve_app.serving.events import Delta, Event, Failure, Reasoning, Start
 from serve_app.serving.request import (
     ApiError,
     Caller,
@@ -242,16 +242,18 @@ class OpenAIIngress:
         parsed = await self._body(request, lambda body: checked(cls, body, validation_error))
         deadline = self._deadline()
         events, start = await self._open(parsed, caller_of(request), labels, deadline)
+        field = self.model_of(parsed.model).reasoning.response_field
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            stream = CompletionStream(wire, parsed.model, include_usage=include_usage)
+            stream = CompletionStream(wire, parsed.model, include_usage=include_usage,
+                                      reasoning_field=field)
             return StreamingResponse(
                 self._stream(events, stream, start, parsed.model, data_event, end=DONE,
                              path=request.url.path),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        collector = completion_collector(wire, parsed.model)
+        collector = completion_collector(wire, parsed.model, field)
         await self._collect(events, collector, start, parsed.model, deadline)
         return collector.response()
 
@@ -534,6 +536,8 @@ def _merge_deltas(batch: list[Event]) -> list[Event]:
         last = out[-1] if out else None
         if isinstance(e, Delta) and isinstance(last, Delta):
             out[-1] = last.merged(e)
+        elif isinstance(e, Reasoning) and isinstance(last, Reasoning):
+            out[-1] = Reasoning(last.text + e.text)
         else:
             out.append(e)
     return out

@@ -13,7 +13,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.serving.events import Delta, Event, Failure, Finish, Start, TokenLogprob, ToolCall
+from serve_app.serving.events import (
+    Delta,
+    Event,
+    Failure,
+    Finish,
+    Reasoning,
+    Start,
+    TokenLogprob,
+    ToolCall,
+)
 from serve_app.serving.request import ApiError
 
 
@@ -22,6 +31,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens
 
     def to_dict(self) -> dict:
         return {
@@ -29,11 +39,13 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         }
 
     @classmethod
     def of(cls, finish: Finish) -> Usage:
-        return cls(finish.prompt_tokens, finish.completion_tokens, finish.cached_tokens)
+        return cls(finish.prompt_tokens, finish.completion_tokens, finish.cached_tokens,
+                   finish.reasoning_tokens)
 
 
 def now() -> int:
@@ -51,12 +63,25 @@ def _token_entry(t: TokenLogprob) -> dict:
     return {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
 
 
+def reasoning_fields(response_field: str) -> tuple[str, ...]:
+    """The chat fields a thought goes out in, for a profile's ``reasoning.response_field``."""
+    if response_field == "both":
+        return ("reasoning_content", "reasoning")
+    return (response_field,)
+
+
 class ChatWire:
-    """``/v1/chat/completions``' shapes: message and delta choices, chat logprobs."""
+    """``/v1/chat/completions``' shapes: message and delta choices, chat logprobs; a
+    thinking model's thought in ``reasoning_content`` (and/or ``reasoning``)."""
 
     id_prefix = "chatcmpl"
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def reasoning_choice(self, text: str, fields: tuple[str, ...]) -> dict:
+        """A stream chunk's choice carrying thought text."""
+        return {"index": 0, "delta": dict.fromkeys(fields, text), "finish_reason": None,
+                "logprobs": None}
 
     def opening(self) -> dict | None:
         """The stream's first choice, before any text: the assistant's role."""
@@ -75,8 +100,11 @@ class ChatWire:
         return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
 
     def choice(self, text: str, finish_reason: str, tool_calls: list[ToolCall],
-               logprobs: tuple[TokenLogprob, ...] | None) -> dict:
+               logprobs: tuple[TokenLogprob, ...] | None, reasoning: str | None = None,
+               fields: tuple[str, ...] = ()) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if reasoning is not None:
+            message.update(dict.fromkeys(fields, reasoning))
         if tool_calls:
             message["tool_calls"] = [tool_call_out(c) for c in tool_calls]
         else:
@@ -110,7 +138,8 @@ class CompletionWire:
                 "logprobs": logprobs}
 
     def choice(self, text: str, finish_reason: str, tool_calls: list[ToolCall],
-               logprobs: tuple[TokenLogprob, ...] | None) -> dict:
+               logprobs: tuple[TokenLogprob, ...] | None, reasoning: str | None = None,
+               fields: tuple[str, ...] = ()) -> dict:
         return {"index": 0, "text": text, "finish_reason": finish_reason,
                 "logprobs": self.logprobs(logprobs)}
 
@@ -137,14 +166,18 @@ class CompletionStream:
     """A replica's events in, one OpenAI endpoint's (``wire``) stream chunks out; the same
     steps keep what the non-streamed answer needs (``response``).
 
-    On ``Start`` (chat) the role chunk, a chunk per ``Delta`` and per ``ToolCall``, on
+    On ``Start`` (chat) the role chunk, a chunk per ``Reasoning`` (chat: the thought in
+    ``fields``), per ``Delta`` and per ``ToolCall``, on
     ``Finish`` the finish chunk and, with ``include_usage``, the usage chunk; a
     ``Failure`` is one ``{"error": ...}`` object. Each ``feed`` returns the chunks to
     send now; ``done`` once the answer ended.
     """
 
-    def __init__(self, wire: Wire, model: str, *, include_usage: bool = False) -> None:
+    def __init__(self, wire: Wire, model: str, *, include_usage: bool = False,
+                 reasoning_field: str = "reasoning_content") -> None:
         self.wire, self.model, self.include_usage = wire, model, include_usage
+        self.fields = reasoning_fields(reasoning_field)
+        self._reasoning: list[str] = []
         self.id = f"{wire.id_prefix}-{uuid.uuid4().hex}"
         self.created = now()
         self.done = False
@@ -158,6 +191,11 @@ class CompletionStream:
         if isinstance(event, Start):
             opening = self.wire.opening()
             return [self._chunk(opening)] if opening is not None else []
+        if isinstance(event, Reasoning):
+            if not isinstance(self.wire, ChatWire):
+                return []
+            self._reasoning.append(event.text)
+            return [self._chunk(self.wire.reasoning_choice(event.text, self.fields))]
         if isinstance(event, Delta):
             logprobs = self.wire.logprobs(event.logprobs, self._offset)
             self._offset += len(event.text)
@@ -190,8 +228,9 @@ class CompletionStream:
         if self.finish is None:
             raise ApiError(500, "the model replica ended the request early", type="server_error")
         logprobs = tuple(self._logprobs) if self._logprobs is not None else None
+        reasoning = "".join(self._reasoning) if self._reasoning else None
         choice = self.wire.choice("".join(self._text), self.finish.finish_reason, self._calls,
-                                  logprobs)
+                                  logprobs, reasoning, self.fields)
         return {"id": self.id, "object": self.wire.object, "created": now(), "model": self.model,
                 "choices": [choice], "usage": Usage.of(self.finish).to_dict()}
 
@@ -224,7 +263,8 @@ class Collector:
         return self._build(self._events)
 
 
-def completion_collector(wire: Wire, model: str) -> Collector:
+def completion_collector(wire: Wire, model: str,
+                         reasoning_field: str = "reasoning_content") -> Collector:
     """The non-streamed OpenAI answer: ``CompletionStream`` keeps what it needs itself."""
-    stream = CompletionStream(wire, model)
+    stream = CompletionStream(wire, model, reasoning_field=reasoning_field)
     return Collector(stream, lambda _: stream.response())

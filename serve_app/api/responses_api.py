@@ -37,7 +37,7 @@ from typing import Any
 
 from serve_app.api.openai_api import Collector
 from serve_app.api.responses_request import ResponsesRequest
-from serve_app.serving.events import Delta, Event, Failure, Finish, Start, ToolCall
+from serve_app.serving.events import Delta, Event, Failure, Finish, Reasoning, Start, ToolCall
 from serve_app.serving.request import ApiError
 
 # ---- request schemas ----------------------------------------------------------------
@@ -159,6 +159,8 @@ class ResponseStream:
         """Dispatch one replica event (``serve_app.serving.events``)."""
         if isinstance(event, Start):
             return self.start()
+        if isinstance(event, Reasoning):  # the thought is not sent on this API (yet)
+            return []
         if isinstance(event, Delta):
             return self.text(event.text)
         if isinstance(event, ToolCall):

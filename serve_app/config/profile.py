@@ -189,6 +189,26 @@ class SpeculativeProfile(_Strict):
         return self
 
 
+Effort = Literal["minimal", "low", "medium", "high"]
+DEFAULT_EFFORT_BUDGETS: dict[Effort, int] = {
+    "minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
+
+
+class ReasoningProfile(_Strict):
+    """A thinking model's thoughts (``serve_app/reasoning``): the budget a thought may
+    spend before the server closes it with the model's own end-of-thinking tokens, per
+    ``reasoning_effort`` and by default, and the field the chat API sends it in."""
+
+    # Thought tokens when a request names no budget and no effort; None: no limit.
+    budget_tokens: Annotated[int, Field(ge=0)] | None = None
+    # ``reasoning_effort`` (chat) / ``reasoning.effort`` (Responses) as thought budgets.
+    effort_budgets: dict[Effort, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=lambda: dict(DEFAULT_EFFORT_BUDGETS))
+    # The chat API's name for the thought: "reasoning_content" (DeepSeek, vLLM),
+    # "reasoning" (mlx_lm.server, OpenRouter) or both.
+    response_field: Literal["reasoning_content", "reasoning", "both"] = "reasoning_content"
+
+
 class ParallelProfile(_Strict):
     """One model across several processes (Macs) over ``mlx.distributed``
     (``serve_app/parallel``): ``tensor: N`` splits every layer's heads and MLP over N
@@ -273,6 +293,11 @@ class ModelProfile(_Strict):
     # mlx-lm's tool parsers (mlx_lm/tool_parsers: "json_tools", "qwen3_coder", ...).
     # Embedded models may bring defaults for both (serve_app.config.catalog.PROFILE_DEFAULTS).
     tool_call_format: str | None = None
+    # How a thinking model's thought is told from its answer (``serve_app/reasoning``):
+    # "auto" (the default) by the thinking tokens mlx-lm's tokenizer knows of the model,
+    # "qwen3" / "deepseek_r1" by <think> and </think>, "none" leaves thoughts in the answer.
+    reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = "auto"
+    reasoning: ReasoningProfile = ReasoningProfile()
 
     @model_validator(mode="before")
     @classmethod

@@ -30,7 +30,7 @@ from serve_app.config.catalog import (
 from serve_app.config.paths import default_home
 from serve_app.models.compat import model_classes
 
-FORMAT_VERSION = 3  # 3: Qwen3 chat template, tool and think tokens
+FORMAT_VERSION = 4  # 3: Qwen3 chat template, tool and think tokens; 4: Qwen3.5 opens thoughts
 
 # Qwen3's chat template (as in Qwen/Qwen3-8B's tokenizer_config.json): tools as JSON
 # lines in a "# Tools" system section, calls as <tool_call> JSON blocks, results as
@@ -125,6 +125,18 @@ CHAT_TEMPLATE = r"""{%- if tools %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
 {%- endif %}"""  # noqa: E501
+# Qwen3.5's: the generation prompt opens the thought (closed and empty with thinking off),
+# so the output starts inside it. The Qwen3.5 hybrid (tiny-hybrid-mtp) has this one.
+QWEN35_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    """        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}""",
+    """        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- else %}
+        {{- '<think>\\n' }}
+    {%- endif %}
+{%- endif %}""")
+assert QWEN35_CHAT_TEMPLATE != CHAT_TEMPLATE
 # Appended only: the ids of earlier tokens never change. Tool-call and thinking markers are
 # single special tokens, as in Qwen3's vocabulary (mlx-lm finds <think> by its token).
 SPECIAL_TOKENS = [
@@ -150,7 +162,8 @@ class EmbeddedSpec:
     seed: int
     format: str = "fp32"
     # Saved as Hugging Face writes a Qwen3.5 checkpoint (names, GDN conv axes,
-    # zero-centred norms), with ``mtp.*`` weights: what mlx-lm's sanitize reads.
+    # zero-centred norms), with ``mtp.*`` weights: what mlx-lm's sanitize reads; with
+    # Qwen3.5's chat template (its generation prompt opens the thought).
     hf_qwen35_with_mtp: bool = False
 
 
@@ -255,7 +268,7 @@ def _byte_vocab() -> dict[str, int]:
     return {table[b]: b for b in range(256)}
 
 
-def _write_tokenizer(path: Path) -> None:
+def _write_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = _byte_vocab()
@@ -268,7 +281,7 @@ def _write_tokenizer(path: Path) -> None:
     tokenizer.save(str(path / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "eos_token": EOS_TOKEN,
         "pad_token": "<|endoftext|>",
         "bos_token": None,
@@ -332,7 +345,7 @@ def _build(spec: EmbeddedSpec, path: Path) -> None:
     save_config(config, path / "config.json")
     if spec.hf_qwen35_with_mtp:
         _add_mtp_in_hf_layout(spec, model, path)
-    _write_tokenizer(path)
+    _write_tokenizer(path, QWEN35_CHAT_TEMPLATE if spec.hf_qwen35_with_mtp else CHAT_TEMPLATE)
     (path / "EMBEDDED").write_text(f"{spec.name} format={FORMAT_VERSION}\n")
 
 

@@ -75,10 +75,9 @@ class ThoughtSplitter:
         if self._state == "opening":  # the output does not open with a thought
             self._state = "answer"
             return [(Part.ANSWER, t) for t in held]
-        out: list[tuple[Part, int]] = []
         # the first held token is thought; the rest may begin the marker afresh
         first, rest = held[0], held[1:]
-        out.append((Part.THOUGHT, first))
+        out = [(Part.THOUGHT, first)]
         self.thought_tokens += 1
         self.content_tokens += 1
         for t in rest:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from serve_app.serving.tools import ToolCall
 
-__all__ = ["Delta", "Event", "Failure", "Finish", "Start", "TokenLogprob", "ToolCall"]
+__all__ = ["Delta", "Event", "Failure", "Finish", "Reasoning", "Start", "TokenLogprob",
+           "ToolCall"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,13 @@ class Delta:
 
 
 @dataclass(frozen=True, slots=True)
+class Reasoning:
+    """A thinking model's thought text (never part of the answer's ``Delta`` s)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     """The end of a generation, with its usage (``cached_tokens`` as really restored)."""
 
@@ -59,6 +67,7 @@ class Finish:
     cached_tokens: int = 0
     seconds: float = 0.0
     stop_sequence: str | None = None
+    reasoning_tokens: int = 0  # of completion_tokens, the thought's (its markers too)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,4 +83,4 @@ class Failure:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-Event = Start | Delta | ToolCall | Finish | Failure
+Event = Start | Reasoning | Delta | ToolCall | Finish | Failure

@@ -17,6 +17,8 @@ from typing import Any
 from serve_app.cache.prefix import branch_points_in_text, common_prefix, find_branch_points
 from serve_app.config.profile import ModelProfile
 from serve_app.models.compat import wrapped_hf_tokenizer
+from serve_app.reasoning.markers import markers_of
+from serve_app.reasoning.plan import ThinkingPlan, budget_of, plan_thinking
 from serve_app.serving.normalize import Normalized, normalize, rules_named
 from serve_app.serving.request import (
     ApiError,
@@ -78,6 +80,8 @@ class PreparedRequest:
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    # A thinking model's chat request: its output splits into thought and answer.
+    thinking: ThinkingPlan | None = None
 
     @property
     def forced_tool_choice(self) -> bool:
@@ -99,6 +103,12 @@ class Preparer:
         self._offsets: Callable[..., Any] | None = hf if getattr(hf, "is_fast", False) else None
         self._offsets_checked = False
         self.renders_saved = 0  # requests whose branch points cost no rendering
+        # A thinking model's markers (None: the output is all answer); a parser the
+        # tokenizer cannot serve fails the load, naming the key.
+        try:
+            self.markers = markers_of(tokenizer, profile.reasoning_parser)
+        except ValueError as exc:
+            raise ValueError(f"models[{profile.name}].reasoning_parser: {exc}") from None
 
     def template_input(self, request: ChatCompletionRequest) -> Rendered:
         """The messages and tools as the chat template takes them: built once per request
@@ -124,11 +134,13 @@ class Preparer:
                 raise ApiError(400, "continue_final_message needs a final assistant message",
                                param="messages")
 
+            extra = request.template_kwargs()
+
             def render(tokenize: bool) -> Any:
                 return self.tokenizer.apply_chat_template(
                     messages, tools=tools, tokenize=tokenize,
                     add_generation_prompt=not continue_final,
-                    continue_final_message=continue_final)
+                    continue_final_message=continue_final, **extra)
 
             try:
                 if with_text and self._offsets is not None:
@@ -263,6 +275,11 @@ class Preparer:
             tools=rendered.tools if offered and rendered is not None else None,
             tool_choice=_choice(chat) if offered and chat is not None else None,
             parallel_tool_calls=chat is None or chat.parallel_tool_calls is not False)
+        if chat is not None:
+            reasoning = self.profile.reasoning
+            prepared.thinking = plan_thinking(self.markers, prompt, budget_of(
+                tokens=chat._thinking_budget, effort=chat.reasoning_effort,
+                default=reasoning.budget_tokens, efforts=reasoning.effort_budgets))
         self.grammar(prepared)  # a schema or tool choice that does not compile: 400 now
         prepared.normalized = rendered.normalized if rendered else ()
         prepared.branch_points = self.branch_points(request, prompt, rendered, found)
@@ -281,9 +298,12 @@ class Preparer:
         rendered = rendered or self.template_input(request)
         messages, tools = rendered.messages, rendered.tools
 
+        extra = request.template_kwargs()
+
         def render(conversation: list[dict]) -> list[int]:
             return self.tokenizer.apply_chat_template(
-                conversation, tools=tools, add_generation_prompt=False, tokenize=True)
+                conversation, tools=tools, add_generation_prompt=False, tokenize=True,
+                **extra)
 
         in_text = None
         if found is not None and found.text is not None and found.token_ends is not None:

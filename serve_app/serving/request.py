@@ -239,6 +239,11 @@ class ChatMessage(BaseModel):
     name: StrictStr | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages
     tool_call_id: StrictStr | None = None  # tool messages
+    # An assistant message's thought, sent back as the server sent it (the template
+    # decides whether to render it: Qwen3's drops the thoughts of turns before the last
+    # user message).
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None  # mlx_lm.server's and OpenRouter's name for it
 
     def text(self) -> str:
         if self.content is None:
@@ -259,8 +264,18 @@ class ChatMessage(BaseModel):
                                  for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None and self.role == "assistant":
+            out["reasoning_content"] = thought
         return out
 
+
+
+# The chat template's arguments the server sets itself (``chat_template_kwargs`` may not).
+TEMPLATE_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "tokenize", "add_generation_prompt",
+    "continue_final_message", "chat_template", "return_dict", "return_assistant_tokens_mask",
+})
 
 
 class ChatCompletionRequest(_Request):
@@ -277,6 +292,13 @@ class ChatCompletionRequest(_Request):
     _cache_points: tuple[int, ...] = PrivateAttr(default=())
     # The last (assistant) message is continued, not answered (vLLM's name for it).
     continue_final_message: StrictBool = False
+    # Extra arguments for the chat template (vLLM's name), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # A thinking model's effort as a thought budget (the profile's ``reasoning``);
+    # "none" renders the prompt with thinking off.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # Set by the Anthropic Messages route (``thinking.budget_tokens``), never from a body.
+    _thinking_budget: int | None = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -298,6 +320,10 @@ class ChatCompletionRequest(_Request):
             if forces_call(choice) and self.response_format.get("type") not in (None, "text"):
                 raise ApiError(400, "response_format cannot be combined with a forced "
                                     "tool_choice", param="response_format")
+        taken = sorted(TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or ()))
+        if taken:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}: the "
+                                "server passes them itself", param="chat_template_kwargs")
         for i, m in enumerate(self.messages):
             if m.role == "tool" and not m.tool_call_id:
                 raise ApiError(400, f"messages[{i}]: a tool message needs tool_call_id",
@@ -312,6 +338,13 @@ class ChatCompletionRequest(_Request):
                     param = f"messages[{i}].tool_calls[{j}].function.arguments"
                     raise ApiError(400, f"{param}: must be the JSON text of an object",
                                    param=param) from None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template gets besides the messages and tools."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+        return kwargs
 
     def wants_tools(self) -> bool:
         """Tools are offered and may be called (``tool_choice`` is not ``none``)."""

@@ -31,6 +31,7 @@ from serve_app.metrics.table import Recorder, replica_samples
 from serve_app.models.compat import download_model, token_bytes_table
 from serve_app.models.embedded import materialize
 from serve_app.parallel.lockstep import Channel, ShardPlanner
+from serve_app.reasoning.budget import ThoughtGate
 from serve_app.serving.admission import QueueFullError, RankLostError, refusal
 from serve_app.serving.engine import Engine
 from serve_app.serving.engine_events import EngineEvent
@@ -348,9 +349,18 @@ class ModelService:
 
     def constraints(self, prepared: PreparedRequest) -> tuple:
         """The request's own logits processors: a fresh matcher of its grammar, if any
-        (``Preparer.grammar``; 400 as ``ApiError``)."""
+        (``Preparer.grammar``; 400 as ``ApiError``), behind a thinking request's
+        ``ThoughtGate`` when it has a budget or a grammar."""
         grammar = self.preparer.grammar(prepared)
-        return (grammar.processor(),) if grammar is not None else ()
+
+        def answer() -> tuple:
+            return (grammar.processor(),) if grammar is not None else ()
+
+        plan = prepared.thinking
+        if plan is not None and (plan.budget is not None or grammar is not None):
+            # the thought is free (up to its budget); the grammar starts after it
+            return (ThoughtGate(plan.markers, plan.in_thought, plan.budget, answer),)
+        return answer()
 
     def _logprobs(self, event: EngineEvent) -> TokenLogprob | None:
         """A generated token's logprob entry, with its alternatives (EOS has none)."""

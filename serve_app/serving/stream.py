@@ -12,8 +12,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from serve_app.cache.manager import CacheManager
+from serve_app.reasoning.text import ThoughtText
 from serve_app.serving.engine_events import EngineEvent
-from serve_app.serving.events import Delta, Event, Finish, Start, TokenLogprob, ToolCall
+from serve_app.serving.events import (
+    Delta,
+    Event,
+    Finish,
+    Reasoning,
+    Start,
+    TokenLogprob,
+    ToolCall,
+)
 from serve_app.serving.prepare import PreparedRequest
 from serve_app.serving.request import ApiError
 from serve_app.serving.stops import StopStringMatcher
@@ -231,6 +240,10 @@ class RequestStream:
                        if support is not None else None)
         self._logprobs = prepared.logprobs is not None
         self._called = 0  # tool calls emitted
+        self._thought = (ThoughtText(service.tokenizer, service.eos_ids, prepared.thinking)
+                         if prepared.thinking is not None else None)
+        self._answer_started = False  # answer text has been emitted (after a thought)
+        self._generated = 0  # tokens generated, thought and answer
         self.done = False
 
     def start(self) -> Start:
@@ -263,15 +276,30 @@ class RequestStream:
             return True
         if event.token is not None:
             self._clock.token(event.at, self._prompt_tokens - self.cached)
-            text, stopped = self._decoder.add(event.token)
-            self._emit(out, text, self._service._logprobs(event) if self._logprobs else None)
-            if stopped:
-                self._service.engine.cancel(self._rid)
-                self._emit(out, "", None, final=True)
-                out.append(self._finish("stop"))
-                return True
+            self._generated += 1
+            answer = [event.token]
+            if self._thought is not None:
+                thought, answer = self._thought.feed(event.token)
+                if thought:
+                    out.append(Reasoning(thought))
+            own = answer == [event.token]  # its logprobs belong to this token alone
+            for token in answer:
+                text, stopped = self._decoder.add(token)
+                logprobs = self._service._logprobs(event) if self._logprobs and own else None
+                self._emit(out, text, logprobs)
+                if stopped:
+                    self._service.engine.cancel(self._rid)
+                    self._emit(out, "", None, final=True)
+                    out.append(self._finish("stop"))
+                    return True
         if event.finish_reason is not None:
             cut = event.finish_reason != "stop"
+            if self._thought is not None:
+                thought, answer = self._thought.finish()
+                if thought:
+                    out.append(Reasoning(thought))
+                for token in answer:
+                    self._emit(out, self._decoder.add(token)[0], None)
             self._emit(out, self._decoder.finish(), None, final=True, cut=cut)
             out.append(self._finish("length" if cut else "stop"))
             return True
@@ -285,16 +313,21 @@ class RequestStream:
 
     def _emit(self, out: list[Event], text: str, logprobs: TokenLogprob | None,
               final: bool = False, cut: bool = False) -> None:
+        if not self._answer_started and self._thought is not None:
+            if self._thought.had_thought:  # the newlines after </think> are the template's
+                text = text.lstrip("\n")
+            self._answer_started = bool(text)
         self._called += emit_text(out, text, self._calls, logprobs, final, cut)
 
     def _finish(self, reason: str) -> Finish:
         return Finish(
             finish_reason="tool_calls" if self._called and reason == "stop" else reason,
             prompt_tokens=self._prompt_tokens,
-            completion_tokens=self._decoder.tokens,
+            completion_tokens=max(self._generated, self._decoder.tokens),
             cached_tokens=self.cached,
             seconds=time.monotonic() - self._started,
             stop_sequence=self._decoder.stop_sequence(),
+            reasoning_tokens=self._thought.splitter.thought_tokens if self._thought else 0,
         )
 
 

@@ -8,7 +8,15 @@ import pytest
 
 from serve_app.api.http import _merge_deltas
 from serve_app.api.openai_api import CHAT, COMPLETION, CompletionStream, completion_collector
-from serve_app.serving.events import Delta, Failure, Finish, Start, TokenLogprob, ToolCall
+from serve_app.serving.events import (
+    Delta,
+    Failure,
+    Finish,
+    Reasoning,
+    Start,
+    TokenLogprob,
+    ToolCall,
+)
 from serve_app.serving.request import ApiError
 
 A = TokenLogprob("a", -0.5, (97,), (TokenLogprob("a", -0.5, (97,)), TokenLogprob("b", -1.0, (98,))))
@@ -37,6 +45,8 @@ def test_deltas_of_a_batch_merge_with_their_logprobs():
     merged = _merge_deltas([Start(1), Delta("x"), Delta("y"), CALL, Delta("a", (A,)),
                             Delta("bc", (B,))])
     assert merged == [Start(1), Delta("xy"), CALL, Delta("abc", (A, B))]
+    assert _merge_deltas([Reasoning("p"), Reasoning("q"), Delta("x")]) == [
+        Reasoning("pq"), Delta("x")]
     assert _merge_deltas([Delta("x"), Delta("y", (B,))]) == [Delta("xy", (B,))]
 
 
@@ -56,7 +66,8 @@ def test_chat_chunks_and_the_collected_answer_come_from_the_same_events():
     assert chunks[4]["choices"][0]["finish_reason"] == "tool_calls"
     assert chunks[5]["choices"] == [] and chunks[5]["usage"] == {
         "prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
-        "prompt_tokens_details": {"cached_tokens": 2}}
+        "prompt_tokens_details": {"cached_tokens": 2},
+        "completion_tokens_details": {"reasoning_tokens": 0}}
 
     collector = completion_collector(CHAT, "m")
     for e in generation():
@@ -107,3 +118,39 @@ def test_a_failure_is_an_error_chunk_or_raises_when_collected():
     with pytest.raises(ApiError) as info:
         unfinished.response()
     assert info.value.status == 500
+
+
+THOUGHT = [Start(5), Reasoning("Let me"), Reasoning(" see."), Delta("Paris"),
+           Finish("stop", 5, 9, 0, 0.1, None, reasoning_tokens=6)]
+
+
+@pytest.mark.parametrize("field,names", [("reasoning_content", ["reasoning_content"]),
+                                         ("reasoning", ["reasoning"]),
+                                         ("both", ["reasoning_content", "reasoning"])])
+def test_a_thought_goes_out_apart_from_the_answer_in_the_profiles_field(field, names):
+    stream = CompletionStream(CHAT, "m", include_usage=True, reasoning_field=field)
+    chunks = [c for e in THOUGHT for c in stream.feed(e)]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[1] == dict.fromkeys(names, "Let me") and deltas[2] == dict.fromkeys(names,
+                                                                                     " see.")
+    assert deltas[3] == {"content": "Paris"}
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 6}
+    collector = completion_collector(CHAT, "m", field)
+    for e in THOUGHT:
+        collector.feed(e)
+    message = collector.response()["choices"][0]["message"]
+    assert message["content"] == "Paris"
+    assert all(message[n] == "Let me see." for n in names)
+    assert collector.response()["usage"]["completion_tokens_details"]["reasoning_tokens"] == 6
+
+
+def test_an_answer_without_a_thought_has_no_thought_field():
+    collector = completion_collector(CHAT, "m")
+    for e in generation():
+        collector.feed(e)
+    assert "reasoning_content" not in collector.response()["choices"][0]["message"]
+
+
+def test_a_completion_never_carries_a_thought_field():
+    stream = CompletionStream(COMPLETION, "m")
+    assert [c for e in THOUGHT[:3] for c in stream.feed(e)] == []

@@ -8,7 +8,7 @@ import pytest
 
 from serve_app.reasoning.budget import ThoughtGate
 from serve_app.reasoning.markers import ThinkingMarkers, markers_of
-from serve_app.reasoning.split import Part, ThoughtSplitter, opens_in_thought
+from serve_app.reasoning.split import ThoughtSplitter, opens_in_thought
 
 ONE = ThinkingMarkers((90,), (91,), "<think>", "</think>")
 MULTI = ThinkingMarkers((80, 81), (82, 83, 84), "<|a|>b", "<|c|>de")
