@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
+from tests.support.clients import anthropic_client, openai_client
 from tests.support.servers import DENSE, HYBRID
 
 WEATHER = {"type": "function", "function": {
@@ -37,13 +38,12 @@ SCHEMA = {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
 def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0,
-                               timeout=120)
+    return anthropic_client(server)
 
 
 def ask(content: str) -> list[dict]:

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 import random
-import time
 import urllib.request
 
 import anthropic
 import httpx
 import pytest
-from openai import OpenAI
 
-from tests.support.servers import DENSE, HYBRID
+from tests.support.clients import anthropic_client, openai_client
+from tests.support.servers import DENSE, HYBRID, wait_for
 
 BETAS = ["claude-code-20250219", "interleaved-thinking-2025-05-14"]
 IDENTITY = "You are Claude Code, Anthropic's official CLI for Claude."
@@ -54,8 +53,7 @@ def system(rng: random.Random) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0,
-                               timeout=120)
+    return anthropic_client(server, timeout=120)
 
 
 def stats(server, model: str) -> dict:
@@ -160,8 +158,7 @@ def test_an_image_is_refused_with_a_clear_400(claude):
 
 
 def test_a_stamp_no_rule_knows_shows_up_as_a_cache_bust(server):
-    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
-                    timeout=120)
+    client = openai_client(server)
     header = "Session started at 2026-12-01T10:00:0"
     for second in range(4):
         client.chat.completions.create(
@@ -189,7 +186,4 @@ def test_the_normalized_counter_reaches_metrics(server, claude):
     before = count()
     claude.messages.create(model=DENSE, max_tokens=1, system=system(random.Random(11)),
                            messages=[{"role": "user", "content": "hi"}])
-    deadline = time.monotonic() + 60
-    while count() < before + 1 and time.monotonic() < deadline:
-        time.sleep(2)
-    assert count() >= before + 1
+    wait_for(lambda: count() >= before + 1, "the normalized request in /metrics", 60, 2)

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from openai import OpenAI
 
 import serve_app
 from bench.devserver import ServerProcess, free_port
+from tests.support.clients import chat, openai_client, text, user
 from tests.support.servers import running
 
 SERVE_APP = str(Path(sys.executable).with_name("serve-app"))
@@ -38,10 +38,14 @@ def test_version():
 def test_bad_flags_are_refused_before_ray_starts(args, words, tmp_path):
     import os
 
-    done = run("serve", *args, env={**os.environ, "SERVE_APP_HOME": str(tmp_path)})
+    ray_tmp = tmp_path / "ray_tmp"  # where a Ray started by the command writes its session
+    ray_tmp.mkdir()
+    done = run("serve", *args, env={**os.environ, "SERVE_APP_HOME": str(tmp_path),
+                                    "RAY_TMPDIR": str(ray_tmp)})
     assert done.returncode == 2, done.stderr
     assert words in done.stderr and "Traceback" not in done.stderr
     assert "Started a local Ray" not in done.stderr + done.stdout
+    assert not list(ray_tmp.rglob("session_*")), "a Ray was started"
     assert not list((tmp_path / "run").glob("*.yaml"))  # nothing left behind
 
 
@@ -50,17 +54,16 @@ def test_status_of_no_server_says_how_to_start_one():
     assert done.returncode == 2 and "serve-app serve embedded:smollm2-135m" in done.stderr
 
 
+@pytest.mark.slow  # serves the real embedded model, SmolLM2-135M
 def test_serve_an_embedded_model_without_a_yaml_file(tmp_path, model_home):
     port = free_port()
     server = ServerProcess([SERVE_APP, "serve", "embedded:smollm2-135m", "--port", str(port),
                             "--ssd-dir", str(tmp_path / "kv"), "--max-batch-size", "4"],
                            port, tmp_path / "serve.log", env={"SERVE_APP_HOME": str(model_home)})
     with running(server, ["smollm2-135m"], timeout=300):
-        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(
-            model="smollm2-135m", max_tokens=12, temperature=0,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in reply.choices[0].message.content
+        client = openai_client(server)
+        reply = chat(client, "smollm2-135m", user("What is the capital of France?"))
+        assert "Paris" in text(reply)
         (entry,) = client.models.list().data
         assert entry.context_length == 8192  # the model's own, without --context-length
         written = (model_home / "run" / "smollm2-135m.yaml").read_text()

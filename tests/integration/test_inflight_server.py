@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai.types.chat import ChatCompletion
 
+from tests.support.clients import chat, openai_client
 from tests.support.servers import DENSE, HYBRID
 
 WORDS = ("alpha", "beacon", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "iris",
@@ -29,16 +30,14 @@ def test_requests_arriving_together_prefill_their_shared_prefix_once(server, mod
     document = " ".join(rng.choice(WORDS) for _ in range(chars // 6))[:chars]
     messages = [{"role": "system", "content": document},
                 {"role": "user", "content": "Summarize."}]
-    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="key-one", max_retries=0,
-                    timeout=300)
+    client = openai_client(server, "key-one", timeout=300)
     waits_before, _ = inflight(server, model)
 
-    def ask(_):
-        return client.chat.completions.create(model=model, messages=messages, max_tokens=8,
-                                              temperature=0)
+    def ask(_) -> ChatCompletion:
+        return chat(client, model, messages, 8)
 
     with ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(ask, range(4)))
+        replies = list(pool.map(ask, range(4), timeout=600))
     cached = sorted(r.usage.prompt_tokens_details.cached_tokens for r in replies)
     # One computed the document cold (a few template tokens another test cached may be
     # restored before it), the others restored it.

@@ -12,11 +12,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai.types.chat import ChatCompletion
 
-from bench.devserver import ServerProcess, free_port, write_config
+from bench.devserver import ServerProcess
 from serve_app.models.embedded import EMBEDDED_MODELS
-from tests.support.servers import running
+from tests.support.clients import chat, openai_client
+from tests.support.servers import serving
 
 BS = 16
 VARIANTS = sorted(EMBEDDED_MODELS)
@@ -28,13 +29,9 @@ MODELS = [{"name": f"fmt-{v}", "source": f"embedded:{v}", "context_length": 1024
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_home) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("pool_formats")
-    port = free_port()
-    config = write_config(tmp / "serve.yaml", port, MODELS,
-                          cache_store={"ssd_dir": str(tmp / "kv")},
-                          memory={"max_loaded_models": 1})
-    with running(ServerProcess.serve_run(config, port, tmp / "serve.log",
-                                   env={"SERVE_APP_HOME": str(model_home)}),
-                 [m["name"] for m in MODELS], generate=False) as proc:
+    with serving(tmp, MODELS, model_home, generate=False,
+                 cache_store={"ssd_dir": str(tmp / "kv")},
+                 memory={"max_loaded_models": 1}) as proc:
         yield proc
 
 
@@ -44,13 +41,11 @@ def conversation(name: str) -> list[dict]:
 
 
 def test_every_format_restores_exactly_after_an_unload(server):
-    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="k", max_retries=0,
-                    timeout=120)
+    client = openai_client(server, "k")
     names = [m["name"] for m in MODELS]
 
-    def ask(name: str):
-        return client.chat.completions.create(model=name, messages=conversation(name),
-                                              max_tokens=12, temperature=0)
+    def ask(name: str) -> ChatCompletion:
+        return chat(client, name, conversation(name))
 
     def stats() -> dict:
         return httpx.get(f"{server.base_url}/v1/stats", timeout=60).json()

@@ -18,6 +18,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from tests.support.clients import openai_client
 from tests.support.servers import DENSE, HYBRID
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -49,7 +50,7 @@ def chat_tool(tool: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def calls_of(response) -> list:

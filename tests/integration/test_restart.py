@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
-import httpx
 import pytest
-from openai import OpenAI
+from openai.types.chat import ChatCompletion
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.cache.ssd_fs import TMP_MARK
+from tests.support.clients import chat, model_stats, openai_client, wait_written
 from tests.support.servers import running
 
 BS = 16
@@ -45,27 +44,8 @@ def start(tmp_path, model_home):
         yield go, kv
 
 
-def client(server: ServerProcess) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="k", max_retries=0, timeout=120)
-
-
-def ask(server: ServerProcess, model: str, messages: list[dict]):
-    return client(server).chat.completions.create(model=model, messages=messages,
-                                                  max_tokens=12, temperature=0)
-
-
-def store_stats(server: ServerProcess, model: str) -> dict:
-    return httpx.get(f"{server.base_url}/v1/stats", timeout=30).json()["models"][model]
-
-
-def wait_written(server: ServerProcess, model: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        store = store_stats(server, model)["cache_store"]
-        if store["staging"]["pending_bytes"] == 0 and store["ssd"]["index_ready"]:
-            return store
-        assert time.monotonic() < deadline, store
-        time.sleep(0.1)
+def ask(server: ServerProcess, model: str, messages: list[dict]) -> ChatCompletion:
+    return chat(openai_client(server, "k"), model, messages)
 
 
 def conversation(model: str) -> list[dict]:
@@ -88,13 +68,13 @@ def test_conversation_survives_a_restart(start, model):
 
     second = go()
     # (The readiness probe's own short request may have restored its tail already.)
-    loads_before = store_stats(second, model)["cache"]["sidecar_loads"]
+    loads_before = model_stats(second, model)["cache"]["sidecar_loads"]
     again = ask(second, model, messages)
     prompt = again.usage.prompt_tokens
     # Every full block and the tail captured at the prompt's end: one token computed.
     assert again.usage.prompt_tokens_details.cached_tokens == prompt - 1
     assert again.choices[0].message.content == turn2.choices[0].message.content
-    stats = store_stats(second, model)["cache"]
+    stats = model_stats(second, model)["cache"]
     assert stats["hit_tokens_by_tier"].get("ssd", 0) > 0
     assert stats["sidecar_loads"] - loads_before == (0 if model == DENSE_Q4 else 1)
     assert stats["incompatible_payloads"] == 0 and stats["restore_failures"] == 0
