@@ -103,6 +103,17 @@ SERVING = (
         "Per drafting request and verify step: tokens emitted (1 + drafts kept) and the "
         "share of drafted tokens kept; verify steps a second; requests drafting now. "
         "Adaptive depth stops drafting where a verify costs more than it saves."),
+    PanelSpec("Thinking models: thought tokens and the next turn's history prefilled ahead",
+              "short", (
+        Query(rate("ray_serve_app_reasoning_tokens_total", "model"), "thought {{model}}"),
+        Query(rate("ray_serve_app_generation_tokens_total", "model"), "generated {{model}}"),
+        Query(rate("ray_serve_app_history_ahead_prefilled_tokens_total", "model"),
+              "prefilled ahead {{model}}"),
+        Query(rate("ray_serve_app_history_ahead_requests_total", "model, outcome"),
+              "turns ahead/s {{model}} {{outcome}}")),
+        "Tokens a second generated inside thoughts against all generated; tokens a second "
+        "prefilled ahead of the next turn (its history without this turn's thought, which "
+        "the template drops), and turns a second by outcome."),
     PanelSpec("Sharded models: time in steps and on the command channel, by rank", "s", (
         Query(rate("ray_serve_app_rank_step_seconds_total", "model, rank"),
               "steps {{model}} rank {{rank}}"),

@@ -27,13 +27,8 @@ from serve_app.deploy.pool import UNLOAD_REASONS
 from serve_app.deploy.stage import PrepareStage
 from serve_app.memory.machine import probe_machine, process_rss_bytes, trim_malloc
 from serve_app.memory.plan import ModelMemory, PlannedMemory, ReplicaMemory
-from serve_app.metrics.table import (
-    MetricsPump,
-    RayRecorder,
-    memory_samples,
-    pool_samples,
-    rank_samples,
-)
+from serve_app.metrics.samples import memory_samples, pool_samples, rank_samples
+from serve_app.metrics.table import MetricsPump, RayRecorder
 from serve_app.models.compat import TOKENIZER_FILES, download_model
 from serve_app.models.phase import (
     ModelLoadError,

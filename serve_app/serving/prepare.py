@@ -8,15 +8,17 @@ tokens), and the replica takes the ``PreparedRequest`` as it is.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from serve_app.cache.prefix import branch_points_in_text, common_prefix, find_branch_points
 from serve_app.config.profile import ModelProfile
 from serve_app.models.compat import wrapped_hf_tokenizer
+from serve_app.reasoning.ahead import History, next_turn_prefix
 from serve_app.reasoning.markers import markers_of
 from serve_app.reasoning.plan import ThinkingPlan, budget_of, plan_thinking
 from serve_app.serving.normalize import Normalized, normalize, rules_named
@@ -36,7 +38,7 @@ from serve_app.serving.structured import (
     compile_tool_choice,
 )
 from serve_app.serving.tool_rules import forces_call
-from serve_app.serving.tools import canonical_tools, tool_support
+from serve_app.serving.tools import ToolCall, canonical_tools, tool_support
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,9 @@ class PreparedRequest:
     parallel_tool_calls: bool = True
     # A thinking model's chat request: its output splits into thought and answer.
     thinking: ThinkingPlan | None = None
+    # Its conversation, kept to prefill the next turn's prefix ahead (a thinking chat with
+    # the prefix cache on; ``serve_app.reasoning.ahead``).
+    history: History | None = None
 
     @property
     def forced_tool_choice(self) -> bool:
@@ -280,11 +285,34 @@ class Preparer:
             prepared.thinking = plan_thinking(self.markers, prompt, budget_of(
                 tokens=chat._thinking_budget, effort=chat.reasoning_effort,
                 default=reasoning.budget_tokens, efforts=reasoning.effort_budgets))
+            if (prepared.thinking is not None and rendered is not None and self.find_branches
+                    and not chat.continue_final_message):
+                prepared.history = History(tuple(rendered.messages), rendered.tools,
+                                           chat.template_kwargs())
         self.grammar(prepared)  # a schema or tool choice that does not compile: 400 now
         prepared.normalized = rendered.normalized if rendered else ()
         prepared.branch_points = self.branch_points(request, prompt, rendered, found)
         prepared.prepare_seconds = time.perf_counter() - tic
         return prepared
+
+    def next_turn_prefix(self, history: History, answer: str,
+                         calls: Sequence[ToolCall]) -> list[int]:
+        """The tokens the conversation's next request starts with, once this turn
+        answered ``answer`` (and ``calls``), as a client sends the turn back
+        (``ChatMessage.to_template``'s shape)."""
+        assistant: dict[str, Any] = {"role": "assistant", "content": answer}
+        if calls:
+            assistant["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                for c in calls]
+
+        def render(messages: list[dict[str, Any]]) -> list[int]:
+            return list(self.tokenizer.apply_chat_template(
+                messages, tools=history.tools, add_generation_prompt=False, tokenize=True,
+                **history.template_kwargs))
+
+        return next_turn_prefix(render, history, assistant)
 
     def branch_points(self, request: ChatCompletionRequest | CompletionRequest,
                       prompt: list[int], rendered: Rendered | None = None,
@@ -328,3 +356,11 @@ _UNKNOWN = object()
 def _choice(request: ChatCompletionRequest) -> str | dict | None:
     choice = request.tool_choice
     return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates take them: the object, else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

@@ -27,17 +27,19 @@ from serve_app.config.catalog import EMBEDDED_PREFIX
 from serve_app.config.normalize_rules import RULE_NAMES
 from serve_app.config.paths import default_home
 from serve_app.config.profile import ModelProfile, source_kind
-from serve_app.metrics.table import Recorder, replica_samples
+from serve_app.metrics.samples import replica_samples
+from serve_app.metrics.table import Recorder
 from serve_app.models.compat import download_model, token_bytes_table
 from serve_app.models.embedded import materialize
 from serve_app.parallel.lockstep import Channel, ShardPlanner
+from serve_app.reasoning.ahead import HistoryAhead, ThinkingStats
 from serve_app.reasoning.budget import ThoughtGate
 from serve_app.serving.admission import QueueFullError, RankLostError, refusal
 from serve_app.serving.engine import Engine
 from serve_app.serving.engine_events import EngineEvent
 from serve_app.serving.engine_ranks import RankEngine
 from serve_app.serving.errors import queue_full_error, rank_lost_error
-from serve_app.serving.events import Event, TokenLogprob
+from serve_app.serving.events import Event, Finish, TokenLogprob
 from serve_app.serving.prepare import PreparedRequest, Preparer
 from serve_app.serving.recent import RecentWindow
 from serve_app.serving.replica_stats import CacheView, NormalizationStats, PhaseTimes, ReplicaStats
@@ -191,6 +193,8 @@ class ModelService:
         # Requests whose prompt a normalization rule changed, by rule (serve_app/normalize).
         self.normalized = dict.fromkeys(RULE_NAMES, 0)
         self.preparer = Preparer(profile, tokenizer, branch_points=self.cache.enabled)
+        self.thinking = ThinkingStats()
+        self.ahead = HistoryAhead(self.thinking)  # the next turns' prefixes, prefilled
         # Token id -> (its text, its raw bytes), for logprobs; the byte table on first use.
         self._token_texts: dict[int, tuple[str, tuple[int, ...]]] = {}
         self._token_bytes: Callable[[int], bytes] | None = None
@@ -201,6 +205,7 @@ class ModelService:
         return self.cache.stats
 
     def shutdown(self) -> None:
+        self.ahead.close()
         self.engine.shutdown()
 
     # ---- request preparation ---------------------------------------------------
@@ -279,12 +284,44 @@ class ModelService:
                 if out:
                     pacer.sent()
                     yield out
+            self._after(prepared, request)
         finally:
             if not request.done:
                 self.engine.cancel(rid)
             self.cache.settle(plan)
             await lease.close()
             clock.finished()
+
+    def _after(self, prepared: PreparedRequest, request: RequestStream) -> None:
+        """A turn that ended: its thought counted; a thinking chat's next turn prefix
+        prefilled ahead (``serve_app.reasoning.ahead``) once it answered (a stop string,
+        the end of the answer or its token limit: the client sends back what it got)."""
+        finish, history = request.finish, prepared.history
+        if finish is None:
+            return
+        self.thinking.thought_tokens += finish.reasoning_tokens
+        if history is None:
+            return
+        answer, calls = "".join(request.answer), tuple(request.calls)
+        self.ahead.schedule(
+            lambda: self.preparer.next_turn_prefix(history, answer, calls),
+            [*prepared.prompt, *request.tokens],
+            lambda tokens: self._prefill_ahead(prepared, tokens))
+
+    async def _prefill_ahead(self, turn: PreparedRequest, tokens: list[int]) -> int | None:
+        """Prefill ``tokens`` (the next turn's prefix of ``turn``'s conversation) through
+        the cache, under the turn's salt and key; the tokens restored, or None when the
+        engine has no free slot (real requests come first) or the prefix is too long."""
+        if len(tokens) >= self.profile.context_length or refusal(self.engine) is not None:
+            return None
+        ahead = PreparedRequest(prompt=tokens, params=SamplingParams(max_tokens=1),
+                                stops=[], salt=turn.salt, api_key_digest=turn.api_key_digest)
+        restored: int | None = None
+        async for events in self.stream(ahead, ()):
+            for e in events:
+                if isinstance(e, Finish):
+                    restored = e.cached_tokens
+        return restored
 
     def _admit(self, prepared: PreparedRequest,
                processors: tuple | None) -> tuple[ApiError | None, tuple]:
@@ -411,7 +448,7 @@ class ModelService:
     def metric_samples(self) -> list:
         """This replica's counters and gauges, for the metrics pump."""
         return replica_samples(self.profile.name, self.engine.snapshot(), self.cache_stats,
-                               self.normalized)
+                               self.normalized, self.thinking)
 
     async def stats(self) -> dict:
         """``full_stats`` as ``/v1/stats`` shows them."""

@@ -244,6 +244,12 @@ class RequestStream:
                          if prepared.thinking is not None else None)
         self._answer_started = False  # answer text has been emitted (after a thought)
         self._generated = 0  # tokens generated, thought and answer
+        # Kept for the next turn's prefix (``ModelService`` prefills it ahead).
+        self._history = prepared.history is not None
+        self.tokens: list[int] = []  # generated
+        self.answer: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.finish: Finish | None = None
         self.done = False
 
     def start(self) -> Start:
@@ -253,9 +259,19 @@ class RequestStream:
         """The events of one batch of engine events (nothing after the request's end)."""
         out: list[Event] = []
         for event in batch:
+            if self._history and event.token is not None:
+                self.tokens.append(event.token)
             if self._event(event, out):
                 self.done = True
                 break
+        if self._history:
+            for e in out:
+                if isinstance(e, Delta):
+                    self.answer.append(e.text)
+                elif isinstance(e, ToolCall):
+                    self.calls.append(e)
+                elif isinstance(e, Finish):
+                    self.finish = e
         return out
 
     def _event(self, event: EngineEvent, out: list[Event]) -> bool:

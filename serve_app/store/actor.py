@@ -55,7 +55,8 @@ from serve_app.cluster.replicas import ReplicaBoard, ReplicaReport
 from serve_app.config.paths import default_cache_dir
 from serve_app.config.profile import CacheStoreProfile
 from serve_app.memory.plan import hot_budget_bytes
-from serve_app.metrics.table import MetricsPump, RayRecorder, Sample, store_samples
+from serve_app.metrics.samples import store_samples
+from serve_app.metrics.table import MetricsPump, RayRecorder, Sample
 
 logger = logging.getLogger(__name__)
 

@@ -144,3 +144,100 @@ def test_a_model_whose_template_does_not_open_the_thought_answers_as_before(home
         assert got["text"] == tokenizer.decode([t for t in tokens if t not in service.eos_ids])
     finally:
         service.shutdown()
+
+
+def cached_thinker(home, **profile) -> ModelService:
+    from serve_app.cache.client import LocalCacheClient
+    from serve_app.cache.tiers import TieredStore
+
+    path = materialize(THINKER, home)
+    model, tokenizer = mlx_lm.load(str(path))
+    return ModelService(ModelProfile(name="m", source=f"embedded:{THINKER}",
+                                     cache={"block_size": 16}, **profile),
+                        model, tokenizer, path, LocalCacheClient(TieredStore(1 << 30)))
+
+
+def conversation(service: ModelService, turns: int, ahead: bool) -> list[dict]:
+    """``turns`` turns of one chat, each answer sent back as a client sends it (content
+    only: the template drops its thought); after each, the next turn's prefix prefilled
+    ahead (or, ``ahead`` False, not)."""
+    messages = [{"role": "system", "content": "You think first. " * 6}]
+    out = []
+
+    async def go():
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"Question number {turn}?"})
+            req = ChatCompletionRequest(model="m", messages=list(messages), max_tokens=20,
+                                        temperature=0)
+            prepared = service.prepare(req)
+            if not ahead:
+                prepared.history = None
+            thought, text, finish = [], [], None
+            async for events in service.stream(prepared):
+                for e in events:
+                    if isinstance(e, Reasoning):
+                        thought.append(e.text)
+                    elif isinstance(e, Delta):
+                        text.append(e.text)
+                    elif isinstance(e, Finish):
+                        finish = e
+            await service.ahead.idle()
+            out.append({"prompt": len(prepared.prompt), "cached": finish.cached_tokens,
+                        "history": history_end(service.tokenizer, messages),
+                        "text": "".join(text), "thought": "".join(thought),
+                        "reasoning": finish.reasoning_tokens})
+            messages.append({"role": "assistant", "content": "".join(text)})
+
+    asyncio.run(go())
+    return out
+
+
+def history_end(tokenizer, messages: list[dict]) -> int:
+    """Where the last user message's text starts in the prompt: the rendered prompts of
+    two different texts share exactly what comes before it."""
+    a, b = (tokenizer.apply_chat_template([*messages[:-1], {"role": "user", "content": t}],
+                                          add_generation_prompt=True) for t in ("x", "y"))
+    return next(i for i, (p, q) in enumerate(zip(a, b, strict=False)) if p != q)
+
+
+def test_the_next_turn_restores_its_whole_history_though_the_template_drops_thoughts(home):
+    """Qwen3.5's template renders earlier turns without their thought: without the prefill
+    ahead a turn restores only up to the previous answer's start; with it, everything
+    before its new user message. Both give a cold prefill's tokens."""
+    service = cached_thinker(home, reasoning={"budget_tokens": 6})
+    cold = cached_thinker(home, reasoning={"budget_tokens": 6})
+    try:
+        with_ahead = conversation(service, 4, ahead=True)
+        stats = service.thinking
+        assert stats.ahead["done"] == 4 and stats.ahead_prefilled_tokens > 0
+        assert stats.thought_tokens == sum(t["reasoning"] for t in with_ahead) == 4 * 7
+        without = conversation(cold, 4, ahead=False)
+        assert cold.thinking.ahead["done"] == 0
+        for turn, (a, b) in enumerate(zip(with_ahead, without, strict=True)):
+            assert (a["text"], a["thought"]) == (b["text"], b["thought"]), turn
+            if turn == 0:
+                continue
+            # everything before the new user message's text is restored (but the last token:
+            # a capture at a prompt's end holds the state before its last token)
+            assert a["cached"] >= a["history"] - 1, (turn, a)
+            # without: only up to the previous answer's start (its thought left the prompt)
+            assert b["cached"] < a["cached"] - 20, (turn, a, b)
+        nocache = conversation_cold(home, [t["text"] for t in with_ahead])
+        assert [t["text"] for t in with_ahead] == nocache
+    finally:
+        service.shutdown()
+        cold.shutdown()
+
+
+def conversation_cold(home, answers: list[str]) -> list[str]:
+    """The same conversation on a service without a cache: its answers."""
+    path = materialize(THINKER, home)
+    model, tokenizer = mlx_lm.load(str(path))
+    service = ModelService(ModelProfile(name="m", source=f"embedded:{THINKER}",
+                                        cache={"enabled": False},
+                                        reasoning={"budget_tokens": 6}),
+                           model, tokenizer, path, None)
+    try:
+        return [t["text"] for t in conversation(service, len(answers), ahead=False)]
+    finally:
+        service.shutdown()

@@ -13,6 +13,7 @@ from serve_app.cache.ssd import SSDStore
 from serve_app.cache.tiers import TieredStore
 from serve_app.config.normalize_rules import RULE_NAMES
 from serve_app.deploy.pool import UNLOAD_REASONS
+from serve_app.metrics.samples import pool_samples, rank_samples, replica_samples, store_samples
 from serve_app.metrics.table import (
     DEFS,
     METRICS,
@@ -22,10 +23,6 @@ from serve_app.metrics.table import (
     Recorder,
     Sample,
     markdown_table,
-    pool_samples,
-    rank_samples,
-    replica_samples,
-    store_samples,
     zero_at_start,
 )
 from serve_app.parallel.group import RankStatus

@@ -168,3 +168,26 @@ def hybrid_tokenizer(model_home):
     from serve_app.models.embedded import materialize
 
     return load_tokenizer(materialize("tiny-hybrid", model_home))
+
+
+def test_the_next_turn_prefix_is_what_two_next_messages_share():
+    from serve_app.reasoning.ahead import History, covered, next_turn_prefix
+
+    seen: list[list[dict]] = []
+
+    def render(messages: list[dict]) -> list[int]:
+        seen.append(messages)
+        out: list[int] = []
+        for m in messages:  # role id, content's characters, end of turn
+            out += [{"system": 1, "user": 2, "assistant": 3}[m["role"]]]
+            out += [ord(c) for c in m["content"]] + [0]
+        return out
+
+    history = History(({"role": "user", "content": "hi"},), None, {})
+    prefix = next_turn_prefix(render, history, {"role": "assistant", "content": "yo"})
+    assert prefix == [2, ord("h"), ord("i"), 0, 3, ord("y"), ord("o"), 0, 2]
+    assert [m["content"] for m in seen[0]] == ["hi", "yo", "a"]
+    generated = [2, ord("h"), ord("i"), 0, 3, 90, 5, 91, ord("y"), ord("o"), 0]
+    assert not covered(prefix, generated)  # the thought (90 5 91) is not in the prefix
+    assert covered(prefix, prefix[:-1])  # generated as rendered: nothing to prefill
+    assert covered(prefix[:5], generated)

@@ -10,7 +10,8 @@ import pytest
 from serve_app.cache.ssd import SSDStore, WriteResult
 from serve_app.cache.tiers import TieredStore
 from serve_app.cache.wear import AUTO_FRACTION_PER_HOUR, RollingByteBudget, auto_write_budget
-from serve_app.metrics.table import DROP_REASONS, store_samples
+from serve_app.metrics.samples import store_samples
+from serve_app.metrics.table import DROP_REASONS
 from tests.support.blocks import DISK, LAYOUT, MODEL, bid, entry, meta, tensors
 from tests.support.servers import wait_for
 
