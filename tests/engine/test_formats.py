@@ -19,9 +19,6 @@ from serve_app.cache.payload import BlockPayload, RestorePlan, Tensor, from_tens
 from serve_app.cache.request_plan import RequestPlan
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_format import read_file
-from serve_app.config.catalog import REAL_MODELS
-from serve_app.config.paths import default_home
-from serve_app.models.embedded import _target
 from serve_app.serving.request import ChatCompletionRequest
 from serve_app.serving.sampling import SamplingParams
 from tests.support.engine import run
@@ -29,16 +26,11 @@ from tests.support.formats import (
     BS,
     DENSES,
     HYBRIDS,
-    REALS,
     Server,
     branch,
     prompt_of,
+    restart_matches_cold,
 )
-
-
-def built(name: str) -> bool:
-    """Whether a real model is already materialized in the user's home."""
-    return (_target(name, default_home()) / "EMBEDDED").exists()
 
 
 @pytest.mark.parametrize("name", HYBRIDS + DENSES)
@@ -63,35 +55,12 @@ def test_warm_multi_turn_matches_cold(name, home):
 @pytest.mark.parametrize("name,storage", [
     *((n, s) for n in HYBRIDS for s in ("ssd_sidecar", "embedded")),
     *((n, "auto") for n in DENSES),  # no recurrent state: KV block files only
-    *(pytest.param(n, "auto", marks=[pytest.mark.slow, pytest.mark.skipif(
-        not built(n), reason=f"{n} is not built in {default_home()}: its build downloads "
-        "(a process and the network, which the engine layer may not use); a server that "
-        "served it once has built it")]) for n in REALS),
 ])
 def test_restart_from_ssd_matches_cold(name, storage, home, tmp_path):
     """Cold, then restored from SSD after a restart, then from the hot tier, then its full
-    blocks alone: the same tokens each time."""
-    if name in REAL_MODELS:  # built by a server, in the user's home: read, never rebuilt
-        home = default_home()
-    cache = {"gdn_snapshot_storage": storage}
-    prompt = prompt_of(7, 3)
-    first = Server(name, home, tmp_path, cache)
-    a = first.ask(prompt)
-    first.drain()
-    first.close()
-
-    again = Server(name, home, tmp_path, cache)
-    b = again.ask(prompt)  # three blocks and the tail at the prompt's end
-    assert b["cached"] == len(prompt) - 1
-    assert b["text"] == a["text"] == again.cold_text(prompt)
-    stats = again.service.cache_stats
-    assert stats.hit_tokens_by_tier == {"ssd": len(prompt) - 1}
-    assert stats.incompatible_payloads == 0 and stats.checkpoint_rejects == 0
-    c = again.ask(prompt)  # promoted to the hot tier, still exact
-    assert c["text"] == a["text"] and stats.hit_tokens_by_tier["hot"] == len(prompt) - 1
-    d = again.ask(branch(prompt))  # the full blocks alone, from the hot tier now
-    assert d["cached"] == 3 * BS and d["text"] == again.cold_text(branch(prompt))
-    again.close()
+    blocks alone: the same tokens each time (SmolLM2's formats: the same check in
+    tests/integration/test_real_model_formats.py, where its build may download)."""
+    restart_matches_cold(name, storage, home, tmp_path)
 
 
 @pytest.mark.parametrize("name", HYBRIDS)

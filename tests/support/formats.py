@@ -89,3 +89,27 @@ def branch(prompt: list[int]) -> list[int]:
     """The same full blocks, other last tokens: no tail of ``prompt`` matches it, so
     a restore of it exercises the full blocks and their checkpoints alone."""
     return prompt[:-3] + [5 + (t + 7) % 240 for t in prompt[-3:]]
+
+
+def restart_matches_cold(name: str, storage: str, home: Path, tmp_path: Path) -> None:
+    """Cold, then restored from SSD after a restart, then from the hot tier, then its full
+    blocks alone: the same tokens each time."""
+    cache = {"gdn_snapshot_storage": storage}
+    prompt = prompt_of(7, 3)
+    first = Server(name, home, tmp_path, cache)
+    a = first.ask(prompt)
+    first.drain()
+    first.close()
+
+    again = Server(name, home, tmp_path, cache)
+    b = again.ask(prompt)  # three blocks and the tail at the prompt's end
+    assert b["cached"] == len(prompt) - 1
+    assert b["text"] == a["text"] == again.cold_text(prompt)
+    stats = again.service.cache_stats
+    assert stats.hit_tokens_by_tier == {"ssd": len(prompt) - 1}
+    assert stats.incompatible_payloads == 0 and stats.checkpoint_rejects == 0
+    c = again.ask(prompt)  # promoted to the hot tier, still exact
+    assert c["text"] == a["text"] and stats.hit_tokens_by_tier["hot"] == len(prompt) - 1
+    d = again.ask(branch(prompt))  # the full blocks alone, from the hot tier now
+    assert d["cached"] == 3 * BS and d["text"] == again.cold_text(branch(prompt))
+    again.close()
