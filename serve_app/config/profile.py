@@ -207,6 +207,10 @@ class ReasoningProfile(_Strict):
     # The chat API's name for the thought: "reasoning_content" (DeepSeek, vLLM),
     # "reasoning" (mlx_lm.server, OpenRouter) or both.
     response_field: Literal["reasoning_content", "reasoning", "both"] = "reasoning_content"
+    # After each turn, prefill the next turn's prefix ahead (the history as the template
+    # renders it next time, without this turn's thought): the next turn restores all of
+    # its history. Off: it restores up to this turn's answer start (serve_app/reasoning).
+    prefill_next_turn: bool = True
 
 
 class ParallelProfile(_Strict):

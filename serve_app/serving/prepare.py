@@ -286,7 +286,7 @@ class Preparer:
                 tokens=chat._thinking_budget, effort=chat.reasoning_effort,
                 default=reasoning.budget_tokens, efforts=reasoning.effort_budgets))
             if (prepared.thinking is not None and rendered is not None and self.find_branches
-                    and not chat.continue_final_message):
+                    and reasoning.prefill_next_turn and not chat.continue_final_message):
                 prepared.history = History(tuple(rendered.messages), rendered.tools,
                                            chat.template_kwargs())
         self.grammar(prepared)  # a schema or tool choice that does not compile: 400 now

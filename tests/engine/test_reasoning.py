@@ -205,13 +205,13 @@ def test_the_next_turn_restores_its_whole_history_though_the_template_drops_thou
     ahead a turn restores only up to the previous answer's start; with it, everything
     before its new user message. Both give a cold prefill's tokens."""
     service = cached_thinker(home, reasoning={"budget_tokens": 6})
-    cold = cached_thinker(home, reasoning={"budget_tokens": 6})
+    cold = cached_thinker(home, reasoning={"budget_tokens": 6, "prefill_next_turn": False})
     try:
         with_ahead = conversation(service, 4, ahead=True)
         stats = service.thinking
         assert stats.ahead["done"] == 4 and stats.ahead_prefilled_tokens > 0
         assert stats.thought_tokens == sum(t["reasoning"] for t in with_ahead) == 4 * 7
-        without = conversation(cold, 4, ahead=False)
+        without = conversation(cold, 4, ahead=True)  # its profile turns it off
         assert cold.thinking.ahead["done"] == 0
         for turn, (a, b) in enumerate(zip(with_ahead, without, strict=True)):
             assert (a["text"], a["thought"]) == (b["text"], b["thought"]), turn
