@@ -10,7 +10,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import ray
@@ -19,6 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from bench.devserver import descendants
 from serve_app.cli.local_cluster import private_dir
 from tests.support import REPO
+from tests.support.servers import wait_for
 
 
 def test_local_cluster_runs_nodes_with_their_own_ssd_directories(tmp_path):
@@ -36,12 +36,14 @@ def test_local_cluster_runs_nodes_with_their_own_ssd_directories(tmp_path):
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     pids: set[int] = set()
     try:
-        deadline = time.monotonic() + 120
-        while not (found := re.search(r"serve run --address (\S+) configs/qwen-cluster.yaml",
-                                      log.read_text(errors="replace"))):
+        def serve_command() -> re.Match | None:
+            """The command it prints once its nodes are up."""
             assert proc.poll() is None, log.read_text(errors="replace")
-            assert time.monotonic() < deadline, log.read_text(errors="replace")
-            time.sleep(0.5)
+            return re.search(r"serve run --address (\S+) configs/qwen-cluster.yaml",
+                             log.read_text(errors="replace"))
+
+        found = wait_for(serve_command, lambda: "the nodes up; its log:\n"
+                         + log.read_text(errors="replace"), 120, interval=0.5)
         pids.update(descendants(proc.pid))
         ray.init(address=found.group(1), logging_level="ERROR")
         try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import ray
@@ -13,6 +12,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from serve_app.config.profile import CacheStoreProfile
 from serve_app.deploy.scrape import gather_node_metrics
 from serve_app.store.actor import CacheStoreActor
+from tests.support.servers import wait_for
 
 
 @pytest.fixture
@@ -39,14 +39,15 @@ def test_each_nodes_cache_store_is_scraped(two_nodes):
         for node, budget in budgets.items()]
     ray.get([a.stats.remote() for a in actors])
 
-    deadline = time.monotonic() + 60
-    while True:
-        text = asyncio.run(gather_node_metrics())
+    last = [""]
+
+    def every_budget() -> str | None:
+        text = last[0] = asyncio.run(gather_node_metrics())
         seen = sorted(float(line.split()[-1]) for line in text.splitlines()
                       if line.startswith("ray_serve_app_cache_budget_bytes{")
                       and 'tier="hot"' in line)
-        if seen == sorted(budgets.values()):
-            break
-        assert time.monotonic() < deadline, text
-        time.sleep(0.5)
+        return text if seen == sorted(budgets.values()) else None
+
+    text = wait_for(every_budget, lambda: f"each node's hot budget exported:\n{last[0]}", 60,
+                    interval=0.5)
     assert text.count("# TYPE ray_serve_app_cache_budget_bytes gauge") == 1
