@@ -7,10 +7,15 @@ and the replica's typed events (``serve_app.serving.events``: ``Start``, ``Delta
 SSE event sequence. Shapes are checked against the ``anthropic`` SDK in
 ``tests/unit/test_anthropic_units.py``.
 
+``thinking``: with it (``enabled``, its ``budget_tokens`` the thought's budget), a
+thinking model's thought is a ``thinking`` block before the answer, signed
+(``thinking_signature``); without it the model renders with thinking off and no thought is
+sent. Thinking blocks sent back in history must verify and are the assistant message's
+``reasoning_content``; ``redacted_thinking`` blocks are dropped.
+
 Accepted but without effect: ``top_k`` (carried in ``ChatInput``; the engine
-samples with temperature and top_p only), ``metadata``, ``thinking`` (no
-thinking blocks are produced; thinking blocks sent back in history are
-dropped), ``cache_control`` (kept as hints in ``ChatInput.cache_control_points``).
+samples with temperature and top_p only), ``metadata``, ``cache_control`` (kept as
+hints in ``ChatInput.cache_control_points``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve_app.api.openai_api import Collector
+from serve_app.api.thinking_signature import ThoughtSigner
 from serve_app.serving.events import Delta, Event, Failure, Finish, Reasoning, Start
 from serve_app.serving.request import ApiError
 from serve_app.serving.tools import ToolCall
@@ -118,18 +124,24 @@ def count_tokens_response(input_tokens: int) -> dict[str, int]:
 class MessageStream:
     """Internal events in, Anthropic stream events out, in the order the API sends them.
 
-    message_start, then per block content_block_start / _delta... / _stop (text
-    blocks as text_delta, tool calls as one input_json_delta each), then
+    message_start, then per block content_block_start / _delta... / _stop (a thought
+    as thinking_delta and, last, its signature_delta; text blocks as text_delta, tool
+    calls as one input_json_delta each), then
     message_delta (stop_reason, usage) and message_stop. An error ends the stream
     with an ``error`` event. Each method returns the events to send now.
     """
 
-    def __init__(self, model: str, message_id: str | None = None) -> None:
+    def __init__(self, model: str, message_id: str | None = None, *,
+                 signer: ThoughtSigner | None = None) -> None:
+        """``signer``: the request asked for thinking (its blocks are signed with it);
+        None drops a thought."""
         self.model = model
         self.message_id = message_id or new_message_id()
         self.started = False
         self.done = False
-        self._open: Literal["text", "tool_use"] | None = None
+        self.signer = signer
+        self._thought: list[str] = []  # the open thinking block's text
+        self._open: Literal["thinking", "text", "tool_use"] | None = None
         self._index = -1
         self._tool_calls = 0
 
@@ -139,8 +151,8 @@ class MessageStream:
             return self.tool_call(event)
         if isinstance(event, Start):
             return self.start(event.prompt_tokens, event.cached_tokens)
-        if isinstance(event, Reasoning):  # the thought is not sent on this API (yet)
-            return []
+        if isinstance(event, Reasoning):
+            return self.thinking(event.text)
         if isinstance(event, Delta):
             return self.text(event.text)
         if isinstance(event, Finish):
@@ -170,6 +182,22 @@ class MessageStream:
     def ping(self) -> list[dict[str, Any]]:
         """A keep-alive the SDK skips; e.g. while a long prompt is prefilled."""
         return [{"type": "ping"}]
+
+    def thinking(self, text: str) -> list[dict[str, Any]]:
+        """Thought text: a thinking block (none without a signer: the request did not ask
+        for thinking)."""
+        self._check(started=True)
+        if not text or self.signer is None:
+            return []
+        out = []
+        if self._open != "thinking":
+            out += self._close()
+            out += self._open_block({"type": "thinking", "thinking": "", "signature": ""})
+            self._open = "thinking"
+        self._thought.append(text)
+        out.append({"type": "content_block_delta", "index": self._index,
+                    "delta": {"type": "thinking_delta", "thinking": text}})
+        return out
 
     def text(self, text: str) -> list[dict[str, Any]]:
         self._check(started=True)
@@ -237,14 +265,21 @@ class MessageStream:
     def _close(self) -> list[dict[str, Any]]:
         if self._open is None:
             return []
+        out = []
+        if self._open == "thinking" and self.signer is not None:
+            signature = self.signer.signature(self.model, "".join(self._thought))
+            self._thought = []
+            out.append({"type": "content_block_delta", "index": self._index,
+                        "delta": {"type": "signature_delta", "signature": signature}})
         self._open = None
-        return [{"type": "content_block_stop", "index": self._index}]
+        return [*out, {"type": "content_block_stop", "index": self._index}]
 
 
-def message_collector(model: str, message_id: str | None = None) -> Collector:
+def message_collector(model: str, message_id: str | None = None, *,
+                      signer: ThoughtSigner | None = None) -> Collector:
     """The non-streaming ``message`` object, accumulated from ``MessageStream``'s events
     as the SDK accumulates a stream, so both answers to one generation are the same."""
-    return Collector(MessageStream(model, message_id), accumulate)
+    return Collector(MessageStream(model, message_id, signer=signer), accumulate)
 
 
 def accumulate(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -266,6 +301,10 @@ def accumulate(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             block, delta = message["content"][e["index"]], e["delta"]
             if delta["type"] == "text_delta":
                 block["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                block["thinking"] += delta["thinking"]
+            elif delta["type"] == "signature_delta":
+                block["signature"] = delta["signature"]
             elif delta["type"] == "input_json_delta":
                 partial[e["index"]] = partial.get(e["index"], "") + delta["partial_json"]
         elif kind == "content_block_stop":

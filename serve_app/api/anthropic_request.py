@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
 )
 
+from serve_app.api.thinking_signature import SignedThought, signed_block
 from serve_app.config.validation import clean_loc
 from serve_app.serving.request import MAX_TOKENS, ApiError, checked
 from serve_app.serving.request import validation_error as request_validation_error
@@ -65,9 +66,18 @@ class UnsupportedBlock(_Block):
 
 
 class ThinkingBlock(_Block):
-    """A thinking block sent back in history: dropped (we never produce one)."""
+    """A thought sent back in history: its signature is verified (by the route) and its
+    text becomes the assistant message's ``reasoning_content``."""
 
-    type: Literal["thinking", "redacted_thinking"]
+    type: Literal["thinking"]
+    thinking: StrictStr
+    signature: StrictStr
+
+
+class RedactedThinkingBlock(_Block):
+    """A redacted thought (Anthropic's own, encrypted): accepted and dropped."""
+
+    type: Literal["redacted_thinking"]
 
 
 class ToolUseBlock(_Block):
@@ -88,7 +98,8 @@ class ToolResultBlock(_Block):
 
 
 ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | UnsupportedBlock,
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+    | UnsupportedBlock,
     Field(discriminator="type"),
 ]
 
@@ -117,6 +128,19 @@ class ToolChoiceParam(BaseModel):
     disable_parallel_tool_use: StrictBool | None = None
 
 
+class ThinkingParam(BaseModel):
+    """``thinking``: ``enabled`` with a ``budget_tokens`` (the thought's budget),
+    ``adaptive`` (the profile's budget) or ``disabled``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.type != "disabled"
+
+
 class _Conversation(BaseModel):
     """What both /v1/messages and /v1/messages/count_tokens take."""
 
@@ -127,7 +151,7 @@ class _Conversation(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoiceParam | None = None
     cache_control: CacheControl | None = None  # automatic caching: a breakpoint at the end
-    thinking: dict[str, Any] | None = None  # accepted, ignored
+    thinking: ThinkingParam | None = None
 
     def check_supported(self) -> None:
         """All 400s of the request, before any tokenizer time (the same checks as the
@@ -203,6 +227,7 @@ class TemplateMessage:
     # The system prompt's blocks, each with its separator: text parts whose join is
     # ``content``, so normalization rules can see (and drop) one block.
     parts: tuple[str, ...] = ()
+    reasoning: str | None = None  # an assistant message's thought (its thinking blocks)
 
     def to_dict(self) -> dict[str, Any]:
         """OpenAI's chat shape (arguments as JSON text): it becomes a chat request, whose
@@ -220,6 +245,8 @@ class TemplateMessage:
             ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning is not None:
+            out["reasoning_content"] = self.reasoning
         return out
 
 
@@ -260,6 +287,9 @@ class ChatInput:
     ``tools_cache_control``: a tool was marked.
     ``continue_final``: the last message is the assistant's, to be continued
     (template it with ``continue_final_message=True``, no generation prompt).
+    ``thinking``: the model thinks (rendered with thinking off otherwise), within
+    ``thinking_budget`` tokens when set. ``thoughts``: the history's signed thinking
+    blocks, for the route to verify before their text reaches the prompt.
     """
 
     messages: tuple[TemplateMessage, ...]
@@ -274,6 +304,9 @@ class ChatInput:
     tools_cache_control: bool = False
     continue_final: bool = False
     parallel_tool_calls: bool = True
+    thinking: bool = False
+    thinking_budget: int | None = None
+    thoughts: tuple[SignedThought, ...] = ()
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_dict() for m in self.messages]
@@ -287,6 +320,7 @@ class ChatInput:
 class _Builder:
     messages: list[TemplateMessage] = field(default_factory=list)
     points: set[int] = field(default_factory=set)
+    thoughts: list[SignedThought] = field(default_factory=list)
 
     def add(self, message: TemplateMessage, marked: bool) -> None:
         self.messages.append(message)
@@ -302,6 +336,7 @@ def to_chat_input(request: _Conversation) -> ChatInput:
     """
     tools = _convert_tools(request.tools or [])
     choice, parallel = _convert_tool_choice(request.tool_choice, tools)
+    budget = _thinking_budget(request)
     out = _Builder()
     if request.system is not None:
         parts: tuple[str, ...] = ()
@@ -321,7 +356,7 @@ def to_chat_input(request: _Conversation) -> ChatInput:
     for i, m in enumerate(request.messages):
         where = f"messages.{i}"
         if m.role == "assistant":
-            message, marked = _assistant_message(m.content, where)
+            message, marked = _assistant_message(m.content, where, out.thoughts)
             if i == last and not message.content and not message.tool_calls:
                 break  # an empty final assistant turn (or only thinking): just generate
             seen_tool_ids.update(c.id for c in message.tool_calls)
@@ -354,7 +389,27 @@ def to_chat_input(request: _Conversation) -> ChatInput:
         tools_cache_control=any(t.cache_control is not None for t in request.tools or ()),
         continue_final=continue_final,
         parallel_tool_calls=parallel,
+        thinking=request.thinking is not None and request.thinking.on,
+        thinking_budget=budget,
+        thoughts=tuple(out.thoughts),
     )
+
+
+def _thinking_budget(request: _Conversation) -> int | None:
+    """``thinking.budget_tokens`` of an enabled request: required, and below
+    ``max_tokens`` (which counts the thought and the answer), as Anthropic has it."""
+    thinking = request.thinking
+    if thinking is None or thinking.type != "enabled":
+        return None
+    budget = thinking.budget_tokens
+    if budget is None:
+        raise ApiError(400, "thinking.budget_tokens: Field required (with type 'enabled')",
+                       param="thinking.budget_tokens")
+    if isinstance(request, MessagesRequest) and budget >= request.max_tokens:
+        raise ApiError(400, f"thinking.budget_tokens: must be less than max_tokens (got "
+                            f"{budget} >= {request.max_tokens}): max_tokens counts the "
+                            "thought and the answer", param="thinking.budget_tokens")
+    return budget
 
 
 def _is_empty(content: str | list) -> bool:
@@ -366,10 +421,12 @@ def _unsupported(block: UnsupportedBlock, where: str) -> ApiError:
                     "server", param=where, code="unsupported_content")
 
 
-def _assistant_message(content: str | list, where: str) -> tuple[TemplateMessage, bool]:
+def _assistant_message(content: str | list, where: str,
+                       thoughts: list[SignedThought]) -> tuple[TemplateMessage, bool]:
     if isinstance(content, str):
         return TemplateMessage("assistant", content), False
     texts: list[str] = []
+    thought: list[str] = []
     calls: list[ToolCall] = []
     marked = False
     for j, b in enumerate(content):
@@ -383,8 +440,13 @@ def _assistant_message(content: str | list, where: str) -> tuple[TemplateMessage
             raise ApiError(400, f"{at}: tool_result blocks belong in user messages", param=at)
         elif isinstance(b, UnsupportedBlock):
             raise _unsupported(b, at)
-        # ThinkingBlock: dropped
-    return TemplateMessage("assistant", BLOCK_SEPARATOR.join(texts), tuple(calls)), marked
+        elif isinstance(b, ThinkingBlock):
+            thoughts.append(signed_block(f"{at}.signature", b.thinking, b.signature))
+            thought.append(b.thinking)
+        # RedactedThinkingBlock: dropped
+    reasoning = BLOCK_SEPARATOR.join(thought) if thought else None
+    return TemplateMessage("assistant", BLOCK_SEPARATOR.join(texts), tuple(calls),
+                           reasoning=reasoning), marked
 
 
 def _user_messages(content: str | list, where: str, seen_tool_ids: set[str],

@@ -32,6 +32,7 @@ from serve_app.api.openai_api import (
 )
 from serve_app.api.sse import DONE, data_event, sse_event
 from serve_app.api.status import ErrorLog, ServerInfo
+from serve_app.api.thinking_signature import server_signer
 from serve_app.config import api_keys
 from serve_app.metrics.table import Recorder
 from serve_app.models.compat import log_dir
@@ -144,6 +145,7 @@ class OpenAIIngress:
         self.profile = backend.profile
         self.recorder: Recorder = backend.recorder
         self.errors = ErrorLog()  # the last error answers, for the status page
+        self.signer = server_signer()  # signs the thoughts sent, verifies those sent back
         self.server = ServerInfo(release(), time.time(), auth.keys_enabled(),
                                  auth.admin_keys_enabled(), backend.pool_report() is not None)
 
@@ -343,6 +345,8 @@ class OpenAIIngress:
         labels = {"model": "unknown", "status": "500"}
         try:
             parsed = await self._body(request, responses_request.parse_request, "input")
+            for thought in responses_request.signed_thoughts(parsed):
+                self.signer.verify(thought)
             m = self.model_of(parsed.model)
             defaults = {"temperature": m.sampling.temperature, "top_p": m.sampling.top_p}
             deadline = self._deadline()
@@ -353,12 +357,13 @@ class OpenAIIngress:
                 raise responses_request.renamed(exc) from None
             labels["status"] = "200"
             if parsed.stream:
-                stream = responses_api.ResponseStream(parsed, **defaults)
+                stream = responses_api.ResponseStream(parsed, signer=self.signer, **defaults)
                 return StreamingResponse(
                     self._stream(events, stream, start, parsed.model, sse_event,
                                  path=request.url.path),
                     media_type="text/event-stream", headers=SSE_HEADERS)
-            collector = responses_api.response_collector(parsed, **defaults)
+            collector = responses_api.response_collector(parsed, signer=self.signer,
+                                                             **defaults)
             await self._collect(events, collector, start, parsed.model, deadline)
             return JSONResponse(collector.response())
         except ApiError as exc:
@@ -380,17 +385,20 @@ class OpenAIIngress:
         try:
             parsed = await self._body(request, anthropic_request.parse_messages_request)
             chat = anthropic_request.to_chat_input(parsed)
+            for thought in chat.thoughts:
+                self.signer.verify(thought)
+            signer = self.signer if chat.thinking else None  # no thinking block otherwise
             deadline = self._deadline()
             events, start = await self._open(chat_request(chat, parsed.model, parsed.stream),
                                              caller_of(request), labels, deadline)
             labels["status"] = "200"
             if parsed.stream:
-                stream = anthropic.MessageStream(parsed.model)
+                stream = anthropic.MessageStream(parsed.model, signer=signer)
                 return StreamingResponse(
                     self._stream(events, stream, start, parsed.model, sse_event,
                                  path=request.url.path),
                     media_type="text/event-stream", headers=SSE_HEADERS)
-            collector = anthropic.message_collector(parsed.model)
+            collector = anthropic.message_collector(parsed.model, signer=signer)
             await self._collect(events, collector, start, parsed.model, deadline)
             return JSONResponse(collector.response())
         except ApiError as exc:
@@ -516,8 +524,11 @@ def chat_request(chat: anthropic_request.ChatInput, model: str,
         "tool_choice": chat.tool_choice.to_openai() if chat.tool_choice else None,
         "parallel_tool_calls": chat.parallel_tool_calls if chat.tools else None,
         "continue_final_message": chat.continue_final,
+        # Without ``thinking`` a thinking model answers straight away, as Anthropic's do.
+        "chat_template_kwargs": None if chat.thinking else {"enable_thinking": False},
     }
     parsed = checked(ChatCompletionRequest, body, validation_error)
+    parsed._thinking_budget = chat.thinking_budget
     # A cache_control marker on message i: the prefix through it deserves a checkpoint.
     # Anthropic allows four markers; each costs a rendering of the conversation.
     points = sorted({i + 1 for i in chat.cache_control_points})

@@ -19,10 +19,14 @@ message; ``developer`` messages are system messages; a message's text parts are
 joined as chat joins them; an assistant message directly followed by
 ``function_call`` items, and consecutive ``function_call`` items, are one
 assistant message with ``tool_calls`` (what the model's own chat turn was);
-``function_call_output`` items are ``tool`` messages; ``reasoning`` items are
-dropped (we never produce them, and dropping them always keeps every turn the same).
+``function_call_output`` items are ``tool`` messages; a ``reasoning`` item's thought
+is the next assistant message's ``reasoning_content`` (the template decides whether to
+render it). A thinking model's thought goes out as a ``reasoning`` item before the
+message (``encrypted_content``, signed, when ``include`` asks for it), ``reasoning.effort``
+picks its budget.
 
-Accepted without effect: ``metadata``, ``user``, ``include``, ``reasoning``,
+Accepted without effect: ``metadata``, ``user``, ``include`` (but
+``reasoning.encrypted_content``), ``reasoning.summary``,
 ``prompt_cache_key``, ``prompt_cache_retention``, ``safety_identifier``,
 ``service_tier``, ``truncation`` (an over-long input is a 400, never truncated),
 ``max_tool_calls``, ``stream_options``, ``text.verbosity``.
@@ -37,6 +41,7 @@ from typing import Any
 
 from serve_app.api.openai_api import Collector
 from serve_app.api.responses_request import ResponsesRequest
+from serve_app.api.thinking_signature import ThoughtSigner
 from serve_app.serving.events import Delta, Event, Failure, Finish, Reasoning, Start, ToolCall
 from serve_app.serving.request import ApiError
 
@@ -53,7 +58,8 @@ def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int = 0) -> dict:
     """Responses usage: ``input_tokens`` counts all prompt tokens, the cached ones among them."""
     return {
         "input_tokens": prompt_tokens,
@@ -61,7 +67,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
         # counted per request here (blocks are stored after the fact), so it is 0.
         "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + completion_tokens,
     }
 
@@ -97,7 +103,8 @@ def response_object(request: ResponsesRequest, response_id: str, created_at: flo
         "output": [],
         "parallel_tool_calls": request.parallel_tool_calls is not False,
         "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": request.reasoning.effort if request.reasoning else None,
+                      "summary": request.reasoning.summary if request.reasoning else None},
         "store": False,
         "temperature": request.temperature if request.temperature is not None else temperature,
         "text": _echo_text(request),
@@ -129,7 +136,8 @@ class ResponseStream:
     """Internal events in, Responses stream events out, in the order OpenAI sends them.
 
     ``response.created``, ``response.in_progress``; per output item
-    ``response.output_item.added``, for text ``response.content_part.added``,
+    ``response.output_item.added``, for a thought ``response.reasoning_text.delta``...
+    and ``.done``, for text ``response.content_part.added``,
     ``response.output_text.delta``..., ``response.output_text.done``,
     ``response.content_part.done``, for a call ``response.function_call_arguments.delta``
     and ``.done``, then ``response.output_item.done``; finally ``response.completed``
@@ -140,7 +148,7 @@ class ResponseStream:
 
     def __init__(self, request: ResponsesRequest, response_id: str | None = None, *,
                  temperature: float | None = None, top_p: float | None = None,
-                 created_at: float | None = None) -> None:
+                 created_at: float | None = None, signer: ThoughtSigner | None = None) -> None:
         self.response = response_object(
             request, response_id or new_response_id(),
             time.time() if created_at is None else created_at,
@@ -149,6 +157,10 @@ class ResponseStream:
         self.done = False
         self._sequence = 0
         self._message: dict | None = None  # the open message item
+        self._reasoning: dict | None = None  # the open reasoning item
+        # encrypted_content on reasoning items, when the request includes it
+        self._sealer = signer if request.wants_encrypted_reasoning() else None
+        self._model = request.model
         self._output: list[dict] = []  # finished items
 
     @property
@@ -159,8 +171,8 @@ class ResponseStream:
         """Dispatch one replica event (``serve_app.serving.events``)."""
         if isinstance(event, Start):
             return self.start()
-        if isinstance(event, Reasoning):  # the thought is not sent on this API (yet)
-            return []
+        if isinstance(event, Reasoning):
+            return self.reasoning(event.text)
         if isinstance(event, Delta):
             return self.text(event.text)
         if isinstance(event, ToolCall):
@@ -168,7 +180,8 @@ class ResponseStream:
         if isinstance(event, Finish):
             return self.finish(event.finish_reason, prompt_tokens=event.prompt_tokens,
                                completion_tokens=event.completion_tokens,
-                               cached_tokens=event.cached_tokens)
+                               cached_tokens=event.cached_tokens,
+                               reasoning_tokens=event.reasoning_tokens)
         if isinstance(event, Failure):
             return self.error(ApiError.from_failure(event))
         raise ValueError(f"unknown event {event!r}")
@@ -187,11 +200,45 @@ class ResponseStream:
         return [self._event("response.created", response=self._snapshot()),
                 self._event("response.in_progress", response=self._snapshot())]
 
-    def text(self, text: str) -> list[dict[str, Any]]:
+    def reasoning(self, text: str) -> list[dict[str, Any]]:
+        """Thought text: the reasoning item (opened before the message), one
+        ``reasoning_text`` part."""
         self._check(started=True)
         if not text:
             return []
         out = []
+        if self._reasoning is None:
+            self._reasoning = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning",
+                               "summary": [], "content": [], "status": "in_progress"}
+            out.append(self._event("response.output_item.added",
+                                   output_index=len(self._output),
+                                   item=json.loads(json.dumps(self._reasoning))))
+            self._reasoning["content"].append({"type": "reasoning_text", "text": ""})
+        self._reasoning["content"][0]["text"] += text
+        out.append(self._event("response.reasoning_text.delta", **self._where(self._reasoning),
+                               delta=text))
+        return out
+
+    def _close_reasoning(self, status: str = "completed") -> list[dict[str, Any]]:
+        item = self._reasoning
+        if item is None:
+            return []
+        text = item["content"][0]["text"]
+        out = [self._event("response.reasoning_text.done", **self._where(item), text=text)]
+        item["status"] = status
+        if self._sealer is not None:
+            item["encrypted_content"] = self._sealer.encrypted_content(self._model, text)
+        out.append(self._event("response.output_item.done", output_index=len(self._output),
+                               item=json.loads(json.dumps(item))))
+        self._output.append(item)
+        self._reasoning = None
+        return out
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        self._check(started=True)
+        if not text:
+            return []
+        out = self._close_reasoning()
         if self._message is None:
             self._message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message",
                              "status": "in_progress", "role": "assistant", "content": []}
@@ -209,7 +256,7 @@ class ResponseStream:
         return out
 
     def _where(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Where the open ``message``'s text part is, for its events."""
+        """Where the open item's (``message``'s) text part is, for its events."""
         return {"item_id": message["id"], "output_index": len(self._output),
                 "content_index": 0}
 
@@ -233,7 +280,7 @@ class ResponseStream:
         """A function_call item; one the token limit cut off (``complete`` false) is
         ``incomplete``, its arguments as far as they got."""
         self._check(started=True)
-        out = self._close_message()
+        out = self._close_reasoning() + self._close_message()
         item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
                 "arguments": "", "call_id": call_id, "name": name}
         index = len(self._output)
@@ -250,16 +297,17 @@ class ResponseStream:
         return out
 
     def finish(self, finish_reason: str, *, prompt_tokens: int, completion_tokens: int,
-               cached_tokens: int = 0) -> list[dict[str, Any]]:
+               cached_tokens: int = 0, reasoning_tokens: int = 0) -> list[dict[str, Any]]:
         """Close the open item and the response; cut by the token limit, it is incomplete."""
         self._check(started=True)
         cut = finish_reason == "length"
-        out = self._close_message("incomplete" if cut else "completed")
+        status = "incomplete" if cut else "completed"
+        out = self._close_reasoning(status) + self._close_message(status)
         self.response.update(
             status="incomplete" if cut else "completed",
             incomplete_details={"reason": "max_output_tokens"} if cut else None,
             output=self._output,
-            usage=usage(prompt_tokens, completion_tokens, cached_tokens),
+            usage=usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens),
             completed_at=None if cut else time.time(),
         )
         kind = "response.incomplete" if cut else "response.completed"
@@ -274,10 +322,11 @@ class ResponseStream:
         out = [self._event("error", code=exc.code or exc.type, message=exc.message,
                            param=exc.param)]
         if self.started:
-            if self._message is not None:
-                self._message["status"] = "incomplete"
-                self._output.append(self._message)
-                self._message = None
+            for open_item in (self._reasoning, self._message):
+                if open_item is not None:
+                    open_item["status"] = "incomplete"
+                    self._output.append(open_item)
+            self._reasoning = self._message = None
             self.response.update(status="failed", output=self._output, error={
                 "code": _failed_code(exc.status), "message": exc.message})
             out.append(self._event("response.failed", response=self._snapshot()))
@@ -317,6 +366,11 @@ def accumulate(events: list[dict[str, Any]]) -> dict[str, Any]:
             items[e["output_index"]]["content"].append(dict(e["part"]))
         elif kind == "response.output_text.delta":
             items[e["output_index"]]["content"][e["content_index"]]["text"] += e["delta"]
+        elif kind == "response.reasoning_text.delta":
+            parts = items[e["output_index"]]["content"]
+            if len(parts) <= e["content_index"]:
+                parts.append({"type": "reasoning_text", "text": ""})
+            parts[e["content_index"]]["text"] += e["delta"]
         elif kind == "response.function_call_arguments.delta":
             items[e["output_index"]]["arguments"] += e["delta"]
         elif kind == "response.output_item.done":

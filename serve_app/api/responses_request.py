@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
 )
 
+from serve_app.api.thinking_signature import SignedThought, opened
 from serve_app.config.validation import clean_loc
 from serve_app.serving.request import MAX_TOKENS, ApiError, ChatCompletionRequest, checked
 from serve_app.serving.request import validation_error as request_validation_error
@@ -80,10 +81,26 @@ class FunctionCallOutputItem(_Open):
     output: StrictStr | list[ContentPart]
 
 
+class ReasoningText(_Open):
+    type: Literal["reasoning_text"]
+    text: StrictStr
+
+
 class ReasoningItem(_Open):
-    """A reasoning item sent back in history: dropped (we never produce one)."""
+    """A reasoning item sent back in history (Codex sends each one back): its thought
+    becomes the next assistant message's ``reasoning_content``; ``encrypted_content``
+    (ours, signed) wins over ``content``, and one that does not verify is a 400."""
 
     type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    encrypted_content: StrictStr | None = None
+
+    def thought(self, where: str) -> str | None:
+        if self.encrypted_content is not None:
+            return opened(f"{where}.encrypted_content", self.encrypted_content).text
+        if self.content:
+            return "".join(p.text for p in self.content)
+        return None
 
 
 def _item_tag(value: Any) -> str:
@@ -146,6 +163,17 @@ class TextConfig(_Open):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ReasoningParam(_Open):
+    """``reasoning``: the effort as the profile's thought budget (``none``: thinking
+    off; ``xhigh`` is ``high``); ``summary`` is accepted, none is written."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+
+
 class ResponsesRequest(_Open):
     """POST /v1/responses."""
 
@@ -168,6 +196,11 @@ class ResponsesRequest(_Open):
     background: StrictBool | None = None
     prompt: Any = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    reasoning: ReasoningParam | None = None
+    include: list[StrictStr] | None = None
+
+    def wants_encrypted_reasoning(self) -> bool:
+        return ENCRYPTED_REASONING in (self.include or ())
 
     def check_supported(self) -> None:
         """All 400s of the request, before any tokenizer time: the conversion itself."""
@@ -357,21 +390,31 @@ def to_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
         messages.append({"role": "user", "content": request.input})
         return messages
     calls: set[str] = set()
+    thought: list[str] = []  # reasoning items not yet followed by the assistant's turn
     for i, item in enumerate(request.input):
         where = f"input[{i}]"
         if isinstance(item, ReasoningItem):
+            text = item.thought(where)
+            if text is not None:
+                thought.append(text)
             continue
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": _text(item.content, f"{where}.content")})
+            if role == "assistant" and thought:
+                messages[-1]["reasoning_content"] = "\n".join(thought)
+            thought = []
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": _arguments(item, where)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # the same turn
-                last.setdefault("tool_calls", []).append(call)
+            if last is not None and last["role"] == "assistant" and not thought:
+                last.setdefault("tool_calls", []).append(call)  # the same turn
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if thought:
+                    messages[-1]["reasoning_content"] = "\n".join(thought)
+            thought = []
             calls.add(item.call_id)
         else:
             if item.call_id not in calls:
@@ -379,9 +422,25 @@ def to_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
                               f"{item.call_id!r} earlier in input")
             text = _text(item.output, f"{where}.output", output=True)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
+            thought = []
     if len(messages) == (1 if request.instructions else 0):
         raise _refuse("input", "must hold at least one message")
     return messages
+
+
+def _effort(request: ResponsesRequest) -> str | None:
+    effort = request.reasoning.effort if request.reasoning else None
+    return "high" if effort == "xhigh" else effort
+
+
+def signed_thoughts(request: ResponsesRequest) -> list[SignedThought]:
+    """The ``encrypted_content`` of the reasoning items in ``input``, for the route to
+    verify before their text reaches the prompt."""
+    if isinstance(request.input, str):
+        return []
+    return [opened(f"input[{i}].encrypted_content", item.encrypted_content)
+            for i, item in enumerate(request.input)
+            if isinstance(item, ReasoningItem) and item.encrypted_content is not None]
 
 
 def to_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
@@ -401,6 +460,7 @@ def to_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
         "top_p": request.top_p, "tools": tools, "tool_choice": choice,
         "parallel_tool_calls": request.parallel_tool_calls if tools else None,
         "response_format": fmt,
+        "reasoning_effort": _effort(request),
     }
     try:
         return checked(ChatCompletionRequest, body, validation_error)

@@ -241,11 +241,11 @@ def test_user_turn_is_split_around_tool_results_in_block_order():
     assert chat.cache_control_points == (2,)
 
 
-def test_final_assistant_message_is_continued_and_thinking_is_dropped():
+def test_final_assistant_message_is_continued_and_redacted_thinking_is_dropped():
     body = base_request(messages=[
         {"role": "user", "content": "Pick A or B"},
         {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+            {"type": "redacted_thinking", "data": "opaque"},
             {"type": "text", "text": "The answer is ("}]},
     ])
     chat = to_chat_input(parse_messages_request(body))
@@ -253,8 +253,7 @@ def test_final_assistant_message_is_continued_and_thinking_is_dropped():
     assert chat.template_messages()[-1] == {"role": "assistant", "content": "The answer is ("}
 
 
-@pytest.mark.parametrize("content", [[], "", [{"type": "thinking", "thinking": "t",
-                                                 "signature": "s"}]])
+@pytest.mark.parametrize("content", [[], "", [{"type": "redacted_thinking", "data": "d"}]])
 def test_empty_final_assistant_message_is_dropped(content):
     body = base_request(messages=[{"role": "user", "content": "hi"},
                                   {"role": "assistant", "content": content}])
