@@ -9,12 +9,12 @@ in ``docs/sharded.md``, not asserted here."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from bench.devserver import ServerProcess, free_port, write_config
-from tests.integration.test_sharded import ask, cached, text
+from tests.support.clients import cached, openai_client, text, wait_written
 from tests.support.servers import running
+from tests.support.sharded import ask
 
 BS = 16
 FORMATS = ("", "-bf16", "-fp16", "-q4")
@@ -35,8 +35,6 @@ def messages(name: str) -> list[dict]:
 
 
 def test_every_format_warm_and_restored_after_a_restart_as_cold(tmp_path, model_home):
-    from openai import OpenAI
-
     port = free_port()
     config = write_config(tmp_path / "serve.yaml", port, MODELS,
                           cache_store={"ssd_dir": str(tmp_path / "kv")})
@@ -44,8 +42,7 @@ def test_every_format_warm_and_restored_after_a_restart_as_cold(tmp_path, model_
     turns: dict[str, tuple[list[dict], str]] = {}
     with running(ServerProcess.serve_run(config, port, tmp_path / "serve-1.log", env=env),
                  NAMES, timeout=600) as proc:
-        client = OpenAI(base_url=f"{proc.base_url}/v1", api_key="k", max_retries=0,
-                        timeout=120)
+        client = openai_client(proc, "k")
         for name in NAMES:
             first = ask(client, name, messages(name))
             turn = [*messages(name), {"role": "assistant", "content": text(first)},
@@ -55,11 +52,11 @@ def test_every_format_warm_and_restored_after_a_restart_as_cold(tmp_path, model_
             assert cached(warm) >= 4 * BS and cached(cold) == 0, (name, warm.usage)
             assert text(warm) == text(cold), name
             turns[name] = (turn, text(cold))
-        time.sleep(3)  # the store writes its blocks to SSD behind the requests
+        for name in NAMES:  # the store writes its blocks to SSD behind the requests
+            wait_written(proc, name)
     with running(ServerProcess.serve_run(config, port, tmp_path / "serve-2.log", env=env),
                  NAMES, timeout=600) as proc:
-        client = OpenAI(base_url=f"{proc.base_url}/v1", api_key="k", max_retries=0,
-                        timeout=120)
+        client = openai_client(proc, "k")
         for name, (turn, cold_text) in turns.items():
             again = ask(client, name, turn)
             assert cached(again) >= 4 * BS, (name, again.usage)

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 import yaml
-from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port
-from tests.integration.test_sharded import ask, cached, text
 from tests.support import REPO
+from tests.support.clients import cached, openai_client, text
 from tests.support.servers import running
+from tests.support.sharded import ask
+
+pytestmark = pytest.mark.slow  # the real embedded model, SmolLM2-135M, on three ranks
 
 
 def test_the_shipped_three_rank_profile_answers_and_restores(tmp_path, model_home):
@@ -27,8 +30,7 @@ def test_the_shipped_three_rank_profile_answers_and_restores(tmp_path, model_hom
     with running(ServerProcess.serve_run(path, port, tmp_path / "serve.log",
                                          env={"SERVE_APP_HOME": str(model_home)}),
                  [name], timeout=600) as proc:
-        client = OpenAI(base_url=f"{proc.base_url}/v1", api_key="k", max_retries=0,
-                        timeout=300)
+        client = openai_client(proc, "k", timeout=300)
         question = [{"role": "user", "content": "What is the capital of France?"}]
         first = ask(client, name, question, n=16)
         assert "Paris" in text(first), text(first)

@@ -61,11 +61,12 @@ def model_stats(server: ServerProcess, model: str) -> dict:
 
 
 def wait_written(server: ServerProcess, model: str, timeout: float = 60.0) -> dict:
-    """The model's node store once nothing waits to be written to SSD and the SSD index is
-    read (what a restart will find)."""
+    """The model's node store once the replica's puts are all acknowledged, nothing waits
+    to be written to SSD and the SSD index is read (what a restart will find)."""
     def written() -> dict | None:
         store = model_stats(server, model)["cache_store"]
+        acked = store.get("publisher", {}).get("unacknowledged", 0) == 0
         settled = store["staging"]["pending_bytes"] == 0 and store["ssd"]["index_ready"]
-        return store if settled else None
+        return store if acked and settled else None
 
     return wait_for(written, f"{model}'s blocks written to SSD", timeout, interval=0.1)
