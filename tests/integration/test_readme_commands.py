@@ -85,6 +85,7 @@ def sh(command: str, cwd: Path, timeout: float = 600) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # the README's commands serve the real embedded model, SmolLM2-135M
 def test_the_readme_commands_serve_real_answers(served):
     clone, proc, log, pids = served
     wait, ask = blocks("bash", "## Talk to it")[:2]

@@ -17,7 +17,6 @@ import httpx
 import mlx_lm
 import pytest
 import yaml
-from openai import OpenAI
 
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.config.catalog import REAL_MODELS
@@ -25,7 +24,9 @@ from serve_app.models import smollm2
 from serve_app.models.embedded import materialize
 from serve_app.models.phase import PHASES
 from tests.support import REPO
-from tests.support.servers import running
+from tests.support.clients import chat, openai_client, text
+from tests.support.servers import running, wait_for
+from tests.support.threads import Threads
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -44,6 +45,7 @@ def test_gguf_names_map_onto_mlx_lms_llama():
         smollm2.mlx_name("rope_freqs.weight")
 
 
+@pytest.mark.slow  # builds each format of the real model from its wheel
 @pytest.mark.parametrize("name", sorted(REAL_MODELS))
 def test_known_facts_match_the_materialized_model(name, model_home):
     """The memory plan's facts before the download equal the built model's."""
@@ -58,6 +60,7 @@ def test_known_facts_match_the_materialized_model(name, model_home):
         assert config["quantization"]["model.embed_tokens"]["bits"] == 8
 
 
+@pytest.mark.slow  # loads the real model (lazily)
 def test_the_tokenizer_splits_as_smollm2s(real_dir):
     _, tokenizer = mlx_lm.load(str(real_dir), lazy=True)
     ids = tokenizer.encode("Hello 2024 <|im_end|>")
@@ -66,6 +69,7 @@ def test_the_tokenizer_splits_as_smollm2s(real_dir):
     assert tokenizer.eos_token_id == 2 and tokenizer.decode(ids) == "Hello 2024 <|im_end|>"
 
 
+@pytest.mark.slow  # loads the real model and generates
 def test_it_answers_in_words(real_dir):
     model, tokenizer = mlx_lm.load(str(real_dir))
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
@@ -104,6 +108,7 @@ def _watch(url: str, seen: list[dict], stop: threading.Event) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # downloads, builds and serves the real model
 def test_first_start_shows_the_download_then_answers(tmp_path):
     port = free_port()
     home = tmp_path / "home"  # empty: the wheel is downloaded, as on a user's first start
@@ -111,12 +116,12 @@ def test_first_start_shows_the_download_then_answers(tmp_path):
                                    tmp_path / "serve.log", env={"SERVE_APP_HOME": str(home)})
     seen: list[dict] = []
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(proc.base_url, seen, stop), daemon=True)
-    watcher.start()
+    watcher = Threads()
+    watcher.start(_watch, proc.base_url, seen, stop)
     try:
         with running(proc, ["smollm2-135m"], timeout=300):
             stop.set()
-            watcher.join()
+            watcher.join(30)
             phases = [s["models"]["smollm2-135m"] for s in seen]
             names = [p["phase"] for p in phases]
             assert "downloading" in names, names
@@ -135,10 +140,8 @@ def test_first_start_shows_the_download_then_answers(tmp_path):
             assert root["name"] == "serve_app" and root["models"] == health["models"]
             assert "/v1/chat/completions" in root["endpoints"]
 
-            client = OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0)
-            reply = client.chat.completions.create(model="smollm2-135m", messages=QUESTION,
-                                                   max_tokens=12, temperature=0)
-            assert reply.choices[0].message.content.startswith("The capital of France is Paris")
+            reply = chat(openai_client(proc), "smollm2-135m", QUESTION)
+            assert text(reply).startswith("The capital of France is Paris")
     finally:
         stop.set()
 
@@ -156,17 +159,17 @@ def test_a_model_that_cannot_load_says_why(tmp_path, model_home, real_dir):
         cache_store={"ssd_dir": str(tmp_path / "kv")})
     proc = ServerProcess.serve_run(config, port, tmp_path / "serve.log",
                                    env={"SERVE_APP_HOME": str(model_home)})
+
+    def failed() -> httpx.Response | None:
+        try:
+            health = httpx.get(f"{proc.base_url}/health", timeout=5)
+            return health if health.json().get("status") == "failed" else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
     with running(proc):
-        deadline = time.monotonic() + 240
-        while True:
-            assert time.monotonic() < deadline, proc.log_tail()
-            try:
-                health = httpx.get(f"{proc.base_url}/health", timeout=5)
-                if health.json().get("status") == "failed":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(1)
+        health = wait_for(failed, lambda: f"/health to say failed; log:\n{proc.log_tail()}",
+                          240, interval=1)
         proc._pids.update(__import__("bench.devserver").devserver.descendants(proc.proc.pid))
         assert health.status_code == 503
         reason = health.json()["models"]["broken"]["reason"]

@@ -22,12 +22,12 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.config.chat_templates import SMOLLM2_SYSTEM
 from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize
 from serve_app.serving.tools import tool_support
-from tests.support.servers import running
+from tests.support.clients import anthropic_client, openai_client
+from tests.support.servers import serving
 
 MODEL = "smollm2-135m"
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -44,27 +44,21 @@ CUT_AT = 20  # tokens: inside the arguments (the call takes ~30, its start marke
 def server(tmp_path_factory, model_home):
     materialize(MODEL, model_home)  # before the clock of wait_ready starts
     tmp = tmp_path_factory.mktemp("real_tools")
-    port = free_port()
     models = [{"name": MODEL, "source": f"embedded:{MODEL}", "context_length": 2048,
                "max_tokens": 256, "cache": {"block_size": 16}}]
-    config = write_config(tmp / "serve.yaml", port, models,
-                          cache_store={"ssd_dir": str(tmp / "kv")})
-    with running(ServerProcess.serve_run(config, port, tmp / "serve.log",
-                                   env={"SERVE_APP_HOME": str(model_home)}),
-                 [MODEL], timeout=300) as proc:
+    with serving(tmp, models, model_home, timeout=300,
+                 cache_store={"ssd_dir": str(tmp / "kv")}) as proc:
         yield proc
 
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
-                  timeout=180)
+    return openai_client(server, timeout=180)
 
 
 @pytest.fixture(scope="module")
 def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0,
-                               timeout=180)
+    return anthropic_client(server, timeout=180)
 
 
 def test_the_template_renders_plain_chats_as_smollm2s_own(model_home):
@@ -99,6 +93,7 @@ def _weather_call(name: str, arguments: str) -> dict:
     return value
 
 
+@pytest.mark.slow  # served by the real embedded model, SmolLM2-135M
 def test_a_forced_call_parses_and_its_result_goes_back(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                        tool_choice=NAMED, temperature=0, max_tokens=48)
@@ -115,6 +110,7 @@ def test_a_forced_call_parses_and_its_result_goes_back(client):
     assert r2.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 16
 
 
+@pytest.mark.slow  # served by the real embedded model, SmolLM2-135M
 def test_required_streams_one_call(client):
     stream = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0,
@@ -133,6 +129,7 @@ def test_required_streams_one_call(client):
     _weather_call(calls[0]["name"], calls[0]["arguments"])
 
 
+@pytest.mark.slow  # served by the real embedded model, SmolLM2-135M
 def test_auto_is_text_or_a_well_formed_call(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                        tool_choice="auto", temperature=0, max_tokens=16)
@@ -145,6 +142,7 @@ def test_auto_is_text_or_a_well_formed_call(client):
         assert choice.message.content and choice.finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow  # served by the real embedded model, SmolLM2-135M
 def test_anthropic_tool_use(claude):
     tool = {"name": "get_weather", "description": DESCRIPTION, "input_schema": PARAMETERS}
     message = claude.messages.create(model=MODEL, max_tokens=48, messages=ASK, tools=[tool],
@@ -155,6 +153,7 @@ def test_anthropic_tool_use(claude):
     jsonschema.validate(blocks[0].input, PARAMETERS)
 
 
+@pytest.mark.slow  # served by the real embedded model, SmolLM2-135M
 def test_responses_function_call(client):
     tool = {"type": "function", "name": "get_weather", "description": DESCRIPTION,
             "parameters": PARAMETERS}
@@ -176,6 +175,7 @@ def _cut_arguments(arguments: str) -> None:
     assert '{"city": "'.startswith(arguments[:10]) and not arguments.endswith("}"), arguments
 
 
+@pytest.mark.slow  # served by the real embedded model, SmolLM2-135M
 @pytest.mark.parametrize("stream", [False, True])
 def test_openai_cut_call_is_a_call_with_finish_reason_length(client, stream):
     kwargs = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": NAMED,
@@ -199,6 +199,7 @@ def test_openai_cut_call_is_a_call_with_finish_reason_length(client, stream):
     _cut_arguments(arguments)
 
 
+@pytest.mark.slow  # served by the real embedded model, SmolLM2-135M
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_cut_call_is_a_tool_use_with_stop_reason_max_tokens(claude, stream):
     tool = {"name": "get_weather", "description": DESCRIPTION, "input_schema": PARAMETERS}
@@ -216,6 +217,7 @@ def test_anthropic_cut_call_is_a_tool_use_with_stop_reason_max_tokens(claude, st
     assert set(message.content[0].input) <= {"city"}
 
 
+@pytest.mark.slow  # served by the real embedded model, SmolLM2-135M
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_cut_call_is_an_incomplete_function_call(client, stream):
     tool = {"type": "function", "name": "get_weather", "description": DESCRIPTION,
