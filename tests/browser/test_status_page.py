@@ -12,12 +12,13 @@ import re
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from bench.browser import BrowserPage, browser_missing, open_page, screenshot_dir
 from bench.devserver import ServerProcess, free_port, write_config
 from serve_app.config import api_keys
+from tests.support.clients import cached, chat, openai_client, user
+from tests.support.clients import text as text_of
 from tests.support.servers import running, wait_for
 
 pytestmark = pytest.mark.skipif(browser_missing() is not None,
@@ -34,7 +35,6 @@ MODELS = [
     {"name": HYBRID, "source": "embedded:tiny-hybrid", "context_length": 1024,
      "max_tokens": 64, "cache": {"block_size": 16}},
 ]
-KEY_ITEM = "serve_app_api_key"  # the page's sessionStorage item
 
 
 @pytest.fixture(scope="module")
@@ -129,13 +129,10 @@ def model_status(server: ServerProcess, model: str) -> str:
     return get(server, f"/v1/models/{model}").json()["status"]
 
 
-def chat(server: ServerProcess, model: str, text: str) -> tuple[str, int]:
+def ask(server: ServerProcess, model: str, prompt: str) -> tuple[str, int]:
     """A greedy answer and its cached prompt tokens."""
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
-    r = client.chat.completions.create(model=model, temperature=0, max_tokens=16,
-                                       messages=[{"role": "user", "content": text}])
-    details = r.usage.prompt_tokens_details if r.usage else None
-    return r.choices[0].message.content or "", (details.cached_tokens or 0) if details else 0
+    r = chat(openai_client(server, KEY), model, user(prompt), 16)
+    return text_of(r) or "", cached(r)
 
 
 def shot(bp: BrowserPage, name: str) -> None:
@@ -169,11 +166,12 @@ def test_figures_follow_requests(served):
         bp.page.wait_for_selector(f'.model[data-model="{DENSE}"]')
         agrees_with_stats(bp, served)
         before = get(served, "/v1/stats").json()["models"][DENSE]
-        first, _ = chat(served, DENSE, text)
-        again, cached = chat(served, DENSE, text)
+        first, _ = ask(served, DENSE, text)
+        again, cached = ask(served, DENSE, text)
         assert again == first and cached > 0
         after = get(served, "/v1/stats").json()["models"][DENSE]
-        assert after["engine"]["finished"] == before["engine"]["finished"] + 2
+        # At least these two (the replica's stats may count an earlier request late).
+        assert after["engine"]["finished"] >= before["engine"]["finished"] + 2
         assert after["cache"]["hit_tokens"] > before["cache"]["hit_tokens"]
         assert after["recent"]["requests"] >= 2 and after["recent"]["ttft_mean_s"] > 0
 
@@ -220,8 +218,8 @@ def test_unload_load_and_pin_from_the_page(served):
 
 def test_cache_clear_from_the_page_is_exact(served):
     text = "A conversation whose prefix the page is about to clear from every tier. " * 4
-    cold, _ = chat(served, HYBRID, text)
-    warm, cached = chat(served, HYBRID, text)
+    cold, _ = ask(served, HYBRID, text)
+    warm, cached = ask(served, HYBRID, text)
     assert warm == cold and cached > 0
     with open_page(f"{served.base_url}/") as bp:
         bp.page.on("dialog", lambda d: d.accept())
@@ -234,7 +232,7 @@ def test_cache_clear_from_the_page_is_exact(served):
         assert cleared["hot_blocks"] + cleared["ssd_files"] > 0
         wait_for(lambda: "done" in bp.page.inner_text("#notice"), "the page to say done")
         assert bp.console_errors == []
-    after, cached_after = chat(served, HYBRID, text)
+    after, cached_after = ask(served, HYBRID, text)
     assert cached_after == 0  # nothing left to restore: a cold prefill
     assert after == cold  # and the same tokens as the first cold answer
 
@@ -311,13 +309,13 @@ def test_controls_need_an_admin_key(served):
     """With admin keys set, a tenant's key reads the status and is answered, but every
     control refuses it (403 ``admin_key_required``) and nothing changes; on the page its
     click asks for an admin key with the data still shown; the admin key then does it."""
-    tenant = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key=USER, max_retries=0)
+    tenant = openai_client(served, USER)
     assert tenant.chat.completions.create(model=DENSE, max_tokens=4, messages=[
         {"role": "user", "content": "hello"}]).choices[0].message.content is not None
     assert get(served, "/v1/status", key=USER).status_code == 200
     assert get(served, "/v1/stats", key=USER).json()["server"]["admin_keys"] is True
     text = "A prefix the tenant's refused cache clear must leave in place. " * 4
-    chat(served, HYBRID, text)
+    ask(served, HYBRID, text)
 
     def refused(path: str) -> None:
         r = post(served, path, key=USER)
@@ -340,7 +338,7 @@ def test_controls_need_an_admin_key(served):
     assert model_status(served, DENSE) == "unloaded"
     assert post(served, f"/admin/models/{DENSE}/load").status_code == 200
     refused(f"/admin/models/{HYBRID}/cache/clear")
-    assert chat(served, HYBRID, text)[1] > 0  # still cached
+    assert ask(served, HYBRID, text)[1] > 0  # still cached
     benchmarks = get(served, "/v1/stats").json()["benchmarks"]
     refused("/admin/benchmark")
     assert get(served, "/v1/stats").json()["benchmarks"] == benchmarks

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.devserver import ServerProcess
-from tests.support.servers import TEST_MODELS, serving
+from tests.support.servers import shared_server
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,5 @@ def local_ray():
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, model_home) -> ServerProcess:
     """One ``serve run`` of :data:`TEST_MODELS` shared by the tests that only talk to it."""
-    tmp = tmp_path_factory.mktemp("server")
-    with serving(tmp, TEST_MODELS, model_home, cache_store={"ssd_dir": str(tmp / "kv")}) as proc:
+    with shared_server(tmp_path_factory, model_home) as proc:
         yield proc

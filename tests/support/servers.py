@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.devserver import ServerProcess, free_port, write_config
 
 DENSE = "tiny-dense"
@@ -56,6 +58,16 @@ def serving(tmp: Path, models: list[dict], model_home: Path, *, env: dict | None
                                      api_key=api_key)
     with running(server, [m["name"] for m in models], timeout=timeout,
                  generate=generate) as proc:
+        yield proc
+
+
+@contextmanager
+def shared_server(tmp_path_factory: pytest.TempPathFactory,
+                  model_home: Path) -> Iterator[ServerProcess]:
+    """One ``serve run`` of :data:`TEST_MODELS`: the session ``server`` fixture of each
+    layer that has one (tests/integration, tests/browser)."""
+    tmp = tmp_path_factory.mktemp("server")
+    with serving(tmp, TEST_MODELS, model_home, cache_store={"ssd_dir": str(tmp / "kv")}) as proc:
         yield proc
 
 
