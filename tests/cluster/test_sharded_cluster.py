@@ -8,19 +8,18 @@ A model spread over more nodes than the cluster has is refused at deploy, naming
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 import ray
-from openai import OpenAI
 from ray.cluster_utils import Cluster
 
 from bench.devserver import ServerProcess, free_port, write_config
-from tests.integration.test_sharded import ask, cached, chat, text
-from tests.support.servers import running
+from tests.support.clients import cached, openai_client, text
+from tests.support.servers import running, wait_for
+from tests.support.sharded import ask, conversation
 
 BS = 16
 MODELS = [
@@ -61,11 +60,10 @@ def test_ranks_on_two_nodes_answer_as_unsharded_and_restore(cluster, tmp_path, m
         entry = httpx.get(f"{proc.base_url}/v1/models/spread", timeout=30).json()
         nodes = [r["node"] for r in entry["parallel"]["ranks"]]
         assert len(set(nodes)) == 2, entry  # one rank on each node
-        client = OpenAI(base_url=f"{proc.base_url}/v1", api_key="k", max_retries=0,
-                        timeout=120)
-        first = ask(client, "spread", chat("spread"))
-        assert text(first) == text(ask(client, "dense", chat("spread")))
-        turn = [*chat("spread"), {"role": "assistant", "content": text(first)},
+        client = openai_client(proc, "k")
+        first = ask(client, "spread", conversation("spread"))
+        assert text(first) == text(ask(client, "dense", conversation("spread")))
+        turn = [*conversation("spread"), {"role": "assistant", "content": text(first)},
                 {"role": "user", "content": "Once more."}]
         warm = ask(client, "spread", turn)
         assert cached(warm) >= 4 * BS, warm.usage
@@ -84,10 +82,13 @@ def test_more_ranks_than_nodes_is_refused_at_deploy(cluster, tmp_path, model_hom
                "parallel": {"tensor": 4}, "cache": {"enabled": False}}]
     config = write_config(tmp_path / "serve.yaml", port, models)
     log = tmp_path / "serve.log"
+
+    def refused() -> str | None:
+        out = log.read_text(errors="replace")
+        return out if "needs 4 nodes" in out else None
+
     with serve_run(cluster, config, port, log, model_home):
-        deadline = time.monotonic() + 240
-        while "needs 4 nodes" not in (out := log.read_text(errors="replace")):
-            assert time.monotonic() < deadline, out[-3000:]
-            time.sleep(1)
+        out = wait_for(refused, lambda: "the refusal; the log:\n"
+                       + log.read_text(errors="replace")[-3000:], 240, interval=1)
     assert "models[0].parallel: model 'too-wide' needs 4 nodes" in out, out[-3000:]
     assert "the cluster has 2" in out
