@@ -58,9 +58,10 @@ QUICK: dict[str, list[tuple[str, str | None]]] = {
     "lookup": [("--quick", None)],
 }
 # Benches whose model is fixed: four cluster arms take long; the grammar cost is per token;
-# the trace replay runs three servers; the store lookup loads no model.
+# the trace replay runs three servers; the store lookup loads no model; thinking needs a
+# model whose template opens the thought.
 FIXED_MODELS = {"cluster": "tiny-hybrid", "structured": "tiny-dense", "traces": "tiny-hybrid",
-                "lookup": "store", "speculative": "tiny-dense"}
+                "lookup": "store", "speculative": "tiny-dense", "thinking": "tiny-hybrid-mtp"}
 # Flags a bench always gets here: the runner runs speculative decoding's controlled draft on
 # the tiny models (a minute); its SmolLM2 workloads and HTTP part (an hour on this CPU) run on
 # their own (``python -m bench.speculative``).

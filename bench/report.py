@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 BENCHES = ("multiturn", "agents", "restart", "checkpoints", "serving", "cluster", "structured",
-           "traces", "lookup", "speculative")
+           "traces", "lookup", "speculative", "thinking")
 REPORT = "REPORT.md"
 RUNS = "runs.json"
 MACHINE = "machine.json"
@@ -52,7 +52,11 @@ GOALS = {
     # issue 20: a store lookup's cost flat in block size and in tails under one parent
     # (the slowest setting against the smallest; 2x leaves room for a noisy CPU)
     "lookup_flat": ("<=", 2.0),
+    # issue 41: a thinking model's session, the next turn's prefix prefilled ahead against
+    # the same session without it (bench.thinking)
+    "thinking_ttft_vs_off": ("<=", 0.5),
 }
+THINKING_CACHED_FRACTION = 0.9  # issue 41: every prompt of turns 2+
 # The label suffix of multiturn's second configuration (``bench/__main__.py`` VARIANTS):
 # multiturn-<model>-1k-turns.json, judged by its own goal.
 MULTITURN_1K_TURNS = "1k-turns"
@@ -505,10 +509,38 @@ def lookup_rows(model: str, d: dict) -> list[Row]:
     return out
 
 
+def thinking_rows(model: str, d: dict) -> list[Row]:
+    """Issue 41: turns 2+ of a thinking model's session with the next turn's prefix
+    prefilled ahead (``on``) against without (``off``): the least cached fraction of a
+    prompt, mean TTFT, and identical outputs."""
+    s = d.get("summary") or {}
+    arms = s.get("arms") or {}
+    on, off, mlx = (arms.get(k) or {} for k in ("on", "off", "mlx_lm_server"))
+    least = on.get("cached_fraction_min")
+    status = "n/a" if least is None else (
+        "met" if least >= THINKING_CACHED_FRACTION else "**missed**")
+    theirs = mlx.get("cached_fraction_min")
+    outputs = s.get("on_vs_off_outputs") or {}
+    return [Row("thinking", model, "least cached fraction of a prompt, turns 2+",
+                fmt(_round(least), ""), "" if theirs is None else
+                f"{theirs:.2f} (mlx_lm.server)", goal=f"≥ {THINKING_CACHED_FRACTION}",
+                status=status),
+            ratio_row("thinking", model, "mean TTFT turns 2+, vs the prefill ahead off",
+                      on.get("ttft_mean_s"), off.get("ttft_mean_s"), "s",
+                      "thinking_ttft_vs_off"),
+            Row("thinking", model, "mean TTFT turns 2+, vs mlx_lm.server",
+                fmt(on.get("ttft_mean_s"), "s"), fmt(mlx.get("ttft_mean_s"), "s"),
+                (on["ttft_mean_s"] / mlx["ttft_mean_s"]) if on.get("ttft_mean_s")
+                and mlx.get("ttft_mean_s") else None, status="info"),
+            count_row("thinking", model, "identical outputs, prefill ahead on vs off",
+                      outputs.get("identical"), outputs.get("requests"))]
+
+
 ROWS: dict[str, Callable[[str, dict], list[Row]]] = {
     "multiturn": multiturn_rows, "agents": agents_rows, "restart": restart_rows,
     "serving": serving_rows, "cluster": cluster_rows, "structured": structured_rows,
-    "traces": traces_rows, "lookup": lookup_rows, "speculative": speculative_rows}
+    "traces": traces_rows, "lookup": lookup_rows, "speculative": speculative_rows,
+    "thinking": thinking_rows}
 
 
 def summary_rows(results: dict[str, dict[str, dict]], runs: dict[str, dict]) -> list[Row]:
