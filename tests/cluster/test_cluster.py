@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 import urllib.request
 import uuid
@@ -32,7 +31,9 @@ from serve_app.cache.merge import fields_of_kind
 from serve_app.cluster.directory_service import DIRECTORY_NAME, NAMESPACE
 from serve_app.cluster.replicas import FORGET_AFTER_S, REPORT_INTERVAL_S
 from serve_app.serving.engine_events import EngineStats
-from tests.support.servers import running
+from tests.support.clients import chat, openai_client
+from tests.support.servers import running, wait_for
+from tests.support.threads import Threads
 
 MODEL = "tiny-hybrid"
 SLOT = "serve_app_test_replica_slot"  # one per node: one replica per node
@@ -67,10 +68,6 @@ def cluster_server(tmp_path_factory, model_home):
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-
-def client_of(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def counters(server) -> dict[tuple[str, tuple], float]:
@@ -112,11 +109,6 @@ def routing_counts(delta: dict) -> str:
                      if v and any(w in name for w in ("routing", "remote", "hit_tokens")))
 
 
-def chat(client: OpenAI, messages: list[dict], n: int = 8, **extra):
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n,
-                                          temperature=0, extra_body=extra or None)
-
-
 def first_turn(i: int, tag: str) -> list[dict]:
     # Distinct from the first block on (the tokenizer is character-level): no two
     # conversations share a block.
@@ -141,27 +133,26 @@ def settle(timeout: float = 30.0) -> None:
 
 
 def test_next_turns_go_to_the_replica_holding_their_prefix(cluster_server):
-    client = client_of(cluster_server)
+    client = openai_client(cluster_server, "x")
     before = counters(cluster_server)
     conversations: list[list[dict]] = [first_turn(i, "Affinity") for i in range(4)]
     replies: dict[int, str] = {}
 
     def first(i: int) -> None:
-        replies[i] = chat(client, conversations[i]).choices[0].message.content
+        replies[i] = chat(client, MODEL, conversations[i], 8).choices[0].message.content
 
     # Two at a time: the second of a pair goes to the other replica (the first is busy),
     # so both nodes hold conversations.
     for pair in ((0, 1), (2, 3)):
-        threads = [threading.Thread(target=first, args=(i,)) for i in pair]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        threads = Threads()
+        for i in pair:
+            threads.start(first, i)
+        threads.join(240)
     settle()
     for i, messages in enumerate(conversations):
         messages += [{"role": "assistant", "content": replies[i]},
                      {"role": "user", "content": "And the second one?"}]
-        r = chat(client, messages)
+        r = chat(client, MODEL, messages, 8)
         assert r.usage.prompt_tokens_details.cached_tokens >= 48, i
 
     delta = wait_counts(cluster_server, before,
@@ -184,11 +175,11 @@ def test_next_turns_go_to_the_replica_holding_their_prefix(cluster_server):
 
 def test_a_full_replica_is_passed_over_and_the_other_fetches_the_prefix_exactly(
         cluster_server):
-    client = client_of(cluster_server)
+    client = openai_client(cluster_server, "x")
     # A long prefix: prefilling it costs more than fetching it, even for this tiny model
     # (a replica skips fetches that cost more than they save: measured, not assumed).
     messages = first_turn(0, "Guard" * 8)
-    reply = chat(client, messages).choices[0].message.content
+    reply = chat(client, MODEL, messages, 8).choices[0].message.content
     messages += [{"role": "assistant", "content": reply}]
     settle()
     before = counters(cluster_server)
@@ -200,11 +191,11 @@ def test_a_full_replica_is_passed_over_and_the_other_fetches_the_prefix_exactly(
         for s in streams:
             next(iter(s))
         turn = messages + [{"role": "user", "content": "And the second one?"}]
-        warm = chat(client, turn, n=12)
+        warm = chat(client, MODEL, turn, 12)
     finally:
         for s in streams:
             s.close()
-    cold = chat(client, turn, n=12, cache_salt=f"cold-{uuid.uuid4()}")
+    cold = chat(client, MODEL, turn, 12, salt=f"cold-{uuid.uuid4()}")
     delta = wait_counts(cluster_server, before,
                         lambda d: count(d, "remote_fetch_blocks") > 0
                         and count(d, "routing_decisions", reason="load_fallback") >= 1)
@@ -227,17 +218,18 @@ def model_stats(server) -> dict:
 def quiet_stats(server, timeout: float = 60.0) -> dict:
     """The model's stats once every replica is in them and nothing moves: two reads a
     report period apart agree on what each replica finished, none in flight."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
+    seen: dict = {"stats": None, "done": None}
+
+    def quiet() -> dict | None:
         s = model_stats(server)
         done = {(r["node_id"], r["pid"]): r["stats"]["engine"]["finished"]
                 for r in s["replicas"]}
-        if s["replicas_complete"] and s["engine"]["in_flight"] == 0 and done == last:
-            return s
-        assert time.monotonic() < deadline, (s["replicas_note"], done)
-        last = done
-        time.sleep(REPORT_INTERVAL_S * 1.5)
+        agree = done == seen["done"]
+        seen.update(stats=s, done=done)
+        return s if s["replicas_complete"] and s["engine"]["in_flight"] == 0 and agree else None
+
+    return wait_for(quiet, lambda: f"quiet stats: {seen['stats']['replicas_note']}, "
+                    f"{seen['done']}", timeout, interval=REPORT_INTERVAL_S * 1.5)
 
 
 def by_replica(stats: dict) -> dict[tuple[str, int], dict]:
@@ -264,7 +256,7 @@ def stats_round(client: OpenAI, tag: str) -> list[int]:
     for messages in conversations:  # each next turn: its prefix is cached (hit tokens)
         turn = messages + [{"role": "assistant", "content": "Fine."},
                            {"role": "user", "content": "And then?"}]
-        cached.append(chat(client, turn).usage.prompt_tokens_details.cached_tokens)
+        cached.append(chat(client, MODEL, turn, 8).usage.prompt_tokens_details.cached_tokens)
     return cached
 
 
@@ -283,7 +275,7 @@ def wait_finished(server, before: dict, finished: int, timeout: float = 30.0) ->
 def test_stats_list_every_replica_and_total_them(cluster_server):
     """/v1/stats lands on one replica; it lists both (one per node, each with its age)
     and its totals count every request's hit tokens, whichever replica served it."""
-    client = client_of(cluster_server)
+    client = openai_client(cluster_server, "x")
     before = quiet_stats(cluster_server)
     replicas = before["replicas"]
     assert before["replicas_expected"] == 2 and before["replicas_note"] is None
