@@ -18,6 +18,7 @@ import anthropic
 import httpx
 import pytest
 
+from serve_app.api.thinking_signature import ThoughtSigner, load_key
 from tests.support.clients import anthropic_client, openai_client
 from tests.support.servers import DENSE, HYBRID, wait_for
 
@@ -52,6 +53,14 @@ def system(rng: random.Random) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def signed(model_home):
+    """A thinking block's signature as the server makes it (its key file is in the home the
+    test server shares): thinking blocks sent back in history must verify."""
+    signer = ThoughtSigner(load_key(model_home))
+    return lambda model, text: signer.signature(model, text)
+
+
+@pytest.fixture(scope="module")
 def claude(server) -> anthropic.Anthropic:
     return anthropic_client(server, timeout=120)
 
@@ -65,7 +74,7 @@ def cached_fraction(usage) -> float:
     return usage.cache_read_input_tokens / (usage.input_tokens + usage.cache_read_input_tokens)
 
 
-def test_a_claude_code_session_with_the_rotating_block_reuses_the_cache(server, claude):
+def test_a_claude_code_session_with_the_rotating_block_reuses_the_cache(server, claude, signed):
     rng = random.Random(7)
     before = stats(server, HYBRID)["normalization"]["requests_by_rule"]
     messages: list[dict] = [{"role": "user", "content": [
@@ -77,12 +86,13 @@ def test_a_claude_code_session_with_the_rotating_block_reuses_the_cache(server, 
             model=HYBRID, max_tokens=24, system=system(rng), tools=TOOLS,
             messages=messages, betas=BETAS, metadata={"user_id": "user_1_account_2_session_3"},
             tool_choice={"type": "any"} if turn % 2 == 0 else {"type": "auto"},
-            thinking={"type": "enabled", "budget_tokens": 1024})
+            thinking={"type": "enabled", "budget_tokens": 16})  # below max_tokens
         fractions.append(cached_fraction(reply.usage))
         content = [b.model_dump(exclude_none=True) for b in reply.content]
         uses = [b for b in content if b["type"] == "tool_use"]
         if turn == 2:  # thinking on: history keeps thinking blocks, as Claude Code sends it
-            content = [{"type": "thinking", "thinking": "Look at the logs.", "signature": "s1"},
+            content = [{"type": "thinking", "thinking": "Look at the logs.",
+                        "signature": signed(HYBRID, "Look at the logs.")},
                        {"type": "redacted_thinking", "data": "opaque"}, *content]
         messages.append({"role": "assistant", "content": content or "ok"})
         results = [{"type": "tool_result", "tool_use_id": u["id"],
@@ -113,11 +123,12 @@ def test_the_beta_endpoint_headers_and_request_fields_are_accepted(server, claud
     assert r.status_code == 200 and r.json()["type"] == "message"
 
 
-def test_thinking_blocks_in_history_render_the_same_on_every_turn(claude):
+def test_thinking_blocks_in_history_render_the_same_on_every_turn(claude, signed):
     rng = random.Random(9)
     history = [{"role": "user", "content": "Plan the change."},
                {"role": "assistant", "content": [
-                   {"type": "thinking", "thinking": "first idea", "signature": "sig-a"},
+                   {"type": "thinking", "thinking": "first idea",
+                    "signature": signed(DENSE, "first idea")},
                    {"type": "text", "text": "Here is the plan."}]},
                {"role": "user", "content": "Do it."}]
     first = claude.messages.create(model=DENSE, max_tokens=4, system=system(rng),
