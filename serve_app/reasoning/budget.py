@@ -38,15 +38,18 @@ class ThoughtGate:
       token, and the answer follows (``budget`` None: no limit).
     - ``answer``: makes the answer's processors; they are made when the thought has closed
       (their first call sees prompt and thought as their prompt) or, for an output that may
-      open a thought, at its first token, with the opening marker allowed beside what they
-      allow (taking it commits the output to a thought: the marker is completed and the
-      processors are made again after it).
+      open a thought (``may_open``), at its first token, with the opening marker allowed
+      beside what they allow (taking it commits the output to a thought: the marker is
+      completed and the processors are made again after it). An output that may not open
+      one is all answer: the processors hold from its first token.
     Speculative verify steps may take tokens back: the gate follows ``tokens`` as given.
     """
 
     def __init__(self, markers: ThinkingMarkers, in_thought: bool, budget: int | None,
-                 answer: Callable[[], Sequence[Processor]] = tuple) -> None:
+                 answer: Callable[[], Sequence[Processor]] = tuple,
+                 may_open: bool = True) -> None:
         self._markers = markers
+        self._may_open = may_open
         self._in_thought = in_thought
         self._budget = budget
         self._answer = answer
@@ -87,6 +90,11 @@ class ThoughtGate:
             return _force(logits, split.next_marker_token())
         procs = tuple(self._answer())
         if not procs:
+            return logits
+        if not self._may_open:
+            self._procs = procs
+            for proc in procs:
+                logits = proc(tokens, logits)
             return logits
         self._procs, self._probing = procs, True
         constrained = logits

@@ -395,8 +395,11 @@ class ModelService:
 
         plan = prepared.thinking
         if plan is not None and (plan.budget is not None or grammar is not None):
-            # the thought is free (up to its budget); the grammar starts after it
-            return (ThoughtGate(plan.markers, plan.in_thought, plan.budget, answer),)
+            # The thought is free (up to its budget); the grammar starts after it. Where the
+            # template did not open a thought, an unbudgeted one could take every token the
+            # answer had: under a grammar the output opens one only with a budget.
+            return (ThoughtGate(plan.markers, plan.in_thought, plan.budget, answer,
+                                may_open=plan.budget is not None),)
         return answer()
 
     def _logprobs(self, event: EngineEvent) -> TokenLogprob | None:

@@ -241,3 +241,24 @@ def conversation_cold(home, answers: list[str]) -> list[str]:
         return [t["text"] for t in conversation(service, len(answers), ahead=False)]
     finally:
         service.shutdown()
+
+
+def test_without_a_budget_a_grammar_holds_from_the_first_token_where_no_thought_is_open(home):
+    """Qwen3's template leaves opening a thought to the model: under a JSON schema and
+    without a budget the output may not open one (it could take every token)."""
+    path = materialize("tiny-hybrid", home)
+    model, tokenizer = mlx_lm.load(str(path))
+    service = ModelService(ModelProfile(name="m", source="embedded:tiny-hybrid",
+                                        cache={"enabled": False}), model, tokenizer, path, None)
+    schema = {"type": "object", "properties": {"pick": {"enum": ["tea", "coffee"]}},
+              "required": ["pick"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "choice", "schema": schema}}
+    try:
+        for seed in range(6):
+            got = answer(service, ChatCompletionRequest(
+                model="m", messages=MESSAGES, max_tokens=40, temperature=1.0, seed=seed,
+                response_format=fmt))
+            assert got["finish"].reasoning_tokens == 0 and got["thought"] == ""
+            assert json.loads(got["text"])["pick"] in ("tea", "coffee")
+    finally:
+        service.shutdown()

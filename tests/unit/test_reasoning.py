@@ -143,6 +143,24 @@ def test_an_output_that_may_open_a_thought_keeps_the_opening_marker_open():
     assert out == [7] * 12 and rec[-1].start == 1  # no thought: the first grammar stays
 
 
+def test_an_output_that_may_not_open_a_thought_is_under_the_grammar_at_once():
+    rec: list[Recorder] = []
+
+    def answer():
+        rec.append(Recorder())
+        return (rec[-1],)
+
+    gate = ThoughtGate(ONE, in_thought=False, budget=None, answer=answer, may_open=False)
+    first: list[list[int]] = []
+
+    def choose(allowed: list[int], i: int) -> int:
+        first.append(allowed)
+        return allowed[0]
+
+    assert drive(gate, [1], choose) == [7] * 12 and first[0] == [7]
+    assert len(rec) == 1 and rec[0].start == 1
+
+
 def test_a_rollback_is_followed():
     gate = ThoughtGate(ONE, in_thought=True, budget=2)
     gate(mx.array([90]), mx.zeros((1, V)))
