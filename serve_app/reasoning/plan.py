@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.reasoning.markers import ThinkingMarkers
-from serve_app.reasoning.split import opens_in_thought
+from serve_app.reasoning.split import closes_at_end, opens_in_thought
 
 EFFORTS = ("minimal", "low", "medium", "high")
 
@@ -20,6 +20,9 @@ class ThinkingPlan:
     markers: ThinkingMarkers
     in_thought: bool  # the prompt opened the thought (the template or a client did)
     budget: int | None  # thought tokens allowed before the server closes it; None: any
+    # The generation prompt holds a thought, open or closed and empty (thinking off): a
+    # template that renders one there drops it from the turn next time.
+    prompt_thought: bool = False
 
 
 def plan_thinking(markers: ThinkingMarkers | None, prompt: Sequence[int],
@@ -28,7 +31,9 @@ def plan_thinking(markers: ThinkingMarkers | None, prompt: Sequence[int],
     not think (no markers)."""
     if markers is None:
         return None
-    return ThinkingPlan(markers, opens_in_thought(prompt, markers), budget)
+    opened = opens_in_thought(prompt, markers)
+    return ThinkingPlan(markers, opened, budget,
+                        opened or closes_at_end(prompt, markers))
 
 
 def budget_of(*, tokens: int | None, effort: str | None, default: int | None,

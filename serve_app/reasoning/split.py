@@ -34,6 +34,12 @@ def opens_in_thought(prompt: Sequence[int], markers: ThinkingMarkers,
     return start >= 0 and start > end
 
 
+def closes_at_end(prompt: Sequence[int], markers: ThinkingMarkers, window: int = 8) -> bool:
+    """Whether the prompt ends with a closed thought (``<think>\n\n</think>\n\n``: a
+    template's thinking off)."""
+    return _rfind(prompt[-window:], markers.end) >= 0
+
+
 class ThoughtSplitter:
     """Which part each generated token is: a thought opened by the prompt or by the output's
     first tokens runs until the closing marker; everything after it, and everything of an

@@ -293,15 +293,19 @@ class ModelService:
             clock.finished()
 
     def _after(self, prepared: PreparedRequest, request: RequestStream) -> None:
-        """A turn that ended: its thought counted; a thinking chat's next turn prefix
+        """A turn that ended: its thought counted; where it had a thought (generated, or
+        rendered by the template in its generation prompt), the next turn's prefix
         prefilled ahead (``serve_app.reasoning.ahead``) once it answered (a stop string,
         the end of the answer or its token limit: the client sends back what it got)."""
         finish, history = request.finish, prepared.history
         if finish is None:
             return
         self.thinking.thought_tokens += finish.reasoning_tokens
-        if history is None:
+        plan = prepared.thinking
+        if history is None or plan is None:
             return
+        if not (finish.reasoning_tokens or plan.prompt_thought):
+            return  # no thought in this turn: the next one renders it as it was generated
         answer, calls = "".join(request.answer), tuple(request.calls)
         self.ahead.schedule(
             lambda: self.preparer.next_turn_prefix(history, answer, calls),

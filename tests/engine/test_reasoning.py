@@ -262,3 +262,23 @@ def test_without_a_budget_a_grammar_holds_from_the_first_token_where_no_thought_
             assert json.loads(got["text"])["pick"] in ("tea", "coffee")
     finally:
         service.shutdown()
+
+
+def test_a_turn_without_a_thought_is_not_prefilled_ahead(home):
+    """tiny-hybrid's template opens no thought and the model writes none: the next turn
+    renders this one as it was generated, so nothing runs ahead (no extra engine work)."""
+    from serve_app.cache.client import LocalCacheClient
+    from serve_app.cache.tiers import TieredStore
+
+    path = materialize("tiny-hybrid", home)
+    model, tokenizer = mlx_lm.load(str(path))
+    service = ModelService(ModelProfile(name="m", source="embedded:tiny-hybrid",
+                                        cache={"block_size": 16}), model, tokenizer, path,
+                           LocalCacheClient(TieredStore(1 << 30)))
+    try:
+        turns = conversation(service, 3, ahead=True)
+        assert all(t["reasoning"] == 0 for t in turns)
+        assert service.thinking.ahead == dict.fromkeys(service.thinking.ahead, 0)
+        assert service.engine.snapshot().finished == 3
+    finally:
+        service.shutdown()

@@ -209,3 +209,13 @@ def test_the_next_turn_prefix_is_what_two_next_messages_share():
     assert not covered(prefix, generated)  # the thought (90 5 91) is not in the prefix
     assert covered(prefix, prefix[:-1])  # generated as rendered: nothing to prefill
     assert covered(prefix[:5], generated)
+
+
+def test_a_plan_knows_whether_the_generation_prompt_holds_a_thought():
+    from serve_app.reasoning.plan import plan_thinking
+
+    assert plan_thinking(ONE, [7, 8, 90, 10], None).prompt_thought  # opened
+    assert plan_thinking(ONE, [7, 90, 10, 10, 91, 10, 10], None).prompt_thought  # off
+    plain = plan_thinking(ONE, [7, 8, 9, 10], 5)
+    assert plain is not None and not plain.prompt_thought and plain.budget == 5
+    assert plan_thinking(None, [7], None) is None
