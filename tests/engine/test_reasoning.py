@@ -39,22 +39,23 @@ def thinker(home):
         s.shutdown()
 
 
-def answer(service: ModelService, request: ChatCompletionRequest) -> dict:
-    async def go():
-        prepared = service.prepare(request)
-        thought, text, finish = [], [], None
-        async for events in service.stream(prepared):
-            for e in events:
-                if isinstance(e, Reasoning):
-                    thought.append(e.text)
-                elif isinstance(e, Delta):
-                    text.append(e.text)
-                elif isinstance(e, Finish):
-                    finish = e
-        return {"thought": "".join(thought), "text": "".join(text), "finish": finish,
-                "prompt": prepared.prompt, "thinking": prepared.thinking}
+async def served(service: ModelService, prepared) -> dict:
+    """One prepared request to its end: its thought, its answer text, its ``Finish``."""
+    thought, text, finish = [], [], None
+    async for events in service.stream(prepared):
+        for e in events:
+            if isinstance(e, Reasoning):
+                thought.append(e.text)
+            elif isinstance(e, Delta):
+                text.append(e.text)
+            elif isinstance(e, Finish):
+                finish = e
+    return {"thought": "".join(thought), "text": "".join(text), "finish": finish,
+            "prompt": prepared.prompt, "thinking": prepared.thinking}
 
-    return asyncio.run(go())
+
+def answer(service: ModelService, request: ChatCompletionRequest) -> dict:
+    return asyncio.run(served(service, service.prepare(request)))
 
 
 def request(n: int = 24, **extra) -> ChatCompletionRequest:
@@ -172,21 +173,14 @@ def conversation(service: ModelService, turns: int, ahead: bool) -> list[dict]:
             prepared = service.prepare(req)
             if not ahead:
                 prepared.history = None
-            thought, text, finish = [], [], None
-            async for events in service.stream(prepared):
-                for e in events:
-                    if isinstance(e, Reasoning):
-                        thought.append(e.text)
-                    elif isinstance(e, Delta):
-                        text.append(e.text)
-                    elif isinstance(e, Finish):
-                        finish = e
+            got = await served(service, prepared)
             await service.ahead.idle()
+            finish = got["finish"]
             out.append({"prompt": len(prepared.prompt), "cached": finish.cached_tokens,
                         "history": history_end(service.tokenizer, messages),
-                        "text": "".join(text), "thought": "".join(thought),
+                        "text": got["text"], "thought": got["thought"],
                         "reasoning": finish.reasoning_tokens})
-            messages.append({"role": "assistant", "content": "".join(text)})
+            messages.append({"role": "assistant", "content": got["text"]})
 
     asyncio.run(go())
     return out
