@@ -299,8 +299,9 @@ class ModelProfile(_Strict):
     tool_call_format: str | None = None
     # How a thinking model's thought is told from its answer (``serve_app/reasoning``):
     # "auto" (the default) by the thinking tokens mlx-lm's tokenizer knows of the model,
-    # "qwen3" / "deepseek_r1" by <think> and </think>, "none" leaves thoughts in the answer.
-    reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = "auto"
+    # "qwen3" / "deepseek_r1" by <think> and </think>, "gpt_oss" by the harmony format's
+    # analysis and final channels, "none" leaves thoughts in the answer.
+    reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "gpt_oss", "none"] = "auto"
     reasoning: ReasoningProfile = ReasoningProfile()
 
     @model_validator(mode="before")

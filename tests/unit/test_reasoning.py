@@ -219,3 +219,45 @@ def test_a_plan_knows_whether_the_generation_prompt_holds_a_thought():
     plain = plan_thinking(ONE, [7, 8, 9, 10], 5)
     assert plain is not None and not plain.prompt_thought and plain.budget == 5
     assert plan_thinking(None, [7], None) is None
+
+
+class HarmonyTokenizer:
+    """gpt-oss's special tokens as single ids; every other character its code point."""
+
+    SPECIAL = {"<|channel|>": 1000, "<|message|>": 1001, "<|end|>": 1002, "<|start|>": 1003,
+               "<|return|>": 1004}
+
+    has_thinking = False
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.SPECIAL)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        out: list[int] = []
+        while text:
+            special = next((s for s in self.SPECIAL if text.startswith(s)), None)
+            if special:
+                out.append(self.SPECIAL[special])
+                text = text[len(special):]
+            else:
+                out.append(ord(text[0]))
+                text = text[1:]
+        return out
+
+
+def test_gpt_oss_thinks_on_the_analysis_channel_and_answers_on_the_final_one():
+    tok = HarmonyTokenizer()
+    markers = markers_of(tok, "gpt_oss")
+    assert markers is not None and markers_of(tok) == markers  # auto finds it too
+    out = tok.encode("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant"
+                     "<|channel|>final<|message|>Hi")
+    got = parts(ThoughtSplitter(markers, in_thought=False), out)
+    assert "".join(chr(t) for p, t in got if p == "thought") == "Hmm."
+    assert "".join(chr(t) for p, t in got if p == "answer") == "Hi"
+    assert {t for p, t in got if p == "marker"} >= set(tok.SPECIAL.values()) - {1004}
+    with pytest.raises(ValueError, match="gpt_oss"):
+        markers_of(Plain(), "gpt_oss")
+
+
+class Plain(HarmonyTokenizer):
+    SPECIAL = {"<|endoftext|>": 1}
