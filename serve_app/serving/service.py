@@ -281,10 +281,11 @@ class ModelService:
                 batch = await events.take()
                 lease.release_beside()  # the engine has copied the restored blocks by now
                 out = request.convert(batch)
+                if request.done:  # before the last yield: a caller may stop at the Finish
+                    self._after(prepared, request)
                 if out:
                     pacer.sent()
                     yield out
-            self._after(prepared, request)
         finally:
             if not request.done:
                 self.engine.cancel(rid)

@@ -264,14 +264,13 @@ class RequestStream:
             if self._event(event, out):
                 self.done = True
                 break
-        if self._history:
-            for e in out:
-                if isinstance(e, Delta):
-                    self.answer.append(e.text)
-                elif isinstance(e, ToolCall):
-                    self.calls.append(e)
-                elif isinstance(e, Finish):
-                    self.finish = e
+        for e in out:
+            if isinstance(e, Finish):
+                self.finish = e
+            elif self._history and isinstance(e, Delta):
+                self.answer.append(e.text)
+            elif self._history and isinstance(e, ToolCall):
+                self.calls.append(e)
         return out
 
     def _event(self, event: EngineEvent, out: list[Event]) -> bool:

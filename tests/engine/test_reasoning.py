@@ -276,3 +276,27 @@ def test_a_turn_without_a_thought_is_not_prefilled_ahead(home):
         assert service.engine.snapshot().finished == 3
     finally:
         service.shutdown()
+
+
+def test_a_caller_that_stops_at_the_finish_still_gets_the_prefill_ahead_and_the_count(home):
+    """The ingress stops reading at the ``Finish``: the turn's thought is counted and its
+    next prefix prefilled anyway (also with the prefill ahead off: the count)."""
+    for ahead in (True, False):
+        service = cached_thinker(home, reasoning={"budget_tokens": 4,
+                                                  "prefill_next_turn": ahead})
+
+        async def go(service=service):
+            prepared = service.prepare(request(10))
+            stream = service.stream(prepared)
+            async for events in stream:
+                if any(isinstance(e, Finish) for e in events):
+                    break
+            await stream.aclose()
+            await service.ahead.idle()
+
+        try:
+            asyncio.run(go())
+            assert service.thinking.thought_tokens == 5
+            assert service.thinking.ahead["done"] == (1 if ahead else 0)
+        finally:
+            service.shutdown()
