@@ -10,7 +10,7 @@ from bench.devserver import ServerProcess
 from tests.support.servers import shared_server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once this layer is done: no idle server after it
 def server(tmp_path_factory, model_home) -> Iterator[ServerProcess]:
     """One ``serve run`` of the shared test models (no API keys)."""
     with shared_server(tmp_path_factory, model_home) as proc:

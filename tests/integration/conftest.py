@@ -27,7 +27,7 @@ def local_ray():
         ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once this layer is done: no idle server after it
 def server(tmp_path_factory, model_home) -> ServerProcess:
     """One ``serve run`` of :data:`TEST_MODELS` shared by the tests that only talk to it."""
     with shared_server(tmp_path_factory, model_home) as proc:

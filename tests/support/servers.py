@@ -64,8 +64,9 @@ def serving(tmp: Path, models: list[dict], model_home: Path, *, env: dict | None
 @contextmanager
 def shared_server(tmp_path_factory: pytest.TempPathFactory,
                   model_home: Path) -> Iterator[ServerProcess]:
-    """One ``serve run`` of :data:`TEST_MODELS`: the session ``server`` fixture of each
-    layer that has one (tests/integration, tests/browser)."""
+    """One ``serve run`` of :data:`TEST_MODELS`: the ``server`` fixture of each layer that
+    has one (tests/integration, tests/browser), scoped to its package so that no layer's
+    server idles on through the next layer's tests."""
     tmp = tmp_path_factory.mktemp("server")
     with serving(tmp, TEST_MODELS, model_home, cache_store={"ssd_dir": str(tmp / "kv")}) as proc:
         yield proc

@@ -9,6 +9,8 @@ const KEY_ITEM = "serve_app_api_key"; // sessionStorage: this tab only, gone whe
 let last = null;
 let busy = false;
 let wantsAdmin = null; // the notice of a control refused for want of an admin key
+let noticeUntil = 0; // a control's outcome stays on the notice line until then (ms)
+const OUTCOME_MS = 8000;
 
 // ---- small helpers ---------------------------------------------------------------------
 
@@ -163,8 +165,15 @@ async function refresh() {
   document.getElementById("key-form").hidden = wantsAdmin === null;
   document.getElementById("forget-key").hidden = !sessionStorage.getItem(KEY_ITEM);
   if (wantsAdmin !== null) notice(wantsAdmin, true);
-  else if (!busy) notice("");
+  else if (!busy && Date.now() >= noticeUntil) notice("");
   render();
+}
+
+// A control's outcome, kept for a few seconds: the refresh that follows every control
+// would otherwise clear it at once.
+function outcome(text, error) {
+  noticeUntil = Date.now() + OUTCOME_MS;
+  notice(text, error);
 }
 
 async function post(path, body, what) {
@@ -183,13 +192,13 @@ async function post(path, body, what) {
       return null;
     }
     if (!resp.ok) {
-      notice(`${what} failed: ${await errorText(resp)}`, true);
+      outcome(`${what} failed: ${await errorText(resp)}`, true);
       return null;
     }
-    notice(`${what}: done`);
+    outcome(`${what}: done`);
     return await resp.json();
   } catch (e) {
-    notice(`${what} failed: ${e}`, true);
+    outcome(`${what} failed: ${e}`, true);
     return null;
   } finally {
     busy = false;
