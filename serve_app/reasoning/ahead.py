@@ -53,10 +53,17 @@ def next_turn_prefix(render: Callable[[list[dict[str, Any]]], list[int]],
                      history: History, assistant: dict[str, Any]) -> list[int]:
     """The tokens the next request of this conversation starts with: ``history``, then
     ``assistant`` (the answer as a client sends it back), rendered as an earlier turn,
-    up to the first token of whatever message comes next. ``render(messages)`` renders
-    without a generation prompt."""
+    up to the first token of whatever message comes next: a tool's result after tool
+    calls, else the user's. ``render(messages)`` renders without a generation prompt."""
     base = [*history.messages, assistant]
-    a, b = (render([*base, {"role": "user", "content": probe}]) for probe in _PROBES)
+    calls = assistant.get("tool_calls") or []
+
+    def following(text: str) -> dict[str, Any]:
+        if calls:
+            return {"role": "tool", "tool_call_id": calls[0].get("id"), "content": text}
+        return {"role": "user", "content": text}
+
+    a, b = (render([*base, following(probe)]) for probe in _PROBES)
     return a[:shared(a, b)]
 
 
@@ -78,18 +85,25 @@ def covered(prefix: Sequence[int], seen: Sequence[int]) -> bool:
 
 
 class HistoryAhead:
-    """Runs the prefills ahead as tasks of the replica's event loop, one per ended turn,
-    and counts them; ``close`` cancels what still runs."""
+    """Runs the prefills ahead as tasks of the replica's event loop, one per ended turn
+    (at most ``max_running`` at once: past that a turn's is skipped as ``busy``), and
+    counts them; ``close`` cancels what still runs."""
 
-    def __init__(self, stats: ThinkingStats) -> None:
+    def __init__(self, stats: ThinkingStats, max_running: int = 2) -> None:
         self.stats = stats
+        self.max_running = max_running
         self._tasks: set[asyncio.Task] = set()
 
     def schedule(self, prefix: Callable[[], list[int]], seen: Sequence[int],
-                 prefill: Callable[[list[int]], Awaitable[int | None]]) -> None:
+                 prefill: Callable[[list[int]], Awaitable[int | None]],
+                 free: Callable[[], bool] = lambda: True) -> None:
         """After a turn: ``prefix()`` renders the next turn's prefix (on a worker thread);
         ``prefill(tokens)`` serves it and returns the tokens it restored (None: refused,
-        the engine is busy)."""
+        the engine is busy). ``free()``: whether the engine has a batch slot no request
+        waits for; without one (or with ``max_running`` under way) nothing is rendered."""
+        if len(self._tasks) >= self.max_running or not free():
+            self.stats.ahead["busy"] += 1
+            return
         task = asyncio.get_running_loop().create_task(self._run(prefix, list(seen), prefill))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -25,15 +25,17 @@ class ThinkingPlan:
     prompt_thought: bool = False
 
 
-def plan_thinking(markers: ThinkingMarkers | None, prompt: Sequence[int],
+def plan_thinking(markers: ThinkingMarkers | None, generation_prompt: Sequence[int],
                   budget: int | None) -> ThinkingPlan | None:
-    """The plan of a chat request whose prompt is ``prompt``; None for a model that does
-    not think (no markers)."""
+    """The plan of a chat request; None for a model that does not think (no markers).
+    ``generation_prompt``: the prompt's tokens after the conversation (what the template
+    adds to start the answer, or a continued final message): markers elsewhere, in a
+    user's or a tool's text, say nothing of where the output starts."""
     if markers is None:
         return None
-    opened = opens_in_thought(prompt, markers)
+    opened = opens_in_thought(generation_prompt, markers)
     return ThinkingPlan(markers, opened, budget,
-                        opened or closes_at_end(prompt, markers))
+                        opened or closes_at_end(generation_prompt, markers))
 
 
 def budget_of(*, tokens: int | None, effort: str | None, default: int | None,

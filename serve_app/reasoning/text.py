@@ -13,11 +13,14 @@ class ThoughtText:
     """Feed every generated token: each call gives the thought's new text and the tokens
     that belong to the answer (in order). The thought's leading newlines are dropped and
     its trailing ones held back until more thought follows, as templates render
-    ``<think>\\n...\\n</think>``."""
+    ``<think>\\n...\\n</think>\\n\\n``; the newline tokens right after the closing marker
+    are the closing's (so no stop string or logprob of the answer sees them)."""
 
     def __init__(self, tokenizer: Any, eos_ids: set[int], plan: ThinkingPlan) -> None:
         self.splitter = ThoughtSplitter(plan.markers, plan.in_thought)
+        self._tokenizer = tokenizer
         self._detok = tokenizer.detokenizer
+        self._closing = False  # just past the closing marker: its template newlines follow
         self._eos = eos_ids
         self._held_newlines = ""
         self._started = False  # thought text has been given out
@@ -45,15 +48,24 @@ class ThoughtText:
                 self._detok.add_token(token)
                 text += self._detok.last_segment
             elif part is Part.ANSWER:
+                if self._closing and self._newlines(token):
+                    self.splitter.thought_tokens += 1  # the template's, part of the closing
+                    continue
+                self._closing = False
                 answer.append(token)
         text = self._trim(text)
         if self.splitter.thought_done and not self._closed:
             text += self._close()
         return text, answer
 
+    def _newlines(self, token: int) -> bool:
+        text = self._tokenizer.decode([token])
+        return bool(text) and not text.strip("\n")
+
     def _close(self) -> str:
         """The thought's last text (its trailing newlines dropped)."""
         self._closed = True
+        self._closing = self.splitter.thought_done
         self._detok.finalize()
         tail = self._trim(self._detok.last_segment)
         self._held_newlines = ""

@@ -108,6 +108,7 @@ class Preparer:
         self._offsets: Callable[..., Any] | None = hf if getattr(hf, "is_fast", False) else None
         self._offsets_checked = False
         self.renders_saved = 0  # requests whose branch points cost no rendering
+        self._generation_prompts: dict[str, list[int]] = {}  # by template arguments
         # A thinking model's markers (None: the output is all answer); a parser the
         # tokenizer cannot serve fails the load, naming the key.
         try:
@@ -282,7 +283,8 @@ class Preparer:
             parallel_tool_calls=chat is None or chat.parallel_tool_calls is not False)
         if chat is not None:
             reasoning = self.profile.reasoning
-            prepared.thinking = plan_thinking(self.markers, prompt, budget_of(
+            prepared.thinking = plan_thinking(self.markers, self._answer_start(
+                chat, rendered, prompt), budget_of(
                 tokens=chat._thinking_budget, effort=chat.reasoning_effort,
                 default=reasoning.budget_tokens, efforts=reasoning.effort_budgets))
             if (prepared.thinking is not None and rendered is not None and self.find_branches
@@ -294,6 +296,32 @@ class Preparer:
         prepared.branch_points = self.branch_points(request, prompt, rendered, found)
         prepared.prepare_seconds = time.perf_counter() - tic
         return prepared
+
+    def _answer_start(self, request: ChatCompletionRequest, rendered: Rendered | None,
+                      prompt: list[int]) -> list[int]:
+        """The prompt's tokens after its conversation: the generation prompt the template
+        adds (the same for every conversation with the same template arguments, so one
+        rendering per argument set), or a continued final message's own tokens."""
+        if self.markers is None or rendered is None:
+            return []
+        if request.continue_final_message:  # the client's own last message: its text
+            return prompt[-64:]
+        kwargs = request.template_kwargs()
+        key = repr(sorted(kwargs.items()))
+        suffix = self._generation_prompts.get(key)
+        if suffix is None:
+            probe = [{"role": "user", "content": "x"}]
+            try:
+                with_prompt, without = (list(self.tokenizer.apply_chat_template(
+                    probe, add_generation_prompt=add, tokenize=True, **kwargs))
+                    for add in (True, False))
+            except Exception:  # a template that refuses the probe: no generation prompt
+                with_prompt, without = [], []
+            n = len(without)
+            suffix = with_prompt[n:] if with_prompt[:n] == without else []
+            if len(self._generation_prompts) < 64:
+                self._generation_prompts[key] = suffix
+        return suffix if suffix and prompt[-len(suffix):] == suffix else []
 
     def next_turn_prefix(self, history: History, answer: str,
                          calls: Sequence[ToolCall]) -> list[int]:

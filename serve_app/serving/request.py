@@ -271,11 +271,17 @@ class ChatMessage(BaseModel):
 
 
 
-# The chat template's arguments the server sets itself (``chat_template_kwargs`` may not).
+# What ``chat_template_kwargs`` may not set: the template call's own arguments, which the
+# server sets, and the tokenizer's (padding to a length a client names would fill memory).
 TEMPLATE_ARGUMENTS = frozenset({
     "messages", "conversation", "tools", "documents", "tokenize", "add_generation_prompt",
     "continue_final_message", "chat_template", "return_dict", "return_assistant_tokens_mask",
+    "padding", "truncation", "max_length", "pad_to_multiple_of", "return_tensors",
+    "return_attention_mask", "tokenizer_kwargs", "add_special_tokens", "split_special_tokens",
+    "sanitize_control_tokens", "processor_kwargs",
 })
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_KWARG_CHARS = 1000
 
 
 class ChatCompletionRequest(_Request):
@@ -320,10 +326,7 @@ class ChatCompletionRequest(_Request):
             if forces_call(choice) and self.response_format.get("type") not in (None, "text"):
                 raise ApiError(400, "response_format cannot be combined with a forced "
                                     "tool_choice", param="response_format")
-        taken = sorted(TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or ()))
-        if taken:
-            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}: the "
-                                "server passes them itself", param="chat_template_kwargs")
+        self._check_template_kwargs()
         for i, m in enumerate(self.messages):
             if m.role == "tool" and not m.tool_call_id:
                 raise ApiError(400, f"messages[{i}]: a tool message needs tool_call_id",
@@ -338,6 +341,23 @@ class ChatCompletionRequest(_Request):
                     param = f"messages[{i}].tool_calls[{j}].function.arguments"
                     raise ApiError(400, f"{param}: must be the JSON text of an object",
                                    param=param) from None
+
+    def _check_template_kwargs(self) -> None:
+        """A few template variables with plain values, none of the call's own arguments."""
+        kwargs = self.chat_template_kwargs or {}
+        p = "chat_template_kwargs"
+        taken = sorted(TEMPLATE_ARGUMENTS & set(kwargs))
+        if taken:
+            raise ApiError(400, f"{p} may not set {', '.join(taken)}: the server passes the "
+                                "template call's and the tokenizer's arguments itself", param=p)
+        if len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise ApiError(400, f"{p} takes at most {MAX_TEMPLATE_KWARGS} keys", param=p)
+        for key, value in kwargs.items():
+            plain = value is None or isinstance(value, (bool, int, float, str))
+            if not plain or (isinstance(value, str) and len(value) > MAX_TEMPLATE_KWARG_CHARS):
+                raise ApiError(400, f"{p}.{key} must be a string (at most "
+                                    f"{MAX_TEMPLATE_KWARG_CHARS} characters), a number, a "
+                                    "boolean or null", param=f"{p}.{key}")
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template gets besides the messages and tools."""

@@ -311,13 +311,18 @@ class ModelService:
         self.ahead.schedule(
             lambda: self.preparer.next_turn_prefix(history, answer, calls),
             [*prepared.prompt, *request.tokens],
-            lambda tokens: self._prefill_ahead(prepared, tokens))
+            lambda tokens: self._prefill_ahead(prepared, tokens), self._free_slot)
+
+    def _free_slot(self) -> bool:
+        """A batch slot that no admitted request waits for (work ahead never queues, so
+        it never takes a place a client's request could have had)."""
+        return self.engine.snapshot().in_flight < self.profile.max_batch_size
 
     async def _prefill_ahead(self, turn: PreparedRequest, tokens: list[int]) -> int | None:
         """Prefill ``tokens`` (the next turn's prefix of ``turn``'s conversation) through
         the cache, under the turn's salt and key; the tokens restored, or None when the
         engine has no free slot (real requests come first) or the prefix is too long."""
-        if len(tokens) >= self.profile.context_length or refusal(self.engine) is not None:
+        if len(tokens) >= self.profile.context_length or not self._free_slot():
             return None
         ahead = PreparedRequest(prompt=tokens, params=SamplingParams(max_tokens=1),
                                 stops=[], salt=turn.salt, api_key_digest=turn.api_key_digest)

@@ -300,3 +300,27 @@ def test_a_caller_that_stops_at_the_finish_still_gets_the_prefill_ahead_and_the_
             assert service.thinking.ahead["done"] == (1 if ahead else 0)
         finally:
             service.shutdown()
+
+
+def test_markers_in_a_users_text_do_not_open_a_thought(thinker, home):
+    """`<think>` written by a user (it tokenizes to the marker) is the conversation's, not
+    the generation prompt's: the output starts where the template starts it."""
+    path = materialize("tiny-hybrid", home)
+    model, tokenizer = mlx_lm.load(str(path))
+    service = ModelService(ModelProfile(name="m", source="embedded:tiny-hybrid",
+                                        cache={"enabled": False}), model, tokenizer, path, None)
+    try:
+        for text in ("What does the <think> tag do?", "Explain <think> and </think> <think>"):
+            req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": text}],
+                                        max_tokens=8, temperature=0)
+            got = answer(service, req)
+            assert tokenizer.think_start_id in got["prompt"]
+            assert not got["thinking"].in_thought and not got["thinking"].prompt_thought
+            assert got["finish"].reasoning_tokens == 0 and got["thought"] == ""
+    finally:
+        service.shutdown()
+    service_of, tokenizer = thinker  # Qwen3.5's template opens it, whatever the user wrote
+    got = answer(service_of(reasoning={"budget_tokens": 2}), ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "a </think> b"}], max_tokens=6,
+        temperature=0))
+    assert got["thinking"].in_thought and got["finish"].reasoning_tokens == 3

@@ -261,3 +261,84 @@ def test_gpt_oss_thinks_on_the_analysis_channel_and_answers_on_the_final_one():
 
 class Plain(HarmonyTokenizer):
     SPECIAL = {"<|endoftext|>": 1}
+
+
+def test_the_newlines_after_the_closing_marker_belong_to_it(hybrid_tokenizer):
+    from serve_app.reasoning.plan import ThinkingPlan
+    from serve_app.reasoning.text import ThoughtText
+
+    markers = markers_of(hybrid_tokenizer)
+    nl = hybrid_tokenizer.encode("\n", add_special_tokens=False)
+    a = hybrid_tokenizer.encode("A\n", add_special_tokens=False)
+    text = ThoughtText(hybrid_tokenizer, set(), ThinkingPlan(markers, True, None))
+    hm = hybrid_tokenizer.encode("hm", add_special_tokens=False)
+    got = [text.feed(t) for t in [*hm, *markers.end, *nl, *nl, *a]]
+    assert "".join(t for t, _ in got) == "hm"
+    assert [tok for _, answer in got for tok in answer] == a  # the answer's own newline kept
+    assert text.splitter.thought_tokens == len(hm) + len(markers.end) + 2 * len(nl)
+
+
+def test_a_prefill_ahead_waits_for_a_free_slot_and_never_piles_up():
+    import asyncio
+
+    from serve_app.reasoning.ahead import HistoryAhead, ThinkingStats
+
+    rendered: list[int] = []
+
+    async def go():
+        ahead = HistoryAhead(ThinkingStats(), max_running=1)
+
+        def prefix() -> list[int]:
+            rendered.append(1)
+            return [1, 2, 3]
+
+        async def prefill(tokens: list[int]) -> int:
+            await asyncio.sleep(0)
+            return 1
+
+        seen = [9, 9, 9, 9]  # what the turn prefilled and generated: not the prefix
+        ahead.schedule(prefix, seen, prefill, free=lambda: False)  # no free slot
+        ahead.schedule(prefix, seen, prefill)
+        ahead.schedule(prefix, seen, prefill)  # one already under way
+        await ahead.idle()
+        return ahead.stats
+
+    stats = asyncio.run(go())
+    assert stats.ahead == {"done": 1, "not_needed": 0, "busy": 2, "failed": 0}
+    assert rendered == [1] and stats.ahead_prefilled_tokens == 2
+
+
+def test_after_tool_calls_the_next_message_probed_is_a_tool_result():
+    from serve_app.reasoning.ahead import History, next_turn_prefix
+
+    roles: list[str] = []
+
+    def render(messages: list[dict]) -> list[int]:
+        roles.append(messages[-1]["role"])
+        return [len(m["content"]) for m in messages] + [ord(messages[-1]["content"])]
+
+    history = History(({"role": "user", "content": "hi"},), None, {})
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}
+    next_turn_prefix(render, history, call)
+    next_turn_prefix(render, history, {"role": "assistant", "content": "yo"})
+    assert roles == ["tool", "tool", "user", "user"]
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"padding": "max_length", "max_length": 10**9}, "chat_template_kwargs"),
+    ({"enable_thinking": {"nested": True}}, "chat_template_kwargs.enable_thinking"),
+    ({"x": "y" * 1001}, "chat_template_kwargs.x"),
+    ({f"k{i}": i for i in range(17)}, "chat_template_kwargs"),
+    ({"tokenize": False}, "chat_template_kwargs"),
+])
+def test_template_kwargs_are_a_few_plain_values_never_the_calls_own(kwargs, param):
+    from serve_app.serving.request import ApiError, ChatCompletionRequest
+
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                chat_template_kwargs=kwargs)
+    with pytest.raises(ApiError) as refused:
+        req.check_supported()
+    assert refused.value.status == 400 and refused.value.param == param
+    ok = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                               chat_template_kwargs={"enable_thinking": False, "x": 1.5})
+    ok.check_supported()
