@@ -13,18 +13,9 @@ import yaml
 
 from serve_app.config.profile import ModelProfile, load_serve_config
 from tests.support import REPO
+from tests.support.profiles import write
 
 GOOD_MODEL = {"name": "m", "source": "embedded:tiny-dense"}
-
-
-def write(tmp_path: Path, args) -> Path:
-    config = {
-        "http_options": {"host": "127.0.0.1", "port": 8000},
-        "applications": [{"name": "llm", "import_path": "serve_app.app:build_app", "args": args}],
-    }
-    path = tmp_path / "profile.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def test_default_profile_serves_the_real_embedded_model_on_loopback():

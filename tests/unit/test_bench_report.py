@@ -7,30 +7,13 @@ unreadable file, and write its plots as PNGs linked relatively.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from bench import report
+from tests.support.bench_results import multiturn, outputs, table, write
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def write(directory: Path, name: str, data: dict) -> None:
-    (directory / name).write_text(json.dumps(data))
-
-
-def outputs(identical: int, requests: int) -> dict:
-    return {"requests": requests, "identical": identical,
-            "all_identical": identical == requests, "mismatches": []}
-
-
-def multiturn() -> dict:
-    turns = [{"turn": i + 1, "ttft_ours": 1.0 if i == 0 else 0.1, "ttft_ours_cold": 1.0 + i,
-              "ttft_mlx_lm_server": 1.0 if i == 0 else 0.2} for i in range(6)]
-    return {"model": "tiny-hybrid", "turns": turns,
-            "ttft_sum_turns_2_on": {"ours": 0.5, "ours_cold": 20.0, "mlx_lm_server": 1.0},
-            "ratio_vs_mlx_lm_server": 0.5, "vs_mlx_lm_server_outputs": outputs(6, 6)}
 
 
 def multiturn_1k_turns() -> dict:
@@ -112,17 +95,6 @@ def results_dir(tmp_path: Path) -> Path:
         "log_tail": "Traceback ...\nRuntimeError: replica died"}}})
     write(tmp_path, "machine.json", {"cpu": "test CPU", "cores": 2, "memory_bytes": 8 << 30})
     return tmp_path
-
-
-def table(markdown: str) -> dict[tuple[str, str, str], list[str]]:
-    """Summary rows by (bench, model, metric): [ours, mlx-lm, ratio, goal, status]."""
-    section = markdown.split("## Summary", 1)[1].split("\n## ", 1)[0]
-    rows = {}
-    for line in section.splitlines()[4:]:
-        if line.startswith("| "):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            rows[tuple(cells[:3])] = cells[3:]
-    return rows
 
 
 def test_summary_rows_say_met_or_missed(tmp_path):

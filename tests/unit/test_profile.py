@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import yaml
 
 from serve_app.config.profile import ModelProfile, ProfileError, load_serve_config, parse_profile
 from serve_app.deploy.app import build_app, deployment_name
 from tests.support import REPO
+from tests.support.profiles import write
 
 GOOD_MODEL = {"name": "m", "source": "embedded:tiny-dense"}
-
-
-def write(tmp_path: Path, args) -> Path:
-    config = {
-        "http_options": {"host": "127.0.0.1", "port": 8000},
-        "applications": [{"name": "llm", "import_path": "serve_app.app:build_app", "args": args}],
-    }
-    path = tmp_path / "profile.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")))
