@@ -90,15 +90,19 @@ def cache_profile(args: argparse.Namespace) -> dict:
 def stream_chat(base_url: str, body: dict) -> dict:
     """POST a streaming chat request; time to first token, decode time, text and usage.
 
-    ``cached_tokens`` is ``usage.prompt_tokens_details.cached_tokens``, or None when the
-    server does not report it. ``error`` is the error object of an ``{"error": ...}``
-    event that ended the stream (a stream cut after it started: its text is truncated),
-    else None.
+    A thinking model's thought (``reasoning_content``, or mlx_lm.server's ``reasoning``)
+    is ``reasoning``, apart from the answer's ``text``; its deltas are tokens too (the
+    first one's time is the TTFT). ``cached_tokens`` is
+    ``usage.prompt_tokens_details.cached_tokens``, or None when the server does not report
+    it; ``usage`` the whole usage object. ``error`` is the error object of an
+    ``{"error": ...}`` event that ended the stream (a stream cut after it started: its text
+    is truncated), else None.
     """
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = last = None
     parts: list[str] = []
+    thought: list[str] = []
     usage = None
     finish = None
     error = None
@@ -112,11 +116,14 @@ def stream_chat(base_url: str, body: dict) -> dict:
             usage = obj.get("usage") or usage
             for choice in obj.get("choices", []):
                 finish = choice.get("finish_reason") or finish
-                content = (choice.get("delta") or {}).get("content")
-                if content:
+                delta = choice.get("delta") or {}
+                content = delta.get("content")
+                think = delta.get("reasoning_content") or delta.get("reasoning")
+                if content or think:
                     last = time.perf_counter()
                     first = first or last
-                    parts.append(content)
+                parts += [content] if content else []
+                thought += [think] if think else []
     end = time.perf_counter()
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or {}
@@ -125,10 +132,12 @@ def stream_chat(base_url: str, body: dict) -> dict:
         "decode_s": (last or end) - (first or end),
         "total_s": end - start,
         "text": "".join(parts),
+        "reasoning": "".join(thought),
         "finish_reason": finish,
         "tokens": usage.get("completion_tokens", len(parts)),
         "prompt_tokens": usage.get("prompt_tokens"),
         "cached_tokens": details.get("cached_tokens"),
+        "usage": usage,
         "error": error,
     }
 

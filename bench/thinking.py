@@ -28,7 +28,6 @@ Usage: python -m bench.thinking [--quick] [--out FILE] [--sessions N] [--turns N
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -46,6 +45,7 @@ from bench.common import (
     model_stats,
     start_mlx_lm_server,
     start_ours,
+    stream_chat,
     workdir,
 )
 from serve_app.models.embedded import materialize
@@ -109,38 +109,12 @@ class TurnResult:
 
 
 def stream_turn(base_url: str, body: dict) -> dict:
-    """POST a streamed chat request; TTFT at the first thought or answer delta, the
-    answer (``content``) and thought (``reasoning_content``, or mlx_lm.server's
-    ``reasoning``) texts, and usage."""
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = None
-    content: list[str] = []
-    thought: list[str] = []
-    usage: dict = {}
-    finish = None
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("error"):
-                raise RuntimeError(f"stream ended with an error: {obj['error']}")
-            usage = obj.get("usage") or usage
-            for choice in obj.get("choices", []):
-                finish = choice.get("finish_reason") or finish
-                delta = choice.get("delta") or {}
-                text = delta.get("content")
-                think = delta.get("reasoning_content") or delta.get("reasoning")
-                if (text or think) and first is None:
-                    first = time.perf_counter()
-                content += [text] if text else []
-                thought += [think] if think else []
-    end = time.perf_counter()
-    return {"ttft": (first or end) - start, "total_s": end - start,
-            "content": "".join(content), "reasoning": "".join(thought),
-            "finish_reason": finish, "usage": usage}
+    """One streamed turn (``common.stream_chat``); a stream that ended in an error event
+    raises."""
+    r = stream_chat(base_url, body)
+    if r["error"]:
+        raise RuntimeError(f"stream ended with an error: {r['error']}")
+    return {**r, "content": r["text"]}
 
 
 def in_flight(base_url: str, model: str) -> int | None:
