@@ -65,7 +65,9 @@ class ThoughtText:
     def _close(self) -> str:
         """The thought's last text (its trailing newlines dropped)."""
         self._closed = True
-        self._closing = self.splitter.thought_done
+        # only a thought's closing marker is followed by the template's newlines: an output
+        # that never opened one keeps its own (a tool call's '<tool_call>\n' lost its newline)
+        self._closing = self.splitter.thought_done and self.had_thought
         self._detok.finalize()
         tail = self._trim(self._detok.last_segment)
         self._held_newlines = ""

@@ -278,6 +278,20 @@ def test_the_newlines_after_the_closing_marker_belong_to_it(hybrid_tokenizer):
     assert text.splitter.thought_tokens == len(hm) + len(markers.end) + 2 * len(nl)
 
 
+def test_an_output_without_a_thought_keeps_its_newlines(hybrid_tokenizer):
+    """Only a closing marker's newlines are the template's: an answer that opens with no
+    thought ('<tool_call>' then a newline) keeps every token."""
+    from serve_app.reasoning.plan import ThinkingPlan
+    from serve_app.reasoning.text import ThoughtText
+
+    markers = markers_of(hybrid_tokenizer)
+    tokens = hybrid_tokenizer.encode("A\n\nB\n", add_special_tokens=False)
+    text = ThoughtText(hybrid_tokenizer, set(), ThinkingPlan(markers, False, None))
+    got = [text.feed(t) for t in tokens]
+    assert [tok for _, answer in got for tok in answer] == tokens
+    assert "".join(t for t, _ in got) == "" and text.splitter.thought_tokens == 0
+
+
 def test_a_prefill_ahead_waits_for_a_free_slot_and_never_piles_up():
     import asyncio
 
