@@ -7,7 +7,7 @@ from __future__ import annotations
 EMBEDDED_PREFIX = "embedded:"
 # The tiny deterministic random-weight models, each in every weight format.
 # ``tiny-hybrid-mtp`` is a Qwen3.5 checkpoint (Hugging Face layout) with an MTP head.
-BASE_NAMES = ("tiny-dense", "tiny-hybrid", "tiny-hybrid-mtp")
+BASE_NAMES = ("tiny-dense", "tiny-hybrid", "tiny-hybrid-mtp", "tiny-vl")
 FORMATS = ("fp32", "bf16", "fp16", "q4")
 # Real models read from a package (serve_app/models/smollm2.py): name -> weight format.
 # ``smollm2-135m`` is the GGUF's own 4-bit, the format that decodes fastest on MLX's CPU

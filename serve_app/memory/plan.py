@@ -358,6 +358,19 @@ class MemoryLimits:
     wired_bytes: int | None = None
     cache_bytes: int | None = None
 
+    def apply(self) -> MemoryLimits | None:
+        """Into MLX, on Metal only (on the thread that runs the model); what was applied
+        (None off Metal: the plan is advisory)."""
+        import mlx.core as mx
+
+        if not mx.metal.is_available():
+            return None
+        if self.wired_bytes is not None:
+            mx.set_wired_limit(self.wired_bytes)
+        if self.cache_bytes is not None:
+            mx.set_cache_limit(self.cache_bytes)
+        return self
+
 
 def mlx_limits(model: ModelFootprint, kv_share: int,
                working_set_bytes: int | None) -> MemoryLimits:

@@ -505,3 +505,57 @@ def log_dir() -> str:
         return str(node.get_logs_dir_path())
     except Exception:
         return "/tmp/ray/session_latest/logs"
+
+
+def mrope_positions(tokens: list[int], grids: list[tuple[int, int, int]],
+                    config: dict) -> tuple[Any, int]:
+    """A prompt's multimodal rotary positions, (3, len) int32, and its delta (a generated
+    token at index ``i`` sits at ``i + delta``), as mlx-vlm computes them for Qwen3.5.
+
+    Relies on ``mlx_vlm.models.qwen3_5.language.LanguageModel.get_rope_index`` (mlx-vlm
+    0.7), called unbound with the config it reads (no text stack is built for it): one
+    home for the positions mlx-vlm's own generation gives the same model.
+    """
+    import types
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_vlm.models.qwen3_5.language import LanguageModel
+
+    vision = types.SimpleNamespace(spatial_merge_size=config["vision_config"].get(
+        "spatial_merge_size", 2))
+    owner = types.SimpleNamespace(config=types.SimpleNamespace(
+        vision_config=vision, image_token_id=config["image_token_id"],
+        video_token_id=config.get("video_token_id", -1),
+        vision_start_token_id=config["vision_start_token_id"]))
+    grid = mx.array(grids, dtype=mx.int32) if grids else None
+    positions, delta = LanguageModel.get_rope_index(owner, mx.array([tokens]), grid)
+    return np.asarray(positions[:, 0, :], dtype=np.int32), int(np.asarray(delta).reshape(-1)[0])
+
+
+def vision_tower_classes(model_type: str) -> tuple[type, type]:
+    """mlx-vlm's (VisionModel, VisionConfig) for a model type (mlx-vlm 0.7's module
+    layout: ``mlx_vlm.models.<type>.vision`` and ``.config``)."""
+    import importlib
+
+    vision = importlib.import_module(f"mlx_vlm.models.{model_type}.vision")
+    config = importlib.import_module(f"mlx_vlm.models.{model_type}.config")
+    return vision.VisionModel, config.VisionConfig
+
+
+def override_call(module: Any, call: Callable[..., Any], tag: str) -> None:
+    """Make ``module(...)`` run ``call(module, original_call, ...)``, leaving its
+    parameters where they are (a wrapper module would move them in the model's tree).
+
+    Python looks special methods up on the class, so the instance gets a subclass of its
+    own class; ``tag`` names it (and marks it: overriding twice raises)."""
+    cls = type(module)
+    if getattr(cls, "_serve_app_override", None):
+        raise RuntimeError(f"{cls.__name__} is already overridden")
+    original = cls.__call__
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return call(self, original, *args, **kwargs)
+
+    module.__class__ = type(f"{tag}{cls.__name__}", (cls,),
+                            {"__call__": __call__, "_serve_app_override": tag})

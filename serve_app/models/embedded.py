@@ -30,7 +30,8 @@ from serve_app.config.catalog import (
 from serve_app.config.paths import default_home
 from serve_app.models.compat import model_classes
 
-FORMAT_VERSION = 4  # 3: Qwen3 chat template, tool and think tokens; 4: Qwen3.5 opens thoughts
+# 3: Qwen3 chat template, tool and think tokens; 4: Qwen3.5 opens thoughts; 5: tiny-vl
+FORMAT_VERSION = 5
 
 # Qwen3's chat template (as in Qwen/Qwen3-8B's tokenizer_config.json): tools as JSON
 # lines in a "# Tools" system section, calls as <tool_call> JSON blocks, results as
@@ -137,6 +138,29 @@ QWEN35_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
     {%- endif %}
 {%- endif %}""")
 assert QWEN35_CHAT_TEMPLATE != CHAT_TEMPLATE
+# The vision model's: Qwen3.5's, with a message's content parts (text, and images as
+# Qwen's <|vision_start|><|image_pad|><|vision_end|>) as its real template renders them.
+IMAGE_MARKUP = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN35_VL_CHAT_TEMPLATE = QWEN35_CHAT_TEMPLATE.replace(
+    """message.role == "user" and message.content is string and not(""",
+    """message.role == "user" and not(message.content is string and """).replace(
+    """    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}""",
+    """    {%- elif message.content %}
+        {%- set parts = namespace(text='') %}
+        {%- for part in message.content %}
+            {%- if part.type == 'text' %}
+                {%- set parts.text = parts.text + part.text %}
+            {%- elif part.type in ('image', 'image_url') %}
+                {%- set parts.text = parts.text + '""" + IMAGE_MARKUP + """' %}
+            {%- endif %}
+        {%- endfor %}
+        {%- set content = parts.text %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}""")
+assert QWEN35_VL_CHAT_TEMPLATE.count(IMAGE_MARKUP) == 1
 # Appended only: the ids of earlier tokens never change. Tool-call and thinking markers are
 # single special tokens, as in Qwen3's vocabulary (mlx-lm finds <think> by its token).
 SPECIAL_TOKENS = [
@@ -144,6 +168,7 @@ SPECIAL_TOKENS = [
     "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
 ]
 EOS_TOKEN = "<|im_end|>"
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]  # the VLM's, after
 
 
 # Weight formats, as Mac checkpoints come: fp32 (the base), bf16 and fp16
@@ -165,6 +190,9 @@ class EmbeddedSpec:
     # zero-centred norms), with ``mtp.*`` weights: what mlx-lm's sanitize reads; with
     # Qwen3.5's chat template (its generation prompt opens the thought).
     hf_qwen35_with_mtp: bool = False
+    # A vision-language model: Qwen3.5's vision tower (mlx-vlm's layout, its own weights)
+    # over the text stack, Qwen's image processor, the vision tokens in the vocabulary.
+    vision: bool = False
 
 
 def _vocab_size() -> int:
@@ -219,6 +247,35 @@ _BASE_MODELS: dict[str, EmbeddedSpec] = {
         },
         seed=2,
     ),
+    "tiny-vl": EmbeddedSpec(
+        name="tiny-vl",
+        config={
+            "model_type": "qwen3_5",
+            "text_config": {
+                **_COMMON,
+                "model_type": "qwen3_5_text",
+                "num_hidden_layers": 4,
+                **_GDN_LAYERS,
+                "vocab_size": _vocab_size() + len(VISION_TOKENS),
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": 0.25,
+                                    "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+            },
+            "vision_config": {
+                "model_type": "qwen3_5", "depth": 2, "hidden_size": 64,
+                "intermediate_size": 128, "num_heads": 4, "out_hidden_size": 128,
+                "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                "num_position_embeddings": 64, "in_channels": 3, "deepstack_visual_indexes": [],
+            },
+            "image_token_id": _vocab_size() + 2,
+            "vision_start_token_id": _vocab_size(),
+            "vision_end_token_id": _vocab_size() + 1,
+            "tie_word_embeddings": False,
+            "eos_token_id": 256 + SPECIAL_TOKENS.index(EOS_TOKEN),
+        },
+        seed=4,
+        vision=True,
+    ),
     "tiny-hybrid-mtp": EmbeddedSpec(
         name="tiny-hybrid-mtp",
         config={
@@ -243,7 +300,8 @@ def _variants() -> dict[str, EmbeddedSpec]:
         for fmt in FORMATS:
             name = variant_name(base.name, fmt)
             config = {**base.config, "torch_dtype": _DTYPE_NAMES[fmt]}
-            out[name] = EmbeddedSpec(name, config, base.seed, fmt, base.hf_qwen35_with_mtp)
+            out[name] = EmbeddedSpec(name, config, base.seed, fmt, base.hf_qwen35_with_mtp,
+                                     base.vision)
     return out
 
 
@@ -268,16 +326,17 @@ def _byte_vocab() -> dict[str, int]:
     return {table[b]: b for b in range(256)}
 
 
-def _write_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE) -> None:
+def _write_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE,
+                     special: list[str] = SPECIAL_TOKENS) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = _byte_vocab()
-    for i, tok in enumerate(SPECIAL_TOKENS):
+    for i, tok in enumerate(special):
         vocab[tok] = 256 + i
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.add_special_tokens(special)
     tokenizer.save(str(path / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -331,7 +390,8 @@ def _build(spec: EmbeddedSpec, path: Path) -> None:
     new = [(k, mx.array(_random_value(spec.seed, k, tuple(v.shape)))) for k, v in params]
     # Zero logits for the special tokens: greedy decoding never ends early, so
     # benchmarks against other servers generate the same number of tokens.
-    special = mx.arange(256, 256 + len(SPECIAL_TOKENS))
+    extra = len(VISION_TOKENS) if spec.vision else 0
+    special = mx.arange(256, 256 + len(SPECIAL_TOKENS) + extra)
     new = [(k, _zero_rows(v, special) if k.endswith("lm_head.weight") else v) for k, v in new]
     model.update(tree_unflatten(new))
     config = dict(spec.config)
@@ -342,10 +402,15 @@ def _build(spec: EmbeddedSpec, path: Path) -> None:
         model, config = quantize_model(model, config, group_size=Q4_GROUP_SIZE, bits=4)
     mx.eval(model.parameters())
     save_model(path, model)
-    save_config(config, path / "config.json")
+    save_config(config, path / "config.json", keep_vision_config=spec.vision)
     if spec.hf_qwen35_with_mtp:
         _add_mtp_in_hf_layout(spec, model, path)
-    _write_tokenizer(path, QWEN35_CHAT_TEMPLATE if spec.hf_qwen35_with_mtp else CHAT_TEMPLATE)
+    if spec.vision:
+        _add_vision_tower(spec, path)
+        _write_tokenizer(path, QWEN35_VL_CHAT_TEMPLATE, SPECIAL_TOKENS + VISION_TOKENS)
+    else:
+        _write_tokenizer(path, QWEN35_CHAT_TEMPLATE if spec.hf_qwen35_with_mtp
+                         else CHAT_TEMPLATE)
     (path / "EMBEDDED").write_text(f"{spec.name} format={FORMAT_VERSION}\n")
 
 
@@ -390,6 +455,39 @@ def _add_mtp_in_hf_layout(spec: EmbeddedSpec, model, path: Path) -> None:
         data = json.loads(index.read_text())
         data["weight_map"] = dict.fromkeys(sorted(out), file.name)
         index.write_text(json.dumps(data, indent=4))
+
+
+def _add_vision_tower(spec: EmbeddedSpec, path: Path) -> None:
+    """Random vision tower weights (``vision_tower.*``, mlx-vlm's layout, in the format's
+    float type: 4-bit checkpoints keep their tower in bf16) and Qwen's image processor."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from serve_app.models.compat import vision_tower_classes
+
+    model_cls, config_cls = vision_tower_classes(spec.config["model_type"])
+    tower = model_cls(config_cls(**spec.config["vision_config"]))
+    dtype = getattr(mx, _DTYPE_NAMES[spec.format])
+    file = path / "model.safetensors"
+    weights = dict(mx.load(str(file)))  # type: ignore[arg-type]
+    for key, value in cast(list[tuple[str, Any]], tree_flatten(tower.parameters())):
+        name = f"vision_tower.{key}"
+        weights[name] = mx.array(_random_value(spec.seed, name, tuple(value.shape))).astype(dtype)
+    mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = dict.fromkeys(sorted(weights), file.name)
+        index.write_text(json.dumps(data, indent=4))
+    merge, patch = spec.config["vision_config"]["spatial_merge_size"], \
+        spec.config["vision_config"]["patch_size"]
+    token_pixels = (merge * patch) ** 2
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch,
+        "temporal_patch_size": 2, "merge_size": merge,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": token_pixels, "longest_edge": 16 * token_pixels},
+    }, indent=2))
 
 
 REAL_FORMAT_VERSION = 1

@@ -26,6 +26,8 @@ from serve_app.cache.request_plan import Published, RequestPlan
 from serve_app.memory.plan import MemoryLimits
 from serve_app.memory.shapes import cache_shape_from_layout
 from serve_app.models.compat import batch_row_caches, install_decode_step
+from serve_app.multimodal.prompt import VisionPrompt
+from serve_app.multimodal.runtime import VisionRuntime
 from serve_app.parallel.lockstep import Cancel, Forget, Insert
 from serve_app.serving import engine_cache
 from serve_app.serving.admission import (
@@ -74,8 +76,10 @@ class Engine:
         prefill_batch_size: int | None = None,
         name: str = "model",
         speculator: Speculator | None = None,
+        vision: VisionRuntime | None = None,
     ) -> None:
         self.model = model
+        self.vision = vision  # a vision-language model's image splice
         self.broken: str | None = None  # why a sharded engine stopped (a rank was lost)
         self._abandoned: set[int] = set()  # requests ``RankEngine.abandon`` already ended
         # Speculative decode steps (None: plain ones); it reports each step to the counters.
@@ -120,6 +124,7 @@ class Engine:
         sink: EventSink,
         cache: RequestPlan | None = None,
         plan_key: str | None = None,
+        vision: VisionPrompt | None = None,
     ) -> int:
         """Queue a request; events for it arrive through ``sink`` on the engine thread.
         ``plan_key``: a sharded model's other ranks planned its cache under it."""
@@ -140,7 +145,7 @@ class Engine:
             self.stats.submitted += 1
             rid = next(self._ids)
         self._commands.put(("submit", EngineRequest(rid, list(prompt), params, sink, cache,
-                                                    plan_key=plan_key)))
+                                                    plan_key=plan_key, vision=vision)))
         return rid
 
     def set_kv_budget(self, budget_bytes: int | None) -> None:
@@ -247,19 +252,13 @@ class Engine:
         self._apply_limits()  # after mlx-lm set the recommended wired limit
         if self.speculator is not None:
             install_decode_step(generator, self.speculator.step)
+        elif self.vision is not None:
+            self.vision.install(generator)
         return generator
 
     def _apply_limits(self) -> None:
         """The plan's limits into MLX, on Metal only (engine thread)."""
-        limits = self._limits
-        if limits is None or not mx.metal.is_available():
-            self.applied_limits = None
-            return
-        if limits.wired_bytes is not None:
-            mx.set_wired_limit(limits.wired_bytes)
-        if limits.cache_bytes is not None:
-            mx.set_cache_limit(limits.cache_bytes)
-        self.applied_limits = limits
+        self.applied_limits = self._limits.apply() if self._limits is not None else None
 
     def _run(self) -> None:
         try:
@@ -415,6 +414,9 @@ class Engine:
         deliver(req, EngineEvent(restored=req.restored))
         if segments is None:
             segments = engine_cache.segments(req)
+        processors = list(req.params.logits_processors)
+        if req.vision is not None and self.vision is not None:
+            segments, processors, all_tokens = self.vision.begin(req, segments, processors)
         (uid,) = self._batch.insert_segments(
             [segments],
             max_tokens=[req.params.max_tokens],
@@ -424,9 +426,11 @@ class Engine:
             # The processors see prompt + generated tokens even after a restore: mlx-lm
             # starts the request's token history from ``all_tokens`` (the restored part)
             # and appends every prefilled chunk to it.
-            logits_processors=[list(req.params.logits_processors)],
+            logits_processors=[processors],
         )
         req.uid = uid
+        if req.vision is not None and self.vision is not None:
+            self.vision.joined(req.rid, uid)
         self._record(Insert(req.rid, req.prompt, req.params.max_tokens, segments,
                             req.restored, req.plan_key))
         if self.speculator is not None:
@@ -488,6 +492,8 @@ class Engine:
             self.stats.peak_batch_size = max(self.stats.peak_batch_size, batch)
         for p in prompt_responses:
             req = self._by_uid.get(p.uid)
+            if req is not None and p.end_of_prompt and self.vision is not None:
+                self.vision.prefilled(req.rid)
             if req is None or req.cache is None:
                 continue
             if p.end_of_prompt:  # the last prompt token is fed with the first decode step
@@ -518,20 +524,13 @@ class Engine:
             if r.finish_reason is not None:
                 self._finish(req, r.finish_reason)
 
-    def _batch_caches(self, uid: int) -> tuple[list, int]:
-        """The running batch's per-layer caches and this request's row in them.
-
-        Reads mlx-lm internals, kept in ``serve_app.models.compat``: the public
-        ``extract_cache`` copies the whole history (quadratic capture).
-        """
-        return batch_row_caches(self._batch, uid)
-
     def _capture(self, req: EngineRequest, covered: int, finished_cache: list | None, *,
                  state_valid: bool, decoding: bool = False, ended: bool = False) -> None:
         """What the request's plan says is due, now that its cache covers ``covered``
         tokens (``engine_cache.capture``)."""
         seconds = engine_cache.capture(req, covered, finished_cache, self._probed_layout,
-                                       self._batch_caches, self._count, self.name,
+                                       lambda uid: batch_row_caches(self._batch, uid),
+                                       self._count, self.name,
                                        state_valid=state_valid, decoding=decoding,
                                        ended=ended)
         if seconds:
@@ -560,6 +559,8 @@ class Engine:
         deliver(req, EngineEvent(finish_reason=reason))
 
     def _forget(self, req: EngineRequest) -> None:
+        if self.vision is not None:
+            self.vision.ended(req.rid)
         if self.speculator is not None and req.uid is not None:
             self.speculator.forget(req.uid)
 

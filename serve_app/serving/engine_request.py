@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from serve_app.cache.request_plan import RequestPlan
+from serve_app.multimodal.prompt import VisionPrompt
 from serve_app.serving.engine_events import EngineEvent, EventSink
 from serve_app.serving.sampling import SamplingParams
 
@@ -28,6 +29,7 @@ class EngineRequest:
     kv_bytes: int = 0  # KV reserved while in the batch (admission), released at its end
     # A sharded model: the key of the cache plans the other ranks made for this request.
     plan_key: str | None = None
+    vision: VisionPrompt | None = None  # its images, where it has some
 
 
 def deliver(req: EngineRequest, event: EngineEvent) -> None:

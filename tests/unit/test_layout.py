@@ -26,6 +26,7 @@ RANKS = {
     "cache": 2,    # the prefix cache: hashing, codecs, tiers, the SSD store, the manager
     "parallel": 2,  # one model over several ranks: what splits, the group, the commands
     "reasoning": 2,  # thinking models: markers, the thought/answer split, the budget
+    "multimodal": 2,  # images: decoding, the processor, the vision tower, the splice
     "memory": 3,   # what models need and machines have; the plan
     "metrics": 4,  # the one metrics table, recording, samples
     "serving": 5,  # preparing requests, the engine, the model service

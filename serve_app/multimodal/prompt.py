@@ -1,0 +1,83 @@
+"""A prompt with images: each image's placeholder expanded to its tokens, the keys the
+prefix cache hashes (an image's tokens stand for its content), and the rotary positions
+its text stack reads."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from serve_app.multimodal.images import ImageError
+from serve_app.multimodal.processor import ProcessedImage
+
+KEY_BASE = 1 << 31  # image keys live above every vocabulary and fit the hash's uint32
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image's tokens in the prompt: ``image.tokens`` of them from ``start``."""
+
+    start: int
+    image: ProcessedImage
+
+    @property
+    def end(self) -> int:
+        return self.start + self.image.tokens
+
+
+@dataclass(frozen=True)
+class VisionPrompt:
+    """What the engine needs to serve a prompt with images.
+
+    ``tokens`` are the model's (each image's placeholder repeated); ``keys`` are what the
+    prefix cache hashes and stores: ``tokens`` with every image token replaced by a key of
+    the image's content and the token's place in it, so a block's id covers the images in
+    it (vLLM's "extra keys"): the same image restores, another at the same place misses.
+    ``positions`` (3, len) are the multimodal rotary positions; a generated token at index
+    ``i`` is at ``i + delta``."""
+
+    tokens: list[int]
+    keys: list[int]
+    spans: tuple[ImageSpan, ...]
+    positions: np.ndarray
+    delta: int
+
+    @property
+    def first_image(self) -> int:
+        return self.spans[0].start
+
+
+def image_keys(digest: str, count: int) -> list[int]:
+    """A key per image token: 31 bits of sha256(digest, index) each, so a block holding
+    ``m`` of an image's tokens names it with ``31 m`` bits."""
+    seed = bytes.fromhex(digest)
+    return [KEY_BASE + int.from_bytes(hashlib.sha256(seed + i.to_bytes(4, "little")).digest()[:4],
+                                      "little") % KEY_BASE for i in range(count)]
+
+
+def expand_images(tokens: list[int], images: list[ProcessedImage],
+                  pad: int) -> tuple[list[int], tuple[ImageSpan, ...]]:
+    """The chat template rendered one ``pad`` per image: each becomes the image's tokens."""
+    found = [i for i, t in enumerate(tokens) if t == pad]
+    if len(found) != len(images):
+        raise ImageError(f"the prompt has {len(found)} image placeholders for {len(images)} "
+                         "images (does the text contain the model's image token?)")
+    out: list[int] = []
+    spans: list[ImageSpan] = []
+    last = 0
+    for at, image in zip(found, images, strict=True):
+        out += tokens[last:at]
+        spans.append(ImageSpan(len(out), image))
+        out += [pad] * image.tokens
+        last = at + 1
+    out += tokens[last:]
+    return out, tuple(spans)
+
+
+def keyed(tokens: list[int], spans: tuple[ImageSpan, ...]) -> list[int]:
+    keys = list(tokens)
+    for span in spans:
+        keys[span.start:span.end] = image_keys(span.image.digest, span.image.tokens)
+    return keys

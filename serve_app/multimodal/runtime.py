@@ -1,0 +1,130 @@
+"""What the engine does for a request with images: encode what its cache does not cover,
+give the batch virtual ids for it, place its decoding rows, and show its logits
+processors the real tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from serve_app.models.compat import install_decode_step
+from serve_app.multimodal.prompt import VisionPrompt
+from serve_app.multimodal.splice import SpliceState, SpliceTable, install
+from serve_app.multimodal.tower import FeatureCache, VisionStats, VisionTower
+
+
+@dataclass
+class _Request:
+    delta: int
+    uid: int | None = None
+
+
+class VisionRuntime:
+    """Owned by the engine thread; every method runs there."""
+
+    def __init__(self, model: Any, tower: VisionTower, feature_bytes: int) -> None:
+        text = tower.config.get("text_config") or tower.config
+        section = (text.get("rope_parameters") or text.get("rope_scaling") or {}).get(
+            "mrope_section")
+        if not section:
+            raise ValueError("the model's text config names no mrope_section")
+        embed = next(m for n, m in model.named_modules() if n.endswith("embed_tokens"))
+        vocab = int(getattr(embed, "num_embeddings", 0) or embed.weight.shape[0])
+        self.stats = VisionStats()
+        self.features = FeatureCache(tower, feature_bytes, self.stats)
+        self.state = SpliceState(SpliceTable(vocab))
+        if install(model, self.state, list(section)) == 0:
+            raise ValueError("the model has no rotary embedding to place images with")
+        self._requests: dict[int, _Request] = {}
+        self._deltas: dict[int, int] = {}  # by batch uid, for decode steps
+
+    def install(self, generator: Any) -> None:
+        """A new batch: nothing of the old one stays; its decode steps place the rows."""
+        self.clear()
+        install_decode_step(generator, lambda rows: self.step(rows.uids, rows.plain_step))
+
+    def begin(self, req: Any, segments: list[list[int]],
+              processors: list) -> tuple[list[list[int]], list, list[list[int]] | None]:
+        """What ``BatchGenerator.insert_segments`` takes for engine request ``req``: its
+        segments, logits processors and restored tokens (``all_tokens``)."""
+        vision: VisionPrompt = req.vision
+        restored = [vision.tokens[: req.restored]] if req.restored else None
+        return (self._segments(req.rid, vision, req.restored, segments),
+                self.processors(vision, processors), restored)
+
+    def _segments(self, rid: int, vision: VisionPrompt, restored: int,
+                  segments: list[list[int]]) -> list[list[int]]:
+        """The request's segments (which cover ``prompt[restored:]``) with every token from
+        its first image up to its last one replaced by a virtual id. The last prompt token
+        (text) stays: mlx-lm feeds it with the first decode step."""
+        last = len(vision.tokens) - 1
+        lo = max(vision.first_image, restored)
+        self._requests[rid] = _Request(vision.delta)
+        if lo < last:
+            features = [(max(s.start, lo) - lo,
+                         self.features.features(s.image)[max(0, lo - s.start):])
+                        for s in vision.spans if s.end > lo]
+            base = self.state.table.add(rid, np.asarray(vision.tokens[lo:last]),
+                                        vision.positions[:, lo:last], features)
+            out, at = [], restored
+            for segment in segments:
+                ids = [base + (i - lo) if lo <= i < last else vision.tokens[i]
+                       for i in range(at, at + len(segment))]
+                out.append(ids)
+                at += len(segment)
+            return out
+        return segments
+
+    def joined(self, rid: int, uid: int) -> None:
+        self._requests[rid].uid = uid
+        self._deltas[uid] = self._requests[rid].delta
+
+    def prefilled(self, rid: int) -> None:
+        """The request's prompt is in its cache: its virtual ids are free."""
+        self.state.table.remove(rid)
+
+    def ended(self, rid: int) -> None:
+        self.state.table.remove(rid)
+        request = self._requests.pop(rid, None)
+        if request is not None and request.uid is not None:
+            self._deltas.pop(request.uid, None)
+
+    def clear(self) -> None:
+        """A new batch: nothing of the old one stays."""
+        self.state.table.clear()
+        self._requests.clear()
+        self._deltas.clear()
+
+    def step(self, uids: list[int], inner: Callable[[], list]) -> list:
+        """One decode step of the batch whose rows are ``uids``."""
+        if not any(uid in self._deltas for uid in uids):
+            return inner()
+        import mlx.core as mx
+
+        self.state.rows = (mx.array([uid in self._deltas for uid in uids]),
+                           mx.array([self._deltas.get(uid, 0) for uid in uids]))
+        try:
+            return inner()
+        finally:
+            self.state.rows = None
+
+    @staticmethod
+    def processors(vision: VisionPrompt, processors: list) -> list:
+        """The logits processors, shown the prompt's real tokens where the batch's history
+        has virtual ids (a repetition penalty would index past the vocabulary)."""
+        if not processors:
+            return processors
+        import mlx.core as mx
+
+        real = mx.array(vision.tokens)
+        n = len(vision.tokens)
+
+        def shown(tokens: Any) -> Any:
+            if tokens.size <= n:
+                return real[: tokens.size]
+            return mx.concatenate([real, tokens[n:].astype(real.dtype)])
+
+        return [lambda tokens, logits, p=p: p(shown(tokens), logits) for p in processors]
