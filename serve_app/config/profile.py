@@ -213,6 +213,17 @@ class ReasoningProfile(_Strict):
     prefill_next_turn: bool = True
 
 
+class VisionProfile(_Strict):
+    """A vision-language model's images (``serve_app/multimodal``): per-request limits and
+    the vision tower's output cache (by image, bounded)."""
+
+    enabled: bool = True  # off: the model serves text only (images get a 400)
+    max_image_bytes: Annotated[int, Field(ge=1)] = 20 * 1024 * 1024
+    max_image_pixels: Annotated[int, Field(ge=1)] = 16_000_000
+    max_images: Annotated[int, Field(ge=1, le=256)] = 16
+    feature_cache_mb: Annotated[int, Field(ge=0)] = 256
+
+
 class ParallelProfile(_Strict):
     """One model across several processes (Macs) over ``mlx.distributed``
     (``serve_app/parallel``): ``tensor: N`` splits every layer's heads and MLP over N
@@ -303,6 +314,7 @@ class ModelProfile(_Strict):
     # analysis and final channels, "none" leaves thoughts in the answer.
     reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "gpt_oss", "none"] = "auto"
     reasoning: ReasoningProfile = ReasoningProfile()
+    vision: VisionProfile = VisionProfile()
 
     @model_validator(mode="before")
     @classmethod

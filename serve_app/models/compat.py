@@ -529,7 +529,8 @@ def mrope_positions(tokens: list[int], grids: list[tuple[int, int, int]],
         video_token_id=config.get("video_token_id", -1),
         vision_start_token_id=config["vision_start_token_id"]))
     grid = mx.array(grids, dtype=mx.int32) if grids else None
-    positions, delta = LanguageModel.get_rope_index(owner, mx.array([tokens]), grid)
+    positions, delta = LanguageModel.get_rope_index(owner, mx.array([tokens]),  # type: ignore[arg-type]
+                                                     grid)
     return np.asarray(positions[:, 0, :], dtype=np.int32), int(np.asarray(delta).reshape(-1)[0])
 
 

@@ -5,12 +5,15 @@ its text stack reads."""
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from serve_app.multimodal.images import ImageError
-from serve_app.multimodal.processor import ProcessedImage
+from serve_app.models.compat import mrope_positions
+from serve_app.multimodal.images import ImageError, ImageLimits, image_bytes, open_image
+from serve_app.multimodal.processor import ImageProcessor, ProcessedImage
 
 KEY_BASE = 1 << 31  # image keys live above every vocabulary and fit the hash's uint32
 
@@ -81,3 +84,29 @@ def keyed(tokens: list[int], spans: tuple[ImageSpan, ...]) -> list[int]:
     for span in spans:
         keys[span.start:span.end] = image_keys(span.image.digest, span.image.tokens)
     return keys
+
+
+class ImagePrompts:
+    """A vision model's requests with images: their images decoded and processed, their
+    prompt expanded, keyed and placed (on the replica's worker threads, not the engine's)."""
+
+    def __init__(self, model_dir: Path, limits: ImageLimits) -> None:
+        self.config = json.loads((model_dir / "config.json").read_text())
+        self.pad = int(self.config["image_token_id"])
+        self.processor = ImageProcessor(model_dir)
+        self.limits = limits
+
+    def prompt(self, tokens: list[int], images: list[tuple[str, str]]) -> VisionPrompt:
+        """``tokens`` (one placeholder per image) with ``images`` ((data URL, detail) in the
+        prompt's order)."""
+        if len(images) > self.limits.max_images:
+            raise ImageError(f"the request has {len(images)} images, over the limit of "
+                             f"{self.limits.max_images}")
+        processed = [self.processor.process(open_image(image_bytes(url, self.limits),
+                                                       self.limits), detail)
+                     for url, detail in images]
+        real, spans = expand_images(tokens, processed, self.pad)
+        if spans and spans[-1].end >= len(real):
+            raise ImageError("the prompt ends with an image: text must follow it")
+        positions, delta = mrope_positions(real, [s.image.grid for s in spans], self.config)
+        return VisionPrompt(real, keyed(real, spans), spans, positions, delta)

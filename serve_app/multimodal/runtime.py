@@ -6,14 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from serve_app.models.compat import install_decode_step
-from serve_app.multimodal.prompt import VisionPrompt
+from serve_app.multimodal.images import ImageLimits
+from serve_app.multimodal.prompt import ImagePrompts, VisionPrompt
 from serve_app.multimodal.splice import SpliceState, SpliceTable, install
-from serve_app.multimodal.tower import FeatureCache, VisionStats, VisionTower
+from serve_app.multimodal.tower import FeatureCache, VisionStats, VisionTower, has_vision
 
 
 @dataclass
@@ -35,9 +37,15 @@ class VisionRuntime:
         vocab = int(getattr(embed, "num_embeddings", 0) or embed.weight.shape[0])
         self.stats = VisionStats()
         self.features = FeatureCache(tower, feature_bytes, self.stats)
-        self.state = SpliceState(SpliceTable(vocab))
-        if install(model, self.state, list(section)) == 0:
-            raise ValueError("the model has no rotary embedding to place images with")
+        # One splice per model (two services sharing weights, as tests do, share it; each
+        # keys its table entries by itself, and one engine runs a model at a time).
+        state = getattr(model, "_serve_app_splice", None)
+        if state is None:
+            state = SpliceState(SpliceTable(vocab))
+            if install(model, state, list(section)) == 0:
+                raise ValueError("the model has no rotary embedding to place images with")
+            model._serve_app_splice = state
+        self.state = state
         self._requests: dict[int, _Request] = {}
         self._deltas: dict[int, int] = {}  # by batch uid, for decode steps
 
@@ -67,7 +75,7 @@ class VisionRuntime:
             features = [(max(s.start, lo) - lo,
                          self.features.features(s.image)[max(0, lo - s.start):])
                         for s in vision.spans if s.end > lo]
-            base = self.state.table.add(rid, np.asarray(vision.tokens[lo:last]),
+            base = self.state.table.add((id(self), rid), np.asarray(vision.tokens[lo:last]),
                                         vision.positions[:, lo:last], features)
             out, at = [], restored
             for segment in segments:
@@ -84,17 +92,18 @@ class VisionRuntime:
 
     def prefilled(self, rid: int) -> None:
         """The request's prompt is in its cache: its virtual ids are free."""
-        self.state.table.remove(rid)
+        self.state.table.remove((id(self), rid))
 
     def ended(self, rid: int) -> None:
-        self.state.table.remove(rid)
+        self.state.table.remove((id(self), rid))
         request = self._requests.pop(rid, None)
         if request is not None and request.uid is not None:
             self._deltas.pop(request.uid, None)
 
     def clear(self) -> None:
         """A new batch: nothing of the old one stays."""
-        self.state.table.clear()
+        for rid in self._requests:
+            self.state.table.remove((id(self), rid))
         self._requests.clear()
         self._deltas.clear()
 
@@ -128,3 +137,21 @@ class VisionRuntime:
             return mx.concatenate([real, tokens[n:].astype(real.dtype)])
 
         return [lambda tokens, logits, p=p: p(shown(tokens), logits) for p in processors]
+
+
+def vision_for(profile: Any, model: Any, model_dir: Path | None) -> tuple[
+        VisionRuntime | None, ImagePrompts | None]:
+    """A vision-language model's engine side and request side (None, None: text only, or
+    a profile that turns images off). Speculative decoding does not place images yet: a
+    profile with both is refused, naming its key."""
+    if model_dir is None or not has_vision(model_dir) or not profile.vision.enabled:
+        return None, None
+    if profile.speculative is not None:
+        raise ValueError(f"models[{profile.name}].speculative: speculative decoding does not "
+                         "take images yet; set vision.enabled: false to serve this model's "
+                         "text with it")
+    settings = profile.vision
+    limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels,
+                         settings.max_images)
+    runtime = VisionRuntime(model, VisionTower(model_dir), settings.feature_cache_mb << 20)
+    return runtime, ImagePrompts(model_dir, limits)

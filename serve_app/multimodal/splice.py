@@ -34,14 +34,14 @@ class SpliceTable:
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[object, _Entry] = {}
         self._arrays: tuple | None = None
 
     @property
     def empty(self) -> bool:
         return not self._entries
 
-    def add(self, key: int, tokens: np.ndarray, positions: np.ndarray,
+    def add(self, key: object, tokens: np.ndarray, positions: np.ndarray,
             features: list[tuple[int, Any]]) -> int:
         """Room for ``len(tokens)`` virtual ids (first fit); their first id."""
         n = len(tokens)
@@ -55,7 +55,7 @@ class SpliceTable:
         self._arrays = None
         return self.vocab + base
 
-    def remove(self, key: int) -> None:
+    def remove(self, key: object) -> None:
         if self._entries.pop(key, None) is not None:
             self._arrays = None
 

@@ -3,6 +3,7 @@ of its outputs by image: a repeated image skips the encoder, whatever text surro
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import time
@@ -46,8 +47,9 @@ class VisionTower:
         config = json.loads((model_dir / "config.json").read_text())
         self.config = config
         model_cls, config_cls = vision_tower_classes(config["model_type"])
-        fields = config_cls.__dataclass_fields__
-        vision = {k: v for k, v in config["vision_config"].items() if k in fields}
+        fields = dataclasses.fields(config_cls)
+        names = {f.name for f in fields}
+        vision = {k: v for k, v in config["vision_config"].items() if k in names}
         self.model = model_cls(config_cls(**vision))
         weights: dict[str, Any] = {}
         for file in sorted(glob.glob(str(model_dir / "*.safetensors"))):

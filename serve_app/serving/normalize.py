@@ -52,7 +52,8 @@ def normalize(messages: Sequence[ChatMessage], rules: Sequence[Rule]) -> Normali
         if message.role not in SYSTEM_ROLES or message.content is None:
             continue
         content = message.content
-        blocks = [p.text for p in content] if isinstance(content, list) else [content]
+        blocks = [getattr(p, "text", "") for p in content] if isinstance(content, list) \
+            else [content]
         kept: list[str] = []
         for block in blocks:
             changed = False

@@ -18,6 +18,8 @@ from typing import Any
 from serve_app.cache.prefix import branch_points_in_text, common_prefix, find_branch_points
 from serve_app.config.profile import ModelProfile
 from serve_app.models.compat import wrapped_hf_tokenizer
+from serve_app.multimodal.images import ImageError
+from serve_app.multimodal.prompt import ImagePrompts, VisionPrompt
 from serve_app.reasoning.ahead import History, next_turn_prefix
 from serve_app.reasoning.markers import markers_of
 from serve_app.reasoning.plan import ThinkingPlan, budget_of, plan_thinking
@@ -87,6 +89,8 @@ class PreparedRequest:
     # Its conversation, kept to prefill the next turn's prefix ahead (a thinking chat with
     # the prefix cache on; ``serve_app.reasoning.ahead``).
     history: History | None = None
+    # Its images (then ``prompt`` holds their keys: ``serve_app.multimodal.prompt``).
+    vision: VisionPrompt | None = None
 
     @property
     def forced_tool_choice(self) -> bool:
@@ -96,8 +100,10 @@ class PreparedRequest:
 class Preparer:
     """Validation and templating for one model's requests (no engine, no Ray)."""
 
-    def __init__(self, profile: ModelProfile, tokenizer, branch_points: bool = True) -> None:
+    def __init__(self, profile: ModelProfile, tokenizer, branch_points: bool = True,
+                 images: ImagePrompts | None = None) -> None:
         self.profile = profile
+        self.images = images  # a vision model's image side (None: it takes no images)
         self.tokenizer = tokenizer
         self.find_branches = branch_points  # only worth it where a prefix cache keeps tails
         self._tool_support = _UNKNOWN  # looked up on first use (tool_support)
@@ -247,8 +253,13 @@ class Preparer:
                           self.profile.max_messages)
         chat = request if isinstance(request, ChatCompletionRequest) else None
         rendered = self.template_input(chat) if chat is not None else None
-        found = self._prompt(request, rendered, with_text=self.find_branches)
+        images: list[tuple[str, str]] = [(u.url, u.detail) for m in chat.messages
+                                         for u in m.images()] if chat else []
+        found = self._prompt(request, rendered, with_text=self.find_branches and not images)
         prompt = found.tokens
+        vision = self._vision(prompt, images) if images else None
+        if vision is not None:
+            prompt = vision.keys
         if not prompt:
             raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
         limit = self.profile.context_length
@@ -288,14 +299,27 @@ class Preparer:
                 tokens=chat._thinking_budget, effort=chat.reasoning_effort,
                 default=reasoning.budget_tokens, efforts=reasoning.effort_budgets))
             if (prepared.thinking is not None and rendered is not None and self.find_branches
-                    and reasoning.prefill_next_turn and not chat.continue_final_message):
+                    and reasoning.prefill_next_turn and not chat.continue_final_message
+                    and vision is None):
                 prepared.history = History(tuple(rendered.messages), rendered.tools,
                                            chat.template_kwargs())
         self.grammar(prepared)  # a schema or tool choice that does not compile: 400 now
         prepared.normalized = rendered.normalized if rendered else ()
-        prepared.branch_points = self.branch_points(request, prompt, rendered, found)
+        prepared.vision = vision
+        if vision is None:  # image tokens shift a rendering's offsets: no branch points
+            prepared.branch_points = self.branch_points(request, prompt, rendered, found)
         prepared.prepare_seconds = time.perf_counter() - tic
         return prepared
+
+    def _vision(self, tokens: list[int], images: list[tuple[str, str]]) -> VisionPrompt:
+        """400 for images sent to a model without vision, or images it cannot take."""
+        if self.images is None:
+            raise ApiError(400, f"model {self.profile.name!r} does not take images",
+                           param="messages", code="images_not_supported")
+        try:
+            return self.images.prompt(tokens, images)
+        except ImageError as exc:
+            raise ApiError(400, str(exc), param="messages", code="invalid_image") from None
 
     def _answer_start(self, request: ChatCompletionRequest, rendered: Rendered | None,
                       prompt: list[int]) -> list[int]:

@@ -182,6 +182,21 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: StrictStr  # a base64 data URL (web addresses are refused: never fetched)
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class ImagePart(BaseModel):
+    """An image in a user message (OpenAI's ``image_url`` part; Anthropic's ``image``
+    blocks and Responses' ``input_image`` items arrive as these)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: StrictStr
@@ -235,7 +250,8 @@ class NamedToolChoice(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] \
+        | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages
     tool_call_id: StrictStr | None = None  # tool messages
@@ -250,11 +266,22 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def images(self) -> list[ImageURL]:
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url for p in self.content if isinstance(p, ImagePart)]
 
     def to_template(self) -> dict[str, Any]:
-        """The message as a chat template takes it (OpenAI's chat shape)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        """The message as a chat template takes it (OpenAI's chat shape; a message with
+        images as parts, each image as ``{"type": "image"}``, as vision templates take)."""
+        content: Any = self.text()
+        if self.images():
+            assert isinstance(self.content, list)
+            content = [{"type": "text", "text": p.text} if isinstance(p, TextPart)
+                       else {"type": "image"} for p in self.content]
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             # Objects, as mlx_lm.server passes them: Qwen3's template takes text or an
             # object, Qwen3-Coder's iterates the arguments' items.
@@ -328,6 +355,9 @@ class ChatCompletionRequest(_Request):
                                     "tool_choice", param="response_format")
         self._check_template_kwargs()
         for i, m in enumerate(self.messages):
+            if m.role != "user" and m.images():
+                raise ApiError(400, f"messages[{i}]: only user messages carry images",
+                               param=f"messages[{i}].content")
             if m.role == "tool" and not m.tool_call_id:
                 raise ApiError(400, f"messages[{i}]: a tool message needs tool_call_id",
                                param=f"messages[{i}].tool_call_id")

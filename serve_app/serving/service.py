@@ -31,6 +31,7 @@ from serve_app.metrics.samples import replica_samples
 from serve_app.metrics.table import Recorder
 from serve_app.models.compat import download_model, token_bytes_table
 from serve_app.models.embedded import materialize
+from serve_app.multimodal.runtime import vision_for
 from serve_app.parallel.lockstep import Channel, ShardPlanner
 from serve_app.reasoning.ahead import HistoryAhead, ThinkingStats
 from serve_app.reasoning.budget import ThoughtGate
@@ -171,8 +172,10 @@ class ModelService:
             "stop_tokens": self.eos_ids, "max_batch_size": profile.max_batch_size,
             "max_queued_requests": profile.max_queued_requests,
             "prefill_step_size": profile.prefill_step_size, "name": profile.name}
+        vision, images = vision_for(profile, model, model_dir) if lockstep is None \
+            else (None, None)  # the ranks of a sharded model place no images
         if lockstep is None:
-            self.engine: Engine = Engine(model, speculator=speculator_for(
+            self.engine: Engine = Engine(model, vision=vision, speculator=speculator_for(
                 profile.speculative, self.eos_ids,
                 lambda source: load_draft_model(source, tokenizer),
                 lambda: load_mtp_head(model, _checkpoint_dir(model_dir))), **kwargs)
@@ -192,7 +195,8 @@ class ModelService:
         self.recent = RecentWindow()  # the requests that ended in the last minute
         # Requests whose prompt a normalization rule changed, by rule (serve_app/normalize).
         self.normalized = dict.fromkeys(RULE_NAMES, 0)
-        self.preparer = Preparer(profile, tokenizer, branch_points=self.cache.enabled)
+        self.preparer = Preparer(profile, tokenizer, branch_points=self.cache.enabled,
+                                 images=images)
         self.thinking = ThinkingStats()
         self.ahead = HistoryAhead(self.thinking)  # the next turns' prefixes, prefilled
         # Token id -> (its text, its raw bytes), for logprobs; the byte table on first use.
@@ -355,7 +359,8 @@ class ModelService:
         thread). Raises ``QueueFullError`` when the engine's queue is full."""
         params = replace(prepared.params, logprobs=prepared.logprobs,
                          logits_processors=processors)
-        return self.engine.submit(prepared.prompt, params, sink, plan, key)
+        return self.engine.submit(prepared.prompt, params, sink, plan, key,
+                                  vision=prepared.vision)
 
     async def _plan(self, prepared: PreparedRequest) -> tuple[RequestPlan | None, str | None]:
         """The request's cache plan. On a model sharded over ranks every rank plans its

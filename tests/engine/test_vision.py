@@ -1,0 +1,164 @@
+"""Images through the engine on the embedded tiny-vl (Qwen3.5's vision tower over the tiny
+hybrid stack) in every weight format: a request restored from the prefix cache gives the
+cold prefill's tokens, another image at the same place misses, a repeated image skips the
+encoder, and the tokens are mlx-vlm's own model's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+import pytest
+
+from serve_app.config.catalog import FORMATS, variant_name
+from serve_app.models.embedded import materialize
+from serve_app.serving.events import Delta, Finish
+from serve_app.serving.request import ChatCompletionRequest
+from tests.support.engine import BS, make_services
+from tests.support.images import image_part
+
+OFF = {"enable_thinking": False}
+
+
+def ask(service, messages, n: int = 12) -> tuple[str, Finish]:
+    request = ChatCompletionRequest(model="m", messages=messages, max_tokens=n, temperature=0,
+                                    chat_template_kwargs=OFF)
+
+    async def go():
+        text, finish = [], None
+        async for events in service.stream(service.prepare(request)):
+            for e in events:
+                if isinstance(e, Delta):
+                    text.append(e.text)
+                elif isinstance(e, Finish):
+                    finish = e
+        return "".join(text), finish
+
+    return asyncio.run(go())
+
+
+def user(seed: int, text: str = "What is in this picture?") -> dict:
+    return {"role": "user", "content": [{"type": "text", "text": text}, image_part(seed)]}
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def services(request, tmp_path_factory):
+    warm, cold, _ = make_services(variant_name("tiny-vl", request.param),
+                                  tmp_path_factory.mktemp("vl"))
+    yield warm, cold
+    warm.shutdown()
+    cold.shutdown()
+
+
+def test_restored_image_conversations_match_cold(services):
+    warm, cold = services
+    first = [user(1)]
+    answer, _ = ask(cold, first)
+    assert ask(warm, first)[0] == answer  # cold in the warm service, captured
+    again, finish = ask(warm, first)
+    assert again == answer and finish.cached_tokens > 0
+    # the next turn: the same image in history, a new question
+    second = [*first, {"role": "assistant", "content": answer},
+              {"role": "user", "content": "And its colours?"}]
+    expected, cold_finish = ask(cold, second)
+    got, finish = ask(warm, second)
+    assert got == expected
+    image = warm.prepare(ChatCompletionRequest(model="m", messages=second,
+                                               chat_template_kwargs=OFF)).vision.spans[0]
+    assert finish.cached_tokens >= image.end - BS  # the image's blocks restored
+    assert cold_finish.cached_tokens == 0
+
+
+def test_another_image_at_the_same_place_misses(services):
+    warm, cold = services
+    ask(warm, [user(3)])
+    prepared = warm.prepare(ChatCompletionRequest(model="m", messages=[user(4)],
+                                                  chat_template_kwargs=OFF))
+    start = prepared.vision.first_image
+    got, finish = ask(warm, [user(4)])
+    assert finish.cached_tokens <= start  # nothing past the image's first token
+    assert got == ask(cold, [user(4)])[0]
+
+
+def test_a_repeated_image_skips_the_encoder(services):
+    warm, _ = services
+    stats = warm.engine.vision.stats
+    ask(warm, [user(5)])
+    encoded = stats.images
+    ask(warm, [user(5, "Describe it in one word.")])  # other text, the same image
+    assert stats.images == encoded and stats.cache_hits >= 1
+
+
+def test_text_requests_beside_image_requests_are_unchanged(services):
+    """A text row's numerics do not depend on image rows in its batch."""
+    _, cold = services
+    text = [{"role": "user", "content": "Count to five."}]
+    alone, _ = ask(cold, text, n=16)
+
+    async def both():
+        async def one(messages):
+            out = []
+            request = ChatCompletionRequest(model="m", messages=messages, max_tokens=16,
+                                            temperature=0, chat_template_kwargs=OFF)
+            async for events in cold.stream(cold.prepare(request)):
+                out += [e.text for e in events if isinstance(e, Delta)]
+            return "".join(out)
+        return await asyncio.gather(one(text), one([user(6)]))
+
+    assert asyncio.run(both())[0] == alone
+
+
+def test_the_tokens_are_mlx_vlms_own(tmp_path):
+    """The independent check: mlx-vlm's own Qwen3.5 model, loaded from the same directory,
+    greedy over its own embeddings and positions, gives the engine's tokens."""
+    from mlx_vlm.utils import load_model
+
+    warm, cold, _ = make_services("tiny-vl", tmp_path)
+    try:
+        request = ChatCompletionRequest(model="m", messages=[user(7)], max_tokens=10,
+                                        temperature=0, chat_template_kwargs=OFF)
+        prepared = cold.prepare(request)
+        vision = prepared.vision
+        ours = []
+
+        async def go():
+            async for events in cold.stream(prepared):
+                ours.extend(e for e in events if isinstance(e, Delta))
+        asyncio.run(go())
+        model = load_model(materialize("tiny-vl", tmp_path))
+        ids = mx.array([vision.tokens])
+        image = vision.spans[0].image
+        embedded = model.get_input_embeddings(ids, mx.array(image.pixel_values),
+                                              image_grid_thw=mx.array([image.grid]))
+        cache = model.language_model.make_cache()
+        out = model.language_model(ids, inputs_embeds=embedded.inputs_embeds, cache=cache,
+                                   position_ids=embedded.position_ids)
+        tokens = []
+        for _ in range(10):
+            y = mx.argmax(out.logits[:, -1, :], axis=-1)
+            tokens.append(int(y.item()))
+            out = model.language_model(y[None], cache=cache)
+        text = cold.tokenizer.decode([t for t in tokens if t not in cold.eos_ids])
+        assert "".join(e.text for e in ours) == text
+    finally:
+        warm.shutdown()
+        cold.shutdown()
+
+
+def test_bad_images_and_text_models_get_a_400(services, tmp_path):
+    from serve_app.serving.request import ApiError
+
+    warm, _ = services
+    bad = [{"role": "user", "content": [{"type": "text", "text": "x"}, {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]
+    with pytest.raises(ApiError) as refused:
+        warm.prepare(ChatCompletionRequest(model="m", messages=bad))
+    assert refused.value.status == 400 and refused.value.code == "invalid_image"
+    text_only, cold, _ = make_services("tiny-dense", tmp_path)
+    try:
+        with pytest.raises(ApiError) as refused:
+            text_only.prepare(ChatCompletionRequest(model="m", messages=[user(1)]))
+        assert refused.value.status == 400 and refused.value.code == "images_not_supported"
+    finally:
+        text_only.shutdown()
+        cold.shutdown()
