@@ -114,6 +114,15 @@ SERVING = (
         "Tokens a second generated inside thoughts against all generated; tokens a second "
         "prefilled ahead of the next turn (its history without this turn's thought, which "
         "the template drops), and turns a second by outcome."),
+    PanelSpec("Vision models: images a second by where their features came from, encoder time",
+              "short", (
+        Query(rate("ray_serve_app_images_total", "model, source"),
+              "images/s {{model}} {{source}}"),
+        Query(rate("ray_serve_app_image_encoder_seconds_total", "model"),
+              "encoder s/s {{model}}")),
+        "Images a second: encoded by the vision tower, taken from its feature cache (the same "
+        "image again), or covered by the restored prefix (the prefix cache keys image tokens "
+        "by content); seconds a second the tower spent encoding (engine thread)."),
     PanelSpec("Sharded models: time in steps and on the command channel, by rank", "s", (
         Query(rate("ray_serve_app_rank_step_seconds_total", "model, rank"),
               "steps {{model}} rank {{rank}}"),

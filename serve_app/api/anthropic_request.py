@@ -55,11 +55,33 @@ class TextBlock(_Block):
     text: StrictStr
 
 
+class ImageSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["base64", "url"]
+    media_type: StrictStr | None = None  # base64
+    data: StrictStr | None = None  # base64
+    url: StrictStr | None = None  # url: refused (this server fetches nothing)
+
+    def as_url(self, where: str) -> str:
+        """The image as the chat API's data URL."""
+        if self.type == "url":
+            return self.url or ""  # the image decoder refuses a web address, saying why
+        if not self.data or not self.media_type:
+            raise ApiError(400, f"{where}.source: a base64 image needs media_type and data",
+                           param=f"{where}.source")
+        return f"data:{self.media_type};base64,{self.data}"
+
+
+class ImageBlock(_Block):
+    type: Literal["image"]
+    source: ImageSource
+
+
 class UnsupportedBlock(_Block):
     """Block types the schema knows only so that the error can name them."""
 
     type: Literal[
-        "image", "document", "search_result", "container_upload", "server_tool_use",
+        "document", "search_result", "container_upload", "server_tool_use",
         "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
         "mcp_tool_use", "mcp_tool_result",
     ]
@@ -87,7 +109,8 @@ class ToolUseBlock(_Block):
     input: dict[str, Any]
 
 
-ToolResultPart = Annotated[TextBlock | UnsupportedBlock, Field(discriminator="type")]
+ToolResultPart = Annotated[TextBlock | ImageBlock | UnsupportedBlock,
+                           Field(discriminator="type")]
 
 
 class ToolResultBlock(_Block):
@@ -98,7 +121,8 @@ class ToolResultBlock(_Block):
 
 
 ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+    | RedactedThinkingBlock
     | UnsupportedBlock,
     Field(discriminator="type"),
 ]
@@ -206,7 +230,8 @@ def _explain(worst: dict, loc: list) -> tuple[list, str, str | None] | None:
     return None
 
 
-_BLOCK_TAGS = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+_BLOCK_TAGS = frozenset({"text", "image", "tool_use", "tool_result", "thinking",
+                         "redacted_thinking"})
 
 
 def _clean_loc(loc: tuple) -> list:
@@ -228,13 +253,17 @@ class TemplateMessage:
     # ``content``, so normalization rules can see (and drop) one block.
     parts: tuple[str, ...] = ()
     reasoning: str | None = None  # an assistant message's thought (its thinking blocks)
+    # A user message with images: its text and images in order, as chat parts.
+    media: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """OpenAI's chat shape (arguments as JSON text): it becomes a chat request, whose
         messages give templates the arguments as objects."""
-        content: str | list[dict[str, str]] = self.content
+        content: str | list[dict[str, Any]] = self.content
         if self.parts:
             content = [{"type": "text", "text": p} for p in self.parts]
+        if self.media:
+            content = list(self.media)
         out: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             out["tool_calls"] = [
@@ -416,7 +445,7 @@ def _is_empty(content: str | list) -> bool:
     return len(content) == 0
 
 
-def _unsupported(block: UnsupportedBlock, where: str) -> ApiError:
+def _unsupported(block: UnsupportedBlock | ImageBlock, where: str) -> ApiError:
     return ApiError(400, f"{where}: {block.type} content blocks are not supported by this "
                     "server", param=where, code="unsupported_content")
 
@@ -438,6 +467,8 @@ def _assistant_message(content: str | list, where: str,
             calls.append(ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False)))
         elif isinstance(b, ToolResultBlock):
             raise ApiError(400, f"{at}: tool_result blocks belong in user messages", param=at)
+        elif isinstance(b, ImageBlock):
+            raise ApiError(400, f"{at}: image blocks belong in user messages", param=at)
         elif isinstance(b, UnsupportedBlock):
             raise _unsupported(b, at)
         elif isinstance(b, ThinkingBlock):
@@ -455,18 +486,30 @@ def _user_messages(content: str | list, where: str, seen_tool_ids: set[str],
         out.add(TemplateMessage("user", content), False)
         return
     texts: list[str] = []
+    media: list[dict[str, Any]] = []  # text runs and images in order, where there are images
     marked = False
 
     def flush() -> None:
-        nonlocal texts, marked
-        if texts:
+        nonlocal texts, marked, media
+        if media and texts:
+            media.append({"type": "text", "text": BLOCK_SEPARATOR.join(texts)})
+        if media:
+            text = "".join(p.get("text", "") for p in media)
+            out.add(TemplateMessage("user", text, media=tuple(media)), marked)
+        elif texts:
             out.add(TemplateMessage("user", BLOCK_SEPARATOR.join(texts)), marked)
-        texts, marked = [], False
+        texts, marked, media = [], False, []
 
     for j, b in enumerate(content):
         at = f"{where}.content.{j}"
         if isinstance(b, TextBlock):
             texts.append(b.text)
+            marked = marked or b.cache_control is not None
+        elif isinstance(b, ImageBlock):
+            if texts:
+                media.append({"type": "text", "text": BLOCK_SEPARATOR.join(texts)})
+                texts = []
+            media.append({"type": "image_url", "image_url": {"url": b.source.as_url(at)}})
             marked = marked or b.cache_control is not None
         elif isinstance(b, ToolResultBlock):
             if b.tool_use_id not in seen_tool_ids:
@@ -497,8 +540,8 @@ def _tool_result_text(block: ToolResultBlock, where: str, *, check: bool = True)
     else:
         parts = []
         for k, part in enumerate(content):
-            if isinstance(part, UnsupportedBlock):
-                if check:
+            if isinstance(part, UnsupportedBlock | ImageBlock):
+                if check:  # a tool result's image: the chat shape has no place for it yet
                     raise _unsupported(part, f"{where}.content.{k}")
                 continue
             parts.append(part.text)

@@ -30,7 +30,7 @@ from serve_app.serving.tool_rules import TOOL_NAME_PATTERN, choice_problem, forc
 SUPPORTED_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 
 
-SUPPORTED_PARTS = ("input_text", "output_text", "refusal")
+SUPPORTED_PARTS = ("input_text", "input_image", "output_text", "refusal")
 
 
 class _Open(BaseModel):
@@ -52,13 +52,23 @@ class Refusal(_Open):
     refusal: StrictStr
 
 
+class InputImage(_Open):
+    """An image in a user message: ``image_url`` a base64 data URL (``file_id`` names a
+    stored file, and nothing is stored here: a 400)."""
+
+    type: Literal["input_image"]
+    image_url: StrictStr | None = None
+    file_id: StrictStr | None = None
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
 class UnsupportedPart(_Open):
     """Content the schema knows only so that the error can name it."""
 
-    type: Literal["input_image", "input_file", "input_audio"]
+    type: Literal["input_file", "input_audio"]
 
 
-ContentPart = Annotated[InputText | OutputText | Refusal | UnsupportedPart,
+ContentPart = Annotated[InputText | InputImage | OutputText | Refusal | UnsupportedPart,
                         Field(discriminator="type")]
 
 
@@ -213,7 +223,7 @@ def parse_request(body: Any) -> ResponsesRequest:
 
 
 _ITEM_TAGS = frozenset(SUPPORTED_ITEMS) | frozenset(SUPPORTED_PARTS) | {
-    "input_image", "input_file", "input_audio"}
+    "input_file", "input_audio"}
 
 
 _FORMAT_TAGS = frozenset({"text", "json_object", "json_schema"})
@@ -292,8 +302,28 @@ def _text(parts: str | list, where: str, *, output: bool = False) -> str:
             kind = "function_call_output" if output else "message"
             raise _refuse(f"{where}[{j}].type", f"{part.type} content is not supported by "
                           f"this server in a {kind} (text only)", "unsupported_content")
+        if isinstance(part, InputImage):
+            raise _refuse(f"{where}[{j}].type", "input_image content belongs in a user "
+                          "message", "unsupported_content")
         texts.append(part.refusal if isinstance(part, Refusal) else part.text)
     return "".join(texts)
+
+
+def _user_content(parts: str | list, where: str) -> str | list[dict[str, Any]]:
+    """A user message's content as chat takes it: text, or parts where it has images."""
+    if isinstance(parts, str) or not any(isinstance(p, InputImage) for p in parts):
+        return _text(parts, where)
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        if isinstance(part, InputImage):
+            if part.image_url is None:
+                raise _refuse(f"{where}[{j}].image_url", "this server stores no files: send "
+                              "the image as image_url, a base64 data URL", "unsupported_content")
+            out.append({"type": "image_url",
+                        "image_url": {"url": part.image_url, "detail": part.detail}})
+        else:
+            out.append({"type": "text", "text": _text([part], where)})
+    return out
 
 
 def _arguments(call: FunctionCallItem, where: str) -> str:
@@ -400,7 +430,9 @@ def to_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
             continue
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": _text(item.content, f"{where}.content")})
+            content = _user_content(item.content, f"{where}.content") if role == "user" \
+                else _text(item.content, f"{where}.content")
+            messages.append({"role": role, "content": content})
             if role == "assistant" and thought:
                 messages[-1]["reasoning_content"] = "\n".join(thought)
             thought = []

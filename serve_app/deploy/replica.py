@@ -151,6 +151,7 @@ class ModelReplica:
         self.service = service
         self.identities = self._identities(service)
         self.load_error = None
+        self.board.inputs = ["text", "image"] if service.engine.vision is not None else None
         self.board.set("ready")
         took = time.perf_counter() - tic
         if not at_start:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from serve_app.cache.manager_stats import CacheStats
     from serve_app.cache.stats import StoreStats
     from serve_app.memory.plan import ReplicaMemory
+    from serve_app.multimodal.tower import VisionStats
     from serve_app.parallel.group import RankStatus
     from serve_app.reasoning.ahead import ThinkingStats
     from serve_app.serving.engine_events import EngineStats
@@ -35,6 +36,16 @@ def _thinking_samples(m: dict[str, str], thinking: ThinkingStats | None) -> list
             Sample("serve_app_history_ahead_prefilled_tokens", m, t.ahead_prefilled_tokens)]
 
 
+def _vision_samples(m: dict[str, str], vision: VisionStats | None) -> list[Sample]:
+    from serve_app.multimodal.tower import VisionStats
+
+    vision = vision if vision is not None else VisionStats()  # a text model's: zeros
+    return [Sample("serve_app_images", {**m, "source": "encoded"}, vision.images),
+            Sample("serve_app_images", {**m, "source": "feature_cache"}, vision.cache_hits),
+            Sample("serve_app_images", {**m, "source": "prefix_cache"}, vision.prefix_hits),
+            Sample("serve_app_image_encoder_seconds", m, vision.encoder_seconds)]
+
+
 def rank_samples(model: str, ranks: Sequence[RankStatus]) -> list[Sample]:
     """Samples of a sharded model's ranks (none for a model in one process)."""
     out = []
@@ -47,12 +58,13 @@ def rank_samples(model: str, ranks: Sequence[RankStatus]) -> list[Sample]:
 
 def replica_samples(model: str, engine: EngineStats, cache: CacheStats,
                     normalized: dict[str, int],
-                    thinking: ThinkingStats | None = None) -> list[Sample]:
+                    thinking: ThinkingStats | None = None,
+                    vision: VisionStats | None = None) -> list[Sample]:
     """Samples of one replica from its engine and prefix-cache stats, its normalized
-    requests by rule and its thinking counters."""
+    requests by rule, its thinking and its vision counters."""
     m = {"model": model}
     sm = {**m, "method": engine.speculative_method or "off"}
-    out = [*_thinking_samples(m, thinking),
+    out = [*_thinking_samples(m, thinking), *_vision_samples(m, vision),
         Sample("serve_app_prompt_tokens", m, engine.prompt_tokens),
         Sample("serve_app_generation_tokens", m, engine.generated_tokens),
         Sample("serve_app_running_requests", m, engine.running_batch_size),

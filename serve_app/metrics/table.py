@@ -119,6 +119,14 @@ METRICS: tuple[MetricDef, ...] = (
     _c("serve_app_history_ahead_prefilled_tokens", "replica",
        "Tokens prefilled ahead of a thinking model's next turn (the part of its history the "
        "cache did not hold): what keeping the next turn's prefix cached costs."),
+    _c("serve_app_images", "replica",
+       "Images served to a vision model, by where their features came from: `encoded` (the "
+       "vision tower ran), `feature_cache` (the tower's cached output for the same image), "
+       "`prefix_cache` (the restored prefix held the image's tokens: no features needed).",
+       ("model", "source")),
+    _c("serve_app_image_encoder_seconds", "replica",
+       "Seconds the vision tower spent encoding images (on the engine thread, between decode "
+       "steps)."),
     _c("serve_app_speculative_verify_steps", "replica",
        "Decode steps that verified drafted tokens (speculative decoding), by draft method "
        "(`off` for a model without speculation).", ("model", "method")),

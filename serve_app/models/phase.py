@@ -30,6 +30,8 @@ class ModelPhase:
     since: float = 0.0  # time.time() when the replica entered it
     # A model sharded over ranks: {mode, size, ranks: [{rank, node}, ...]} once they run.
     parallel: dict | None = None
+    # What the loaded model takes: ["text", "image"] for a vision model (None: text).
+    inputs: list[str] | None = None
 
     def public(self) -> dict:
         """The fields a user sees (``/health``, ``/v1/models``): none that are empty."""
@@ -41,6 +43,8 @@ class ModelPhase:
             out["reason"] = self.reason
         if self.parallel:
             out["parallel"] = self.parallel
+        if self.inputs:
+            out["input_modalities"] = self.inputs
         return out
 
     def encode(self) -> bytes:
@@ -82,6 +86,7 @@ class PhaseBoard:
         self.key = f"{app}/{model}/{replica}"
         self.current = ModelPhase("starting", since=time.time())
         self.parallel: dict | None = None  # the ranks, once a sharded model's run
+        self.inputs: list[str] | None = None  # what the loaded model takes
 
     def set(self, phase: str, done_bytes: int | None = None, total_bytes: int | None = None,
             reason: str | None = None) -> None:
@@ -89,7 +94,7 @@ class PhaseBoard:
 
         since = self.current.since if phase == self.current.phase else time.time()
         self.current = ModelPhase(phase, done_bytes, total_bytes, reason, since,
-                                  self.parallel)
+                                  self.parallel, self.inputs)
         try:
             kv_put(PHASE_NAMESPACE, self.key, self.current.encode())
         except Exception:  # a phase is information: never fail a load for it

@@ -70,6 +70,7 @@ class VisionRuntime:
         (text) stays: mlx-lm feeds it with the first decode step."""
         last = len(vision.tokens) - 1
         lo = max(vision.first_image, restored)
+        self.stats.prefix_hits += sum(s.end <= lo for s in vision.spans)
         self._requests[rid] = _Request(vision.delta)
         if lo < last:
             features = [(max(s.start, lo) - lo,

@@ -25,6 +25,7 @@ class VisionStats:
     images: int = 0  # images the tower encoded
     encoder_seconds: float = 0.0
     cache_hits: int = 0  # images whose features came from the cache
+    prefix_hits: int = 0  # images the restored prefix covered (no features needed)
     cached_bytes: int = 0
 
 

@@ -465,8 +465,10 @@ class ModelService:
 
     def metric_samples(self) -> list:
         """This replica's counters and gauges, for the metrics pump."""
+        vision = self.engine.vision
         return replica_samples(self.profile.name, self.engine.snapshot(), self.cache_stats,
-                               self.normalized, self.thinking)
+                               self.normalized, self.thinking,
+                               replace(vision.stats) if vision is not None else None)
 
     async def stats(self) -> dict:
         """``full_stats`` as ``/v1/stats`` shows them."""

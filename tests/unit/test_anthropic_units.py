@@ -297,8 +297,8 @@ CALLED = [{"role": "user", "content": "x"},
 
 
 @pytest.mark.parametrize("body, where, words", [
-    (base_request(messages=user(IMAGE)), "messages.0.content.0",
-     "image content blocks are not supported"),
+    (base_request(messages=user({"type": "image", "source": {"type": "base64"}})),
+     "messages.0.content.0.source", "a base64 image needs media_type and data"),
     (base_request(messages=user({"type": "document", "source": {}})), "messages.0.content.0",
      "document content blocks are not supported"),
     (base_request(messages=[*CALLED, *user({"type": "tool_result", "tool_use_id": "t1",
@@ -360,8 +360,9 @@ def test_non_object_body_is_400():
 def test_check_supported_raises_the_same_400():
     from serve_app.api.anthropic_request import MessagesRequest
 
-    parsed = MessagesRequest.model_validate(base_request(messages=user(IMAGE)))
-    with pytest.raises(ApiError, match="image content blocks are not supported"):
+    parsed = MessagesRequest.model_validate(base_request(messages=user(
+        {"type": "document", "source": {}})))
+    with pytest.raises(ApiError, match="document content blocks are not supported"):
         parsed.check_supported()
 
 
