@@ -66,9 +66,10 @@ class VisionRuntime:
     def _segments(self, rid: int, vision: VisionPrompt, restored: int,
                   segments: list[list[int]]) -> list[list[int]]:
         """The request's segments (which cover ``prompt[restored:]``) with every token from
-        its first image up to its last one replaced by a virtual id. The last prompt token
-        (text) stays: mlx-lm feeds it with the first decode step."""
-        last = len(vision.tokens) - 1
+        its first image on replaced by a virtual id: the last one too, which mlx-lm feeds
+        in the new rows' first decode step (``GenerationBatch.__init__``, a step that no
+        decode-step hook sees: only a virtual id places it)."""
+        last = len(vision.tokens)
         lo = max(vision.first_image, restored)
         self.stats.prefix_hits += sum(s.end <= lo for s in vision.spans)
         self._requests[rid] = _Request(vision.delta)

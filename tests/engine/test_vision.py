@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from serve_app.config.catalog import FORMATS, variant_name
@@ -15,7 +16,7 @@ from serve_app.models.embedded import materialize
 from serve_app.serving.events import Delta, Finish
 from serve_app.serving.request import ChatCompletionRequest
 from tests.support.engine import BS, make_services
-from tests.support.images import image_part
+from tests.support.images import data_url, image_part
 
 OFF = {"enable_thinking": False}
 
@@ -108,18 +109,26 @@ def test_text_requests_beside_image_requests_are_unchanged(services):
     assert asyncio.run(both())[0] == alone
 
 
-def test_the_tokens_are_mlx_vlms_own(tmp_path):
+@pytest.mark.parametrize("images", [[(7, (90, 70))], [(100, (128, 128))],
+                                    [(7, (64, 128)), (8, (128, 96))]],
+                         ids=["6x4", "square", "two-images"])
+def test_the_tokens_are_mlx_vlms_own(tmp_path, images):
     """The independent check: mlx-vlm's own Qwen3.5 model, loaded from the same directory,
-    greedy over its own embeddings and positions, gives the engine's tokens."""
+    greedy over its own embeddings and positions, gives the engine's tokens (non-square,
+    square and several images: the rotary delta differs in each)."""
     from mlx_vlm.utils import load_model
 
     warm, cold, _ = make_services("tiny-vl", tmp_path)
     try:
-        request = ChatCompletionRequest(model="m", messages=[user(7)], max_tokens=10,
-                                        temperature=0, chat_template_kwargs=OFF)
+        content = [{"type": "text", "text": "Describe this picture."}]
+        content += [{"type": "image_url", "image_url": {"url": data_url(seed, size)}}
+                    for seed, size in images]
+        request = ChatCompletionRequest(model="m", messages=[{"role": "user",
+                                                              "content": content}],
+                                        max_tokens=16, temperature=0, chat_template_kwargs=OFF)
         prepared = cold.prepare(request)
         vision = prepared.vision
-        ours = []
+        ours: list[int] = []
 
         async def go():
             async for events in cold.stream(prepared):
@@ -127,18 +136,26 @@ def test_the_tokens_are_mlx_vlms_own(tmp_path):
         asyncio.run(go())
         model = load_model(materialize("tiny-vl", tmp_path))
         ids = mx.array([vision.tokens])
-        image = vision.spans[0].image
-        embedded = model.get_input_embeddings(ids, mx.array(image.pixel_values),
-                                              image_grid_thw=mx.array([image.grid]))
+        processed = [s.image for s in vision.spans]
+        embedded = model.get_input_embeddings(
+            ids, mx.array(np.concatenate([i.pixel_values for i in processed])),
+            image_grid_thw=mx.array([i.grid for i in processed]))
         cache = model.language_model.make_cache()
         out = model.language_model(ids, inputs_embeds=embedded.inputs_embeds, cache=cache,
-                                   position_ids=embedded.position_ids)
+                                   position_ids=embedded.position_ids,
+                                   rope_deltas=embedded.rope_deltas)  # kept for decode
         tokens = []
-        for _ in range(10):
+        for _ in range(16):
             y = mx.argmax(out.logits[:, -1, :], axis=-1)
             tokens.append(int(y.item()))
             out = model.language_model(y[None], cache=cache)
-        text = cold.tokenizer.decode([t for t in tokens if t not in cold.eos_ids])
+        detokenizer = cold.tokenizer.detokenizer  # as the server streams its text
+        detokenizer.reset()
+        for t in tokens:
+            if t not in cold.eos_ids:
+                detokenizer.add_token(t)
+        detokenizer.finalize()
+        text = detokenizer.text
         assert "".join(e.text for e in ours) == text
     finally:
         warm.shutdown()
