@@ -108,5 +108,25 @@ class ImagePrompts:
         real, spans = expand_images(tokens, processed, self.pad)
         if spans and spans[-1].end >= len(real):
             raise ImageError("the prompt ends with an image: text must follow it")
+        return self._placed(real, spans)
+
+    def keys_of(self, tokens: list[int], images: list[ProcessedImage]) -> list[int]:
+        """A rendering's tokens (one placeholder per image) as the cache keys them, its
+        placeholders taken by ``images`` in order (a conversation's next-turn prefix)."""
+        real, spans = expand_images(tokens, images[:tokens.count(self.pad)], self.pad)
+        return keyed(real, spans)
+
+    def from_keys(self, keys: list[int], images: list[ProcessedImage]) -> VisionPrompt:
+        """The prompt whose cache keys are ``keys`` (``keys_of``'s), its image tokens
+        ``images`` in order."""
+        real = [self.pad if k >= KEY_BASE else k for k in keys]
+        starts = [i for i, k in enumerate(keys) if k >= KEY_BASE
+                  and (i == 0 or keys[i - 1] < KEY_BASE)]
+        spans = tuple(ImageSpan(s, image) for s, image in zip(starts, images, strict=False))
+        if len(spans) != len(starts) or keyed(real, spans) != keys:
+            raise ImageError("the keys do not match the images")
+        return self._placed(real, spans)
+
+    def _placed(self, real: list[int], spans: tuple[ImageSpan, ...]) -> VisionPrompt:
         positions, delta = mrope_positions(real, [s.image.grid for s in spans], self.config)
         return VisionPrompt(real, keyed(real, spans), spans, positions, delta)

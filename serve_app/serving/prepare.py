@@ -19,6 +19,7 @@ from serve_app.cache.prefix import branch_points_in_text, common_prefix, find_br
 from serve_app.config.profile import ModelProfile
 from serve_app.models.compat import wrapped_hf_tokenizer
 from serve_app.multimodal.images import ImageError
+from serve_app.multimodal.processor import ProcessedImage
 from serve_app.multimodal.prompt import ImagePrompts, VisionPrompt
 from serve_app.reasoning.ahead import History, next_turn_prefix
 from serve_app.reasoning.markers import markers_of
@@ -299,8 +300,7 @@ class Preparer:
                 tokens=chat._thinking_budget, effort=chat.reasoning_effort,
                 default=reasoning.budget_tokens, efforts=reasoning.effort_budgets))
             if (prepared.thinking is not None and rendered is not None and self.find_branches
-                    and reasoning.prefill_next_turn and not chat.continue_final_message
-                    and vision is None):
+                    and reasoning.prefill_next_turn and not chat.continue_final_message):
                 prepared.history = History(tuple(rendered.messages), rendered.tools,
                                            chat.template_kwargs())
         self.grammar(prepared)  # a schema or tool choice that does not compile: 400 now
@@ -347,11 +347,12 @@ class Preparer:
                 self._generation_prompts[key] = suffix
         return suffix if suffix and prompt[-len(suffix):] == suffix else []
 
-    def next_turn_prefix(self, history: History, answer: str,
-                         calls: Sequence[ToolCall]) -> list[int]:
+    def next_turn_prefix(self, history: History, answer: str, calls: Sequence[ToolCall],
+                         images: Sequence[ProcessedImage] = ()) -> list[int]:
         """The tokens the conversation's next request starts with, once this turn
         answered ``answer`` (and ``calls``), as a client sends the turn back
-        (``ChatMessage.to_template``'s shape)."""
+        (``ChatMessage.to_template``'s shape); its ``images`` (the turn's, in order) keyed
+        as the cache keys them."""
         assistant: dict[str, Any] = {"role": "assistant", "content": answer}
         if calls:
             assistant["tool_calls"] = [
@@ -364,7 +365,10 @@ class Preparer:
                 messages, tools=history.tools, add_generation_prompt=False, tokenize=True,
                 **history.template_kwargs))
 
-        return next_turn_prefix(render, history, assistant)
+        tokens = next_turn_prefix(render, history, assistant)
+        if images and self.images is not None:
+            return self.images.keys_of(tokens, list(images))
+        return tokens
 
     def branch_points(self, request: ChatCompletionRequest | CompletionRequest,
                       prompt: list[int], rendered: Rendered | None = None,

@@ -312,8 +312,9 @@ class ModelService:
         if not (finish.reasoning_tokens or plan.prompt_thought):
             return  # no thought in this turn: the next one renders it as it was generated
         answer, calls = "".join(request.answer), tuple(request.calls)
+        images = [s.image for s in prepared.vision.spans] if prepared.vision else []
         self.ahead.schedule(
-            lambda: self.preparer.next_turn_prefix(history, answer, calls),
+            lambda: self.preparer.next_turn_prefix(history, answer, calls, images),
             [*prepared.prompt, *request.tokens],
             lambda tokens: self._prefill_ahead(prepared, tokens), self._free_slot)
 
@@ -330,6 +331,9 @@ class ModelService:
             return None
         ahead = PreparedRequest(prompt=tokens, params=SamplingParams(max_tokens=1),
                                 stops=[], salt=turn.salt, api_key_digest=turn.api_key_digest)
+        if turn.vision is not None and self.preparer.images is not None:
+            ahead.vision = await asyncio.to_thread(  # mrope positions: off the event loop
+                self.preparer.images.from_keys, tokens, [s.image for s in turn.vision.spans])
         restored: int | None = None
         async for events in self.stream(ahead, ()):
             for e in events:

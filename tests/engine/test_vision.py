@@ -179,3 +179,44 @@ def test_bad_images_and_text_models_get_a_400(services, tmp_path):
     finally:
         text_only.shutdown()
         cold.shutdown()
+
+
+def test_the_next_turn_is_prefilled_ahead_with_its_image(tmp_path):
+    """Qwen3.5's template renders an earlier answer without the turn's (empty) thought
+    block, so the next turn's prompt departs from what was generated at the answer's
+    start: after each turn the service prefills the next turn's prefix, its image keyed
+    as the next request keys it, so the next turn restores all of its history."""
+    warm, cold, _ = make_services("tiny-vl", tmp_path)
+    try:
+        first = [user(11)]
+
+        async def turn(messages):
+            request = ChatCompletionRequest(model="m", messages=messages, max_tokens=12,
+                                            temperature=0, chat_template_kwargs=OFF)
+            prepared = warm.prepare(request)
+            text, finish = [], None
+            async for events in warm.stream(prepared):
+                for e in events:
+                    if isinstance(e, Delta):
+                        text.append(e.text)
+                    elif isinstance(e, Finish):
+                        finish = e
+            await warm.ahead.idle()
+            return "".join(text), finish, prepared
+
+        async def go():
+            answer, _, _ = await turn(first)
+            second = [*first, {"role": "assistant", "content": answer},
+                      {"role": "user", "content": "And its colours?"}]
+            return second, await turn(second)
+
+        second, (got, finish, prepared) = asyncio.run(go())
+        assert warm.thinking.ahead["done"] >= 1
+        assert got == ask(cold, second)[0]
+        # everything but the new user message and the generation prompt
+        new = len(warm.tokenizer.encode("And its colours?<|im_end|>\n<|im_start|>assistant\n"
+                                        "<think>\n\n</think>\n\n", add_special_tokens=False))
+        assert finish.cached_tokens >= len(prepared.prompt) - new - BS
+    finally:
+        warm.shutdown()
+        cold.shutdown()

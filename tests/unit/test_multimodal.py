@@ -120,3 +120,22 @@ def test_only_user_messages_carry_images():
     assert ok.messages[0].to_template()["content"] == [{"type": "text", "text": "a"},
                                                        {"type": "image"}]
     assert ok.messages[0].text() == "a"
+
+
+def test_a_prefix_keyed_by_its_images_gives_them_back(tmp_path):
+    """keys_of then from_keys: a next-turn prefix's keys carry its images' places."""
+    from serve_app.multimodal.prompt import ImagePrompts
+
+    prompts = ImagePrompts.__new__(ImagePrompts)  # no processor needed for keys
+    prompts.pad = 9
+    prompts.config = {"vision_config": {"spatial_merge_size": 2}, "image_token_id": 9,
+                      "vision_start_token_id": 8}
+    a, b = _image("aa" * 32, 6), _image("bb" * 32, 2)
+    a = ProcessedImage(a.pixel_values, (1, 4, 6), 6, a.digest)
+    b = ProcessedImage(b.pixel_values, (1, 2, 4), 2, b.digest)
+    keys = prompts.keys_of([1, 8, 9, 7, 2, 8, 9, 7, 3], [a, b])
+    vision = prompts.from_keys(keys, [a, b])
+    assert vision.keys == keys and [s.start for s in vision.spans] == [2, 11]
+    assert vision.tokens == [1, 8, *[9] * 6, 7, 2, 8, 9, 9, 7, 3]
+    with pytest.raises(ImageError, match="do not match"):
+        prompts.from_keys(keys, [b, a])
