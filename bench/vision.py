@@ -96,6 +96,53 @@ def parallel(base_url: str, model: str, urls: list[str], tokens: int) -> dict:
             "tok_per_s": generated / wall, "texts": [r["text"] for r in results]}
 
 
+def mlx_vlm_direct(model_dir: Path, url: str, turns: list[dict], tokens: int) -> list[str]:
+    """Each turn of our conversation (its prompt: the questions and our answers before it)
+    greedy through mlx-vlm's own model, in this process, in one forward: the reference
+    both servers are held to."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.utils import load_tokenizer
+    from mlx_vlm.utils import load_model
+
+    from serve_app.multimodal.images import ImageLimits
+    from serve_app.multimodal.prompt import ImagePrompts
+
+    tokenizer = load_tokenizer(model_dir)
+    prompts = ImagePrompts(model_dir, ImageLimits())
+    model = load_model(model_dir)
+    messages: list[dict] = []
+    out = []
+    for n, (question, turn) in enumerate(zip(QUESTIONS, turns, strict=True)):
+        messages.append({"role": "user", "content": [{"type": "text", "text": question},
+                                                     {"type": "image"}] if n == 0
+                         else question})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            enable_thinking=False)
+        vision = prompts.prompt(list(ids), [(url, "auto")])
+        image = vision.spans[0].image
+        embedded = model.get_input_embeddings(mx.array([vision.tokens]),
+                                              mx.array(image.pixel_values),
+                                              image_grid_thw=mx.array([image.grid]))
+        cache = model.language_model.make_cache()
+        logits = model.language_model(mx.array([vision.tokens]),
+                                      inputs_embeds=embedded.inputs_embeds, cache=cache,
+                                      position_ids=embedded.position_ids,
+                                      rope_deltas=embedded.rope_deltas).logits
+        detokenizer = tokenizer.detokenizer
+        detokenizer.reset()
+        for _ in range(tokens):
+            y = int(np.argmax(np.asarray(logits[0, -1])))
+            if y in tokenizer.eos_token_ids:
+                break
+            detokenizer.add_token(y)
+            logits = model.language_model(mx.array([[y]]), cache=cache).logits
+        detokenizer.finalize()
+        out.append(detokenizer.text)
+        messages.append({"role": "assistant", "content": turn["text"]})
+    return out
+
+
 def images_encoded(base_url: str) -> float | None:
     for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
         if line.startswith("ray_serve_app_images_total") and 'source="encoded"' in line:
@@ -179,6 +226,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         their_parallel = parallel(theirs.base_url, str(model_dir), urls, args.tokens)
     finally:
         theirs.stop()
+    reference = mlx_vlm_direct(model_dir, url, our_turns, args.tokens)
     o, t = ttfts(our_turns), ttfts(their_turns)
     result["conversation"] = {
         "ours": o, "mlx_vlm_server": t,
@@ -186,6 +234,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         "outputs_identical": [a["text"] for a in our_turns] == [b["text"] for b in their_turns],
         "identical_turns": sum(a["text"] == b["text"] for a, b in zip(our_turns, their_turns,
                                                                       strict=True)),
+        # each turn's prompt (ours) through mlx-vlm's own model in one forward
+        "ours_equal_mlx_vlm_model": [a["text"] == r for a, r in zip(our_turns, reference,
+                                                                    strict=True)],
         "cached_fraction_turns_2_6": [round((x["cached_tokens"] or 0) / x["prompt_tokens"], 3)
                                       for x in our_turns[1:]],
         "images_encoded": encoded}

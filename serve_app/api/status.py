@@ -47,6 +47,7 @@ STATUS_FIELDS: dict[str, Any] = {
             "restored_tokens", "kv_in_use_bytes", "kv_waiting", "speculative_method",
             "drafted_tokens", "accepted_tokens")},
         "recent": True,
+        "images": True,
         "cache": {k: True for k in (
             "enabled", "disabled_reason", "block_size", "lookups", "hit_tokens",
             "missed_tokens", "hit_rate", "hit_tokens_by_tier", "misses_by_reason",

@@ -81,6 +81,18 @@ class ReplicaProcess:
 
 
 @dataclass
+class ImageStats:
+    """A vision model's images (``serve_app.multimodal.tower.VisionStats``), summed over
+    its replicas."""
+
+    encoded: int = merged("sum", default=0)  # the vision tower ran
+    from_feature_cache: int = merged("sum", default=0)
+    from_prefix_cache: int = merged("sum", default=0)  # the restored prefix held them
+    encoder_seconds: float = merged("sum", default=0.0)
+    feature_cache_bytes: int = merged("sum", default=0)
+
+
+@dataclass
 class ReplicaStats:
     """One replica's stats, or (merged) a model's over its replicas. An unloaded replica
     has no engine, cache, phases or normalization (None)."""
@@ -95,6 +107,7 @@ class ReplicaStats:
     replica: ReplicaProcess | None = merged("answering", default=None)
     cache_store: dict | None = merged("answering", default=None)
     recent: RecentActivity | None = merged("nested", default=None)  # the last minute
+    images: ImageStats | None = merged("nested", default=None)  # a vision model's
 
     def own(self) -> ReplicaStats:
         """What a replica reports to its store: its node store's stats left out."""
@@ -124,6 +137,8 @@ class ReplicaStats:
             out["normalization"] = asdict(self.normalization)
         if self.recent is not None:
             out["recent"] = self.recent.summary()
+        if self.images is not None:
+            out["images"] = asdict(self.images)
         if self.cache_store is not None:
             out["cache_store"] = self.cache_store
         if self.replica is not None:

@@ -43,7 +43,13 @@ from serve_app.serving.errors import queue_full_error, rank_lost_error
 from serve_app.serving.events import Event, Finish, TokenLogprob
 from serve_app.serving.prepare import PreparedRequest, Preparer
 from serve_app.serving.recent import RecentWindow
-from serve_app.serving.replica_stats import CacheView, NormalizationStats, PhaseTimes, ReplicaStats
+from serve_app.serving.replica_stats import (
+    CacheView,
+    ImageStats,
+    NormalizationStats,
+    PhaseTimes,
+    ReplicaStats,
+)
 from serve_app.serving.request import ApiError, Caller, ChatCompletionRequest, CompletionRequest
 from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.speculative import speculator_for
@@ -497,7 +503,15 @@ class ModelService:
             self.profile.name, self.engine.snapshot(), copy.deepcopy(self.cache_stats), view,
             copy.deepcopy(self.phases),
             NormalizationStats(list(self.profile.normalize), dict(self.normalized)),
-            recent=self.recent.activity())
+            recent=self.recent.activity(), images=self._image_stats())
+
+    def _image_stats(self) -> ImageStats | None:
+        vision = self.engine.vision
+        if vision is None:
+            return None
+        s = vision.stats
+        return ImageStats(s.images, s.cache_hits, s.prefix_hits, s.encoder_seconds,
+                          s.cached_bytes)
 
     def warm_up(self, timeout: float = 300.0) -> float:
         """One prefill and one decode through the engine; returns the seconds taken.

@@ -111,8 +111,13 @@ def test_a_bad_image_is_a_400_naming_it_and_the_server_goes_on(client, answer, p
     assert ask(client, question()).choices[0].message.content == answer
 
 
-def test_the_model_says_it_takes_images(client):
+def test_the_model_says_it_takes_images(server, client):
+    import httpx
+
     assert getattr(client.models.retrieve(MODEL), "input_modalities", None) == ["text", "image"]
+    status = httpx.get(f"{server.base_url}/v1/status", timeout=60).json()["models"][MODEL]
+    assert status["phase"]["input_modalities"] == ["text", "image"]
+    assert status["images"]["encoded"] >= 1 and status["images"]["feature_cache_bytes"] > 0
 
 
 def test_images_are_counted_by_where_their_features_came_from(server, client):

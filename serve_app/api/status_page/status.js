@@ -302,6 +302,8 @@ function renderModel(name) {
       pool ? h("span", {class: `badge ${pool.status}`, "data-role": "pool-status"},
                fig(["pool", "models", name, "status"])) : null,
       pool && pool.pinned ? h("span", {class: "badge pinned"}, "pinned") : null,
+      (phase.input_modalities || []).includes("image")
+        ? h("span", {class: "badge vision", "data-role": "vision"}, "takes images") : null,
       phase.reason ? h("span", {class: "muted"}, fig([...m, "phase", "reason"])) : null,
       pool && pool.last_error ? h("span", {class: "muted"}, fig(["pool", "models", name, "last_error"])) : null),
     h("div", {class: "grid"},
@@ -322,7 +324,12 @@ function renderModel(name) {
       kv("failed / rejected", fig([...e, "failed"], num), " / ", fig([...e, "rejected"], num)),
       kv("tokens generated", fig([...e, "generated_tokens"], num)),
       kv("prompt tokens", fig([...e, "prompt_tokens"], num)),
-      kv("prompt tokens from cache", fig([...c, "hit_rate"], pct))),
+      kv("prompt tokens from cache", fig([...c, "hit_rate"], pct)),
+      at(last, [...m, "images"]) === undefined ? null
+        : kv("images encoded / from feature cache / from prefix cache",
+             fig([...m, "images", "encoded"], num), " / ",
+             fig([...m, "images", "from_feature_cache"], num), " / ",
+             fig([...m, "images", "from_prefix_cache"], num))),
     hasEngine ? null : h("div", {class: "muted"}, "not loaded: no engine figures"),
     controls(name));
 }
