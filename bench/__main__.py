@@ -61,7 +61,8 @@ QUICK: dict[str, list[tuple[str, str | None]]] = {
 # the trace replay runs three servers; the store lookup loads no model; thinking needs a
 # model whose template opens the thought.
 FIXED_MODELS = {"cluster": "tiny-hybrid", "structured": "tiny-dense", "traces": "tiny-hybrid",
-                "lookup": "store", "speculative": "tiny-dense", "thinking": "tiny-hybrid-mtp"}
+                "lookup": "store", "speculative": "tiny-dense", "thinking": "tiny-hybrid-mtp",
+                "vision": "tiny-vl"}
 # Flags a bench always gets here: the runner runs speculative decoding's controlled draft on
 # the tiny models (a minute); its SmolLM2 workloads and HTTP part (an hour on this CPU) run on
 # their own (``python -m bench.speculative``).

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 BENCHES = ("multiturn", "agents", "restart", "checkpoints", "serving", "cluster", "structured",
-           "traces", "lookup", "speculative", "thinking")
+           "traces", "lookup", "speculative", "thinking", "vision")
 REPORT = "REPORT.md"
 RUNS = "runs.json"
 MACHINE = "machine.json"
@@ -55,6 +55,11 @@ GOALS = {
     # issue 41: a thinking model's session, the next turn's prefix prefilled ahead against
     # the same session without it (bench.thinking)
     "thinking_ttft_vs_off": ("<=", 0.5),
+    # issue 42: a 6-turn conversation about one image, 8 images at once, a restart
+    # (bench.vision, against mlx_vlm.server on the same weights)
+    "vision_ttft": ("<=", 0.2),
+    "vision_throughput": (">=", 1.5),
+    "vision_restart": ("<=", 0.1),
 }
 THINKING_CACHED_FRACTION = 0.9  # issue 41: every prompt of turns 2+
 # The label suffix of multiturn's second configuration (``bench/__main__.py`` VARIANTS):
@@ -536,11 +541,36 @@ def thinking_rows(model: str, d: dict) -> list[Row]:
                       outputs.get("identical"), outputs.get("requests"))]
 
 
+def vision_rows(model: str, d: dict) -> list[Row]:
+    """Issue 42: turns 2-6 of a conversation about one image against mlx_vlm.server, 8
+    images at once, a restart from SSD against a cold start; our answers against
+    mlx-vlm's own model and mlx_vlm.server's."""
+    c, p, r = (d.get(k) or {} for k in ("conversation", "parallel", "restart"))
+    ours, theirs = c.get("ours") or {}, c.get("mlx_vlm_server") or {}
+    same = c.get("ours_equal_mlx_vlm_model") or []
+    encoded = c.get("images_encoded")
+    return [ratio_row("vision", model, "mean TTFT turns 2-6, vs mlx_vlm.server",
+                      ours.get("ttft_mean_s"), theirs.get("ttft_mean_s"), "s", "vision_ttft"),
+            Row("vision", model, "images encoded in the 6 turns",
+                fmt(encoded, ""), goal="1", status="n/a" if encoded is None else
+                ("met" if encoded == 1 else "**missed**")),
+            count_row("vision", model, "answers equal to mlx-vlm's own model",
+                      sum(same), len(same)),
+            count_row("vision", model, "answers equal to mlx_vlm.server's",
+                      c.get("identical_turns"), len(same)),
+            ratio_row("vision", model, "aggregate tok/s, 8 requests with 8 images",
+                      p.get("ours_tok_per_s"), p.get("mlx_vlm_server_tok_per_s"), " tok/s",
+                      "vision_throughput"),
+            ratio_row("vision", model, "TTFT after a restart (from SSD), vs cold",
+                      r.get("ttft_restarted_s"), r.get("ttft_cold_s"), "s", "vision_restart",
+                      base_label="cold")]
+
+
 ROWS: dict[str, Callable[[str, dict], list[Row]]] = {
     "multiturn": multiturn_rows, "agents": agents_rows, "restart": restart_rows,
     "serving": serving_rows, "cluster": cluster_rows, "structured": structured_rows,
     "traces": traces_rows, "lookup": lookup_rows, "speculative": speculative_rows,
-    "thinking": thinking_rows}
+    "thinking": thinking_rows, "vision": vision_rows}
 
 
 def summary_rows(results: dict[str, dict[str, dict]], runs: dict[str, dict]) -> list[Row]:

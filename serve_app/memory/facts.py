@@ -171,7 +171,8 @@ def model_footprint(model: ModelProfile, home: Path | None = None,
                     hub: bool = False) -> ModelFootprint:
     """The model's planned footprint from its facts (``FactsUnavailable`` if unknown)."""
     facts = model_facts(model, home, hub)
-    return footprint(model, facts.weights_bytes, facts.cache_shape())
+    return footprint(model, facts.weights_bytes, facts.cache_shape(),
+                     vision=isinstance(facts.config.get("vision_config"), dict))
 
 
 def profile_footprints(models: list[ModelProfile], home: Path | None = None,

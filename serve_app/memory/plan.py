@@ -95,11 +95,12 @@ class ModelFootprint:
     pinned: bool = False
     hot_share_bytes: int = 0
     ranks: int = 1  # a sharded model spread over nodes: one rank's share of this many
+    vision_cache_bytes: int = 0  # a vision model's feature cache (``vision.feature_cache_mb``)
 
     @property
     def resident_bytes(self) -> int:
         """What loading the model costs (the hot tier is there either way)."""
-        return self.weights_bytes + self.kv_bytes
+        return self.weights_bytes + self.kv_bytes + self.vision_cache_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -112,14 +113,18 @@ class ModelFootprint:
             kv += (f" and {fmt_bytes(self.shape.state_bytes_per_sequence)} of recurrent state "
                    "a sequence")
         share = f" (one rank's share of {self.ranks})" if self.ranks > 1 else ""
+        if self.vision_cache_bytes:
+            share += f" + image features {fmt_bytes(self.vision_cache_bytes)}"
         return (f"weights {fmt_bytes(self.weights_bytes)} + {kv}{share} = "
                 f"{fmt_bytes(self.resident_bytes)}")
 
 
-def footprint(model: ModelProfile, weights_bytes: int, shape: CacheShape) -> ModelFootprint:
+def footprint(model: ModelProfile, weights_bytes: int, shape: CacheShape,
+              vision: bool = False) -> ModelFootprint:
     """A model profile's footprint: ``max_batch_size`` sequences of ``context_length``.
     A model sharded over ranks spread one per node takes one rank's share on a node: its
-    weights and KV over the ranks (each holds its heads, or its layers)."""
+    weights and KV over the ranks (each holds its heads, or its layers). ``vision``: the
+    checkpoint has a vision tower, whose feature cache is planned too (where enabled)."""
     kv_bytes = shape.bytes_for(model.max_batch_size, model.context_length)
     parallel = model.parallel
     ranks = parallel.size if parallel is not None and parallel.placement == "spread" else 1
@@ -127,7 +132,9 @@ def footprint(model: ModelProfile, weights_bytes: int, shape: CacheShape) -> Mod
         name=model.name, weights_bytes=-(-weights_bytes // ranks),
         kv_bytes=-(-kv_bytes // ranks),
         sequences=model.max_batch_size, tokens=model.context_length, shape=shape,
-        pinned=model.pinned, ranks=ranks)
+        pinned=model.pinned, ranks=ranks,
+        vision_cache_bytes=model.vision.feature_cache_mb << 20
+        if vision and model.vision.enabled and ranks == 1 and model.speculative is None else 0)
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,19 @@ def test_a_prefix_keyed_by_its_images_gives_them_back(tmp_path):
     assert vision.tokens == [1, 8, *[9] * 6, 7, 2, 8, 9, 9, 7, 3]
     with pytest.raises(ImageError, match="do not match"):
         prompts.from_keys(keys, [b, a])
+
+
+def test_a_vision_models_feature_cache_is_in_its_memory_plan():
+    from serve_app.config.profile import ModelProfile
+    from serve_app.memory.plan import footprint
+    from serve_app.memory.shapes import CacheShape
+
+    shape = CacheShape(kv_bytes_per_token=1024, state_bytes_per_sequence=0)
+    model = ModelProfile(name="m", source="embedded:tiny-vl", vision={"feature_cache_mb": 64})
+    seen = footprint(model, 1000, shape, vision=True)
+    assert seen.vision_cache_bytes == 64 << 20
+    assert seen.resident_bytes == 1000 + seen.kv_bytes + (64 << 20)
+    assert "image features" in seen.describe()
+    assert footprint(model, 1000, shape).vision_cache_bytes == 0  # a text checkpoint
+    off = ModelProfile(name="m", source="embedded:tiny-vl", vision={"enabled": False})
+    assert footprint(off, 1000, shape, vision=True).vision_cache_bytes == 0
