@@ -95,6 +95,9 @@ class SpliceState:
     current: tuple | None = None  # (virtual mask (B, L), index k (B, L)) of this forward
     rows: tuple | None = None  # decode: (row has images (B,), row delta (B,))
     mrope: dict[int, Any] = field(default_factory=dict)
+    # This forward's (cos, sin) by (kind, dtype): every attention layer, queries and keys,
+    # sits at the same positions (cleared when a forward or a decode step begins).
+    angles: dict[tuple, Any] = field(default_factory=dict)
 
 
 def install(model: Any, state: SpliceState, mrope_section: list[int]) -> int:
@@ -134,6 +137,7 @@ def _mrope(state: SpliceState, rope: Any, section: list[int]) -> Any:
 def _embed(state: SpliceState, module: Any, call: Any, ids: Any) -> Any:
     import mlx.core as mx
 
+    state.angles.clear()  # a forward begins here
     if state.table.empty:
         state.current = None
         return call(module, ids)
@@ -157,20 +161,27 @@ def _rope(state: SpliceState, module: Any, call: Any, x: Any, offset: Any = 0) -
     out = call(module, x, offset=offset)
     mrope = state.mrope[id(module)]
 
-    def explicit(positions: Any) -> Any:
-        cos, sin = mrope(x, positions)
+    def explicit(kind: str, positions: Any) -> Any:
+        key = (kind, x.dtype, mrope.dim)
+        if key not in state.angles:
+            state.angles[key] = mrope(x, positions())
+        cos, sin = state.angles[key]
         return apply_multimodal_rotary_pos_emb(x, x, cos, sin, style="interleaved")[0]
 
     if state.current is not None:
         virtual, k = state.current
         if virtual.shape == (x.shape[0], x.shape[2]):
-            _, positions, _, _ = state.table.arrays()
-            out = mx.where(virtual[:, None, :, None], explicit(positions[:, k]), out)
+            positions = state.table.arrays()[1]
+            out = mx.where(virtual[:, None, :, None],
+                           explicit("virtual", lambda: positions[:, k]), out)
     if state.rows is not None:
         has_images, delta = state.rows
         batch, length = x.shape[0], x.shape[2]
-        base = mx.broadcast_to(mx.array(offset), (batch,)) + delta
-        at = base[:, None] + mx.arange(length)[None, :]
-        out = mx.where(has_images[:, None, None, None],
-                       explicit(mx.broadcast_to(at[None], (3, batch, length))), out)
+
+        def placed() -> Any:
+            base = mx.broadcast_to(mx.array(offset), (batch,)) + delta
+            at = base[:, None] + mx.arange(length)[None, :]
+            return mx.broadcast_to(at[None], (3, batch, length))
+
+        out = mx.where(has_images[:, None, None, None], explicit("rows", placed), out)
     return out
