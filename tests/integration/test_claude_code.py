@@ -157,14 +157,16 @@ def test_forced_tool_choices_give_a_valid_tool_use(claude, choice):
         assert set(use.input) == set(schema["required"])
 
 
-def test_an_image_is_refused_with_a_clear_400(claude):
+def test_an_image_to_a_model_without_vision_is_a_clear_400(claude):
+    """Images reach a vision model (tests/integration/test_vision_http.py); a text model
+    refuses them, naming itself."""
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": "iVBORw0KGgo="}}
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.beta.messages.create(model=DENSE, max_tokens=4, betas=BETAS, messages=[
             {"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}])
     assert err.value.status_code == 400
-    assert "image content blocks are not supported" in str(err.value)
+    assert f"model {DENSE!r} does not take images" in str(err.value)
     assert err.value.body["error"]["type"] == "invalid_request_error"
 
 

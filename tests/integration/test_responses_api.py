@@ -238,8 +238,8 @@ def test_bad_input_is_400_naming_the_field_and_reaches_no_engine(client, server)
     cases = [
         (dict(input="x", previous_response_id="resp_123"), "previous_response_id"),
         (dict(input=[{"role": "user", "content": [
-            {"type": "input_image", "image_url": "https://example.com/a.png"}]}]),
-         "input[0].content[0].type"),
+            {"type": "input_image", "file_id": "file-1"}]}]),  # nothing is stored here
+         "input[0].content[0].image_url"),
         (dict(input=[{"role": "user", "content": "x"},
                      {"type": "function_call_output", "call_id": "nope", "output": "r"}]),
          "input[1].call_id"),
