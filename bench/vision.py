@@ -47,9 +47,8 @@ GOAL_THROUGHPUT = 1.5
 GOAL_RESTART = 0.1
 
 
-def image_url(seed: int, size: tuple[int, int]) -> str:
-    """A random picture as a PNG data URL (the same one for one seed, on both sides)."""
-    import base64
+def png(seed: int, size: tuple[int, int]) -> bytes:
+    """A random RGB picture, ``size`` (height, width), as PNG bytes (the same for a seed)."""
     import io
 
     import numpy as np
@@ -58,7 +57,14 @@ def image_url(seed: int, size: tuple[int, int]) -> str:
     pixels = (np.random.default_rng(seed).random((*size, 3)) * 255).astype(np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, "PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return out.getvalue()
+
+
+def image_url(seed: int, size: tuple[int, int]) -> str:
+    """``png(seed, size)`` as a data URL, as a client sends it (the same on both sides)."""
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(png(seed, size)).decode()
 
 
 def body(model: str, messages: list[dict], tokens: int) -> dict:

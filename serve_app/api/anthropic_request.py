@@ -6,9 +6,10 @@ checkpoints.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -480,36 +481,37 @@ def _assistant_message(content: str | list, where: str,
                            reasoning=reasoning), marked
 
 
+def _user_message(parts: list[str | dict[str, Any]]) -> TemplateMessage:
+    """Text blocks (joined) and images as one user message: chat parts, a run of text one."""
+    if all(isinstance(p, str) for p in parts):
+        return TemplateMessage("user", BLOCK_SEPARATOR.join(cast(list[str], parts)))
+    media: list[dict[str, Any]] = []
+    for is_text, run in itertools.groupby(parts, key=lambda p: isinstance(p, str)):
+        items = list(run)
+        media += [{"type": "text", "text": BLOCK_SEPARATOR.join(cast(list[str], items))}] \
+            if is_text else cast(list[dict[str, Any]], items)
+    return TemplateMessage("user", "".join(p.get("text", "") for p in media), media=tuple(media))
+
+
 def _user_messages(content: str | list, where: str, seen_tool_ids: set[str],
                    out: _Builder) -> None:
     if isinstance(content, str):
         out.add(TemplateMessage("user", content), False)
         return
-    texts: list[str] = []
-    media: list[dict[str, Any]] = []  # text runs and images in order, where there are images
+    parts: list[str | dict[str, Any]] = []  # texts and images (chat parts), in order
     marked = False
 
     def flush() -> None:
-        nonlocal texts, marked, media
-        if media and texts:
-            media.append({"type": "text", "text": BLOCK_SEPARATOR.join(texts)})
-        if media:
-            text = "".join(p.get("text", "") for p in media)
-            out.add(TemplateMessage("user", text, media=tuple(media)), marked)
-        elif texts:
-            out.add(TemplateMessage("user", BLOCK_SEPARATOR.join(texts)), marked)
-        texts, marked, media = [], False, []
+        nonlocal parts, marked
+        if parts:
+            out.add(_user_message(parts), marked)
+        parts, marked = [], False
 
     for j, b in enumerate(content):
         at = f"{where}.content.{j}"
-        if isinstance(b, TextBlock):
-            texts.append(b.text)
-            marked = marked or b.cache_control is not None
-        elif isinstance(b, ImageBlock):
-            if texts:
-                media.append({"type": "text", "text": BLOCK_SEPARATOR.join(texts)})
-                texts = []
-            media.append({"type": "image_url", "image_url": {"url": b.source.as_url(at)}})
+        if isinstance(b, TextBlock | ImageBlock):
+            parts.append(b.text if isinstance(b, TextBlock) else
+                         {"type": "image_url", "image_url": {"url": b.source.as_url(at)}})
             marked = marked or b.cache_control is not None
         elif isinstance(b, ToolResultBlock):
             if b.tool_use_id not in seen_tool_ids:

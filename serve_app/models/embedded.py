@@ -449,11 +449,20 @@ def _add_mtp_in_hf_layout(spec: EmbeddedSpec, model, path: Path) -> None:
             value = value - 1.0
         out[f"mtp.{key}"] = value
     mx.eval(out)
-    mx.save_safetensors(str(file), out, metadata={"format": "mlx"})
+    _rewrite_weights(path, out)
+
+
+def _rewrite_weights(path: Path, weights: dict[str, Any]) -> None:
+    """``weights`` as the model's one ``model.safetensors`` (in mlx-lm's format), its
+    index, if mlx-lm wrote one, naming every tensor."""
+    import mlx.core as mx
+
+    file = path / "model.safetensors"
+    mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})
     index = path / "model.safetensors.index.json"
     if index.exists():
         data = json.loads(index.read_text())
-        data["weight_map"] = dict.fromkeys(sorted(out), file.name)
+        data["weight_map"] = dict.fromkeys(sorted(weights), file.name)
         index.write_text(json.dumps(data, indent=4))
 
 
@@ -473,12 +482,7 @@ def _add_vision_tower(spec: EmbeddedSpec, path: Path) -> None:
     for key, value in cast(list[tuple[str, Any]], tree_flatten(tower.parameters())):
         name = f"vision_tower.{key}"
         weights[name] = mx.array(_random_value(spec.seed, name, tuple(value.shape))).astype(dtype)
-    mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        data = json.loads(index.read_text())
-        data["weight_map"] = dict.fromkeys(sorted(weights), file.name)
-        index.write_text(json.dumps(data, indent=4))
+    _rewrite_weights(path, weights)
     merge, patch = spec.config["vision_config"]["spatial_merge_size"], \
         spec.config["vision_config"]["patch_size"]
     token_pixels = (merge * patch) ** 2

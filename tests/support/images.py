@@ -1,25 +1,18 @@
-"""Made-up images, as a client sends them."""
+"""Made-up images, as a client sends them (``bench.vision``'s, with a default size)."""
 
 from __future__ import annotations
 
-import base64
-import io
+from bench import vision
 
-import numpy as np
-
-
-def png(seed: int, size: tuple[int, int] = (90, 70)) -> bytes:
-    """A random RGB picture, ``size`` (height, width), as PNG bytes."""
-    from PIL import Image
-
-    pixels = (np.random.default_rng(seed).random((*size, 3)) * 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
+SIZE = (90, 70)  # (height, width): 6x4 patches of the embedded tiny-vl's processor
 
 
-def data_url(seed: int, size: tuple[int, int] = (90, 70)) -> str:
-    return "data:image/png;base64," + base64.b64encode(png(seed, size)).decode()
+def png(seed: int, size: tuple[int, int] = SIZE) -> bytes:
+    return vision.png(seed, size)
+
+
+def data_url(seed: int, size: tuple[int, int] = SIZE) -> str:
+    return vision.image_url(seed, size)
 
 
 def image_part(seed: int, detail: str = "auto") -> dict:

@@ -688,3 +688,19 @@ def test_tool_call_arguments_must_be_a_json_object():
         ToolCall("t", "n", "{oops")
     with pytest.raises(ValueError, match="JSON object"):
         ToolCall("t", "n", "[1, 2]")
+
+
+def test_image_blocks_become_chat_parts_in_order_with_text_runs_joined():
+    """Text blocks around images: each run joined as text-only messages join blocks; the
+    images as chat image_url parts (data URLs) where they stood."""
+    data = {"type": "base64", "media_type": "image/png", "data": "AA=="}
+    chat = to_chat_input(parse_messages_request(base_request(messages=user(
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"},
+        {"type": "image", "source": data}, {"type": "text", "text": "c"},
+        {"type": "image", "source": data}))))
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    assert chat.template_messages() == [{"role": "user", "content": [
+        {"type": "text", "text": "a\nb"}, image, {"type": "text", "text": "c"}, image]}]
+    text_only = to_chat_input(parse_messages_request(base_request(messages=user(
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}))))
+    assert text_only.template_messages() == [{"role": "user", "content": "a\nb"}]
