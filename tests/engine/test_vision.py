@@ -15,27 +15,16 @@ from serve_app.config.catalog import FORMATS, variant_name
 from serve_app.models.embedded import materialize
 from serve_app.serving.events import Delta, Finish
 from serve_app.serving.request import ChatCompletionRequest
-from tests.support.engine import BS, make_services
+from tests.support.engine import BS, make_services, run
 from tests.support.images import data_url, image_part
 
 OFF = {"enable_thinking": False}
 
 
-def ask(service, messages, n: int = 12) -> tuple[str, Finish]:
-    request = ChatCompletionRequest(model="m", messages=messages, max_tokens=n, temperature=0,
-                                    chat_template_kwargs=OFF)
-
-    async def go():
-        text, finish = [], None
-        async for events in service.stream(service.prepare(request)):
-            for e in events:
-                if isinstance(e, Delta):
-                    text.append(e.text)
-                elif isinstance(e, Finish):
-                    finish = e
-        return "".join(text), finish
-
-    return asyncio.run(go())
+def ask(service, messages, n: int = 12) -> dict:
+    """``tests.support.engine.run`` of a greedy chat with thinking off."""
+    return run(service, ChatCompletionRequest(model="m", messages=messages, max_tokens=n,
+                                              temperature=0, chat_template_kwargs=OFF))
 
 
 def user(seed: int, text: str = "What is in this picture?") -> dict:
@@ -54,20 +43,20 @@ def services(request, tmp_path_factory):
 def test_restored_image_conversations_match_cold(services):
     warm, cold = services
     first = [user(1)]
-    answer, _ = ask(cold, first)
-    assert ask(warm, first)[0] == answer  # cold in the warm service, captured
-    again, finish = ask(warm, first)
-    assert again == answer and finish.cached_tokens > 0
+    answer = ask(cold, first)["text"]
+    assert ask(warm, first)["text"] == answer  # cold in the warm service, captured
+    again = ask(warm, first)
+    assert again["text"] == answer and again["cached"] > 0
     # the next turn: the same image in history, a new question
     second = [*first, {"role": "assistant", "content": answer},
               {"role": "user", "content": "And its colours?"}]
-    expected, cold_finish = ask(cold, second)
-    got, finish = ask(warm, second)
-    assert got == expected
+    expected = ask(cold, second)
+    got = ask(warm, second)
+    assert got["text"] == expected["text"]
     image = warm.prepare(ChatCompletionRequest(model="m", messages=second,
                                                chat_template_kwargs=OFF)).vision.spans[0]
-    assert finish.cached_tokens >= image.end - BS  # the image's blocks restored
-    assert cold_finish.cached_tokens == 0
+    assert got["cached"] >= image.end - BS  # the image's blocks restored
+    assert expected["cached"] == 0
 
 
 def test_another_image_at_the_same_place_misses(services):
@@ -76,9 +65,9 @@ def test_another_image_at_the_same_place_misses(services):
     prepared = warm.prepare(ChatCompletionRequest(model="m", messages=[user(4)],
                                                   chat_template_kwargs=OFF))
     start = prepared.vision.first_image
-    got, finish = ask(warm, [user(4)])
-    assert finish.cached_tokens <= start  # nothing past the image's first token
-    assert got == ask(cold, [user(4)])[0]
+    got = ask(warm, [user(4)])
+    assert got["cached"] <= start  # nothing past the image's first token
+    assert got["text"] == ask(cold, [user(4)])["text"]
 
 
 def test_a_repeated_image_skips_the_encoder(services):
@@ -94,7 +83,7 @@ def test_text_requests_beside_image_requests_are_unchanged(services):
     """A text row's numerics do not depend on image rows in its batch."""
     _, cold = services
     text = [{"role": "user", "content": "Count to five."}]
-    alone, _ = ask(cold, text, n=16)
+    alone = ask(cold, text, n=16)["text"]
 
     async def both():
         async def one(messages):
@@ -212,7 +201,7 @@ def test_the_next_turn_is_prefilled_ahead_with_its_image(tmp_path):
 
         second, (got, finish, prepared) = asyncio.run(go())
         assert warm.thinking.ahead["done"] >= 1
-        assert got == ask(cold, second)[0]
+        assert got == ask(cold, second)["text"]
         # everything but the new user message and the generation prompt
         new = len(warm.tokenizer.encode("And its colours?<|im_end|>\n<|im_start|>assistant\n"
                                         "<think>\n\n</think>\n\n", add_special_tokens=False))
@@ -220,3 +209,29 @@ def test_the_next_turn_is_prefilled_ahead_with_its_image(tmp_path):
     finally:
         warm.shutdown()
         cold.shutdown()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_after_a_restart_an_image_conversation_restores_from_ssd(fmt, model_home, tmp_path):
+    """One 'process lifetime' captures the conversation to SSD (blocks and the hybrid's
+    recurrent-state sidecars); the next, with an empty hot tier, restores the image's
+    blocks from the files and answers as a cold prefill does."""
+    from serve_app.serving.request import ChatCompletionRequest as Chat
+    from tests.support.formats import Server
+
+    name = variant_name("tiny-vl", fmt)
+    request = Chat(model="m", messages=[user(13)], max_tokens=10, temperature=0,
+                   chat_template_kwargs=OFF)
+    first = Server(name, model_home, tmp_path)
+    expected = run(first.cold, request)["text"]
+    assert run(first.service, request)["text"] == expected
+    first.drain()
+    first.close()
+    again = Server(name, model_home, tmp_path)
+    try:
+        restored = run(again.service, request)
+        image = again.service.prepare(request).vision.spans[0]
+        assert restored["cached"] >= image.end and restored["text"] == expected
+        assert again.service.cache_stats.hit_tokens_by_tier == {"ssd": restored["cached"]}
+    finally:
+        again.close()
