@@ -14,11 +14,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ByteSize,
     ConfigDict,
     Field,
-    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -30,7 +28,7 @@ from serve_app.config.catalog import EMBEDDED_PREFIX, embedded_names, profile_de
 from serve_app.config.chat_templates import check_chat_template, check_tool_call_format
 from serve_app.config.chat_templates import tokenizer_config as _tokenizer_config
 from serve_app.config.normalize_rules import RULE_NAMES
-from serve_app.config.validation import clean_loc
+from serve_app.config.validation import SizeOrAuto, clean_loc
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -46,34 +44,6 @@ class _Strict(BaseModel):
 
 PositiveInt = Annotated[int, Field(ge=1)]
 
-_BYTES = TypeAdapter(ByteSize)
-_SIZE = re.compile(r"\s*\d+(\.\d+)?\s*[A-Za-z]*\s*")
-
-
-def _size_or_auto(value: Any) -> Any:
-    """``auto``, an integer of bytes, or a size string (``24GB``, ``512MiB``, ``1MB``)."""
-    if value == "auto":
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str):
-        try:
-            if not _SIZE.fullmatch(value):  # pydantic alone reads "1 TB/h" as 1 TB
-                raise ValueError(value)
-            size = int(_BYTES.validate_python(value))
-        except (ValidationError, ValueError):
-            raise ValueError(f"{value!r} is not a size: write bytes as an integer, a size "
-                             "such as 24GB, 512MiB or 1MB, or auto") from None
-    else:
-        raise ValueError(f"{value!r} is not a size: write bytes as an integer, a size such "
-                         "as 24GB, 512MiB or 1MB, or auto")
-    if size < 1:
-        raise ValueError(f"{value!r}: a size must be at least 1 byte")
-    return size
-
-
-# A byte count or ``auto`` (one error message for a bad value, not one per union member).
-SizeOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_size_or_auto)]
 
 
 class SamplingDefaults(_Strict):
@@ -222,6 +192,11 @@ class VisionProfile(_Strict):
     max_image_pixels: Annotated[int, Field(ge=1)] = 16_000_000
     max_images: Annotated[int, Field(ge=1, le=256)] = 16
     feature_cache_mb: Annotated[int, Field(ge=0)] = 256
+    # http(s) image addresses, fetched only when on (within the timeout and max_image_bytes;
+    # from fetch_hosts alone where it names some, redirects too). Never a local path.
+    fetch_urls: bool = False
+    fetch_timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
+    fetch_hosts: list[str] = []
 
 
 class ParallelProfile(_Strict):

@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from serve_app.multimodal.fetch import FetchError, UrlFetch, fetch_image
+
 DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,",
                       re.IGNORECASE)
 
@@ -20,6 +22,7 @@ class ImageLimits:
     max_bytes: int = 20 * 1024 * 1024  # one image, encoded
     max_pixels: int = 16_000_000  # one image, width x height
     max_images: int = 16  # per request (its whole conversation)
+    fetch: UrlFetch = UrlFetch()  # web addresses (off unless the profile turns it on)
 
 
 class ImageError(ValueError):
@@ -27,16 +30,18 @@ class ImageError(ValueError):
 
 
 def image_bytes(url: str, limits: ImageLimits) -> bytes:
-    """An ``image_url``'s bytes: a base64 data URL. A web address is never fetched and a
-    local path never read (a server that fetches for its clients is a proxy into its own
-    network)."""
+    """An ``image_url``'s bytes: a base64 data URL, or an http(s) address where the profile
+    allows fetching (``limits.fetch``: off by default, since a server that fetches for its
+    clients is a proxy into its own network). A local path is never read."""
     if not isinstance(url, str) or not url:
         raise ImageError("the image URL is empty")
     match = DATA_URL.match(url)
     if match is None:
         if url.lower().startswith(("http://", "https://")):
-            raise ImageError("this server does not fetch images from the web: send the image "
-                             "as a base64 data URL (data:image/png;base64,...)")
+            try:
+                return fetch_image(url, limits.fetch, limits.max_bytes)
+            except FetchError as exc:
+                raise ImageError(str(exc)) from None
         raise ImageError("an image URL must be a base64 data URL (data:image/png;base64,...)")
     media = (match.group("type") or "").lower()
     if media and not media.startswith("image/"):

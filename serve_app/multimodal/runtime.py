@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from serve_app.models.compat import install_decode_step
+from serve_app.multimodal.fetch import UrlFetch
 from serve_app.multimodal.images import ImageLimits
 from serve_app.multimodal.prompt import ImagePrompts, VisionPrompt
 from serve_app.multimodal.splice import SpliceState, SpliceTable, install
@@ -154,6 +155,9 @@ def vision_for(profile: Any, model: Any, model_dir: Path | None) -> tuple[
                          "text with it")
     settings = profile.vision
     limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels,
-                         settings.max_images)
+                         settings.max_images, UrlFetch(settings.fetch_urls,
+                                                       settings.fetch_timeout_s,
+                                                       tuple(h.lower() for h in
+                                                             settings.fetch_hosts)))
     runtime = VisionRuntime(model, VisionTower(model_dir), settings.feature_cache_mb << 20)
     return runtime, ImagePrompts(model_dir, limits)

@@ -2,8 +2,10 @@
 ``anthropic`` clients (issue 42): the embedded ``tiny-vl`` at temperature 0 with thinking
 off gives one answer to one image whether it arrives as a chat ``image_url`` part, an
 Anthropic ``image`` block or a Responses ``input_image``, streamed or not; the next turn of
-the conversation restores the image's blocks; after a restart it restores them from SSD
-and answers the same; a bad image is a 400 that names the cause and loses nothing."""
+the conversation restores the image's blocks; an image address the profile allows is
+fetched (from a loopback site) and answers as the same image inline; after a restart the
+conversation restores from SSD and answers the same; a bad image is a 400 that names the
+cause and loses nothing."""
 
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ import openai
 import pytest
 
 from tests.support.clients import anthropic_client, cached, openai_client, wait_written
-from tests.support.images import data_url, image_part, png
+from tests.support.images import ImageSite, data_url, image_part, png
 from tests.support.servers import serving, wait_for
 
 MODEL = "tiny-vl"
+# Image addresses are fetched from loopback only (the site below): example.com is refused.
 MODELS = [{"name": MODEL, "source": "embedded:tiny-vl", "context_length": 2048,
-           "max_batch_size": 4, "max_tokens": 64, "cache": {"block_size": 16}}]
+           "max_batch_size": 4, "max_tokens": 64, "cache": {"block_size": 16},
+           "vision": {"fetch_urls": True, "fetch_hosts": ["127.0.0.1"], "fetch_timeout_s": 5}}]
+REFUSED_HOST = "only from 127.0.0.1, not from example.com"
 OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 QUESTION = "What is in this picture?"
 
@@ -44,6 +49,13 @@ def server(tmp_path_factory, model_home, ssd):
     with serving(tmp_path_factory.mktemp("vision"), MODELS, model_home,
                  cache_store={"ssd_dir": str(ssd)}) as proc:
         yield proc
+
+
+@pytest.fixture(scope="module")
+def site():
+    web = ImageSite()
+    yield web
+    web.close()
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +92,33 @@ def test_anthropic_image_blocks_answer_as_chat(server, answer):
                                      messages=[
         {"role": "user", "content": [{"type": "text", "text": QUESTION}, block]}])
     assert "".join(b.text for b in message.content if b.type == "text") == answer
-    with pytest.raises(anthropic.BadRequestError, match="does not fetch"):
+    with pytest.raises(anthropic.BadRequestError, match=REFUSED_HOST):
         claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
             {"type": "text", "text": "hi"}]}])
+
+
+def test_image_addresses_the_profile_allows_are_fetched_on_every_api(server, client, answer,
+                                                                      site):
+    url = site.url("/1.png")
+    chat = ask(client, [{"role": "user", "content": [
+        {"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": url}}]}])
+    assert chat.choices[0].message.content == answer
+    claude: anthropic.Anthropic = anthropic_client(server)
+    message = claude.messages.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0},
+                                     messages=[{"role": "user", "content": [
+        {"type": "text", "text": QUESTION}, {"type": "image", "source": {"type": "url",
+                                                                         "url": url}}]}])
+    assert "".join(b.text for b in message.content if b.type == "text") == answer
+    response = client.responses.create(model=MODEL, max_output_tokens=12, temperature=0,
+                                       reasoning={"effort": "none"}, input=[{"role": "user",
+        "content": [{"type": "input_text", "text": QUESTION},
+                    {"type": "input_image", "image_url": url}]}])
+    assert response.output_text == answer
+    with pytest.raises(openai.BadRequestError, match="HTTP 404"):
+        ask(client, [{"role": "user", "content": [
+            {"type": "text", "text": "x"},
+            {"type": "image_url", "image_url": {"url": site.url("/missing")}}]}])
 
 
 def test_responses_input_image_answers_as_chat(client, answer):
@@ -99,7 +134,8 @@ def test_responses_input_image_answers_as_chat(client, answer):
 
 
 @pytest.mark.parametrize("part, words", [
-    ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "does not fetch"),
+    ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, REFUSED_HOST),
+    ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "base64 data URL"),
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}},
      "not an image"),
     ({"type": "image_url", "image_url": {"url": data_url(1), "detail": "ultra"}}, "detail"),
