@@ -6,8 +6,9 @@ from __future__ import annotations
 
 EMBEDDED_PREFIX = "embedded:"
 # The tiny deterministic random-weight models, each in every weight format.
-# ``tiny-hybrid-mtp`` is a Qwen3.5 checkpoint (Hugging Face layout) with an MTP head.
-BASE_NAMES = ("tiny-dense", "tiny-hybrid", "tiny-hybrid-mtp", "tiny-vl")
+# ``tiny-hybrid-mtp`` is a Qwen3.5 checkpoint (Hugging Face layout) with an MTP head;
+# ``tiny-vl`` and ``tiny-qwen25-vl`` are vision-language models (Qwen3.5's, Qwen2.5-VL's).
+BASE_NAMES = ("tiny-dense", "tiny-hybrid", "tiny-hybrid-mtp", "tiny-vl", "tiny-qwen25-vl")
 FORMATS = ("fp32", "bf16", "fp16", "q4")
 # Real models read from a package (serve_app/models/smollm2.py): name -> weight format.
 # ``smollm2-135m`` is the GGUF's own 4-bit, the format that decodes fastest on MLX's CPU

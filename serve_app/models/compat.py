@@ -507,21 +507,32 @@ def log_dir() -> str:
         return "/tmp/ray/session_latest/logs"
 
 
+# The vision-language families whose images this server places, by ``model_type``: the
+# layout of mlx-vlm's multimodal rotary embedding for each (its language modules' ``style``:
+# Qwen3.5's sections interleaved, Qwen2.5-VL's in chunks). Both add the image features to
+# the embeddings only (no deepstack, no bidirectional image attention), which is what the
+# splice does.
+MROPE_STYLES = {"qwen3_5": "interleaved", "qwen3_5_moe": "interleaved",
+                "qwen2_5_vl": "chunked"}
+
+
 def mrope_positions(tokens: list[int], grids: list[tuple[int, int, int]],
                     config: dict) -> tuple[Any, int]:
     """A prompt's multimodal rotary positions, (3, len) int32, and its delta (a generated
-    token at index ``i`` sits at ``i + delta``), as mlx-vlm computes them for Qwen3.5.
+    token at index ``i`` sits at ``i + delta``), as mlx-vlm computes them for the model.
 
-    Relies on ``mlx_vlm.models.qwen3_5.language.LanguageModel.get_rope_index`` (mlx-vlm
-    0.7), called unbound with the config it reads (no text stack is built for it): one
-    home for the positions mlx-vlm's own generation gives the same model.
+    Relies on ``mlx_vlm.models.<model_type>.language.LanguageModel.get_rope_index``
+    (mlx-vlm 0.7; Qwen3.5's and Qwen2.5-VL's read the same four config fields), called
+    unbound with the config it reads (no text stack is built for it): one home for the
+    positions mlx-vlm's own generation gives the same model.
     """
+    import importlib
     import types
 
     import mlx.core as mx
     import numpy as np
-    from mlx_vlm.models.qwen3_5.language import LanguageModel
 
+    language = importlib.import_module(f"mlx_vlm.models.{config['model_type']}.language")
     vision = types.SimpleNamespace(spatial_merge_size=config["vision_config"].get(
         "spatial_merge_size", 2))
     owner = types.SimpleNamespace(config=types.SimpleNamespace(
@@ -529,8 +540,7 @@ def mrope_positions(tokens: list[int], grids: list[tuple[int, int, int]],
         video_token_id=config.get("video_token_id", -1),
         vision_start_token_id=config["vision_start_token_id"]))
     grid = mx.array(grids, dtype=mx.int32) if grids else None
-    positions, delta = LanguageModel.get_rope_index(owner, mx.array([tokens]),  # type: ignore[arg-type]
-                                                     grid)
+    positions, delta = language.LanguageModel.get_rope_index(owner, mx.array([tokens]), grid)
     return np.asarray(positions[:, 0, :], dtype=np.int32), int(np.asarray(delta).reshape(-1)[0])
 
 

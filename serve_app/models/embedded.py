@@ -29,146 +29,20 @@ from serve_app.config.catalog import (
 )
 from serve_app.config.paths import default_home
 from serve_app.models.compat import model_classes
+from serve_app.models.embedded_templates import (
+    CHAT_TEMPLATE,
+    EOS_TOKEN,
+    QWEN35_CHAT_TEMPLATE,
+    QWEN35_VL_CHAT_TEMPLATE,
+    QWEN_VL_CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    VISION_TOKENS,
+)
 
-# 3: Qwen3 chat template, tool and think tokens; 4: Qwen3.5 opens thoughts; 5: tiny-vl
-FORMAT_VERSION = 5
+# 3: Qwen3 chat template, tool and think tokens; 4: Qwen3.5 opens thoughts; 5: tiny-vl;
+# 6: tiny-qwen25-vl
+FORMAT_VERSION = 6
 
-# Qwen3's chat template (as in Qwen/Qwen3-8B's tokenizer_config.json): tools as JSON
-# lines in a "# Tools" system section, calls as <tool_call> JSON blocks, results as
-# <tool_response> blocks in user turns, and Qwen3's <think> handling. mlx-lm infers its
-# "json_tools" tool parser from it, as for a real Qwen3 checkpoint.
-CHAT_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.content is string %}
-        {%- set content = message.content %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}"""  # noqa: E501
-# Qwen3.5's: the generation prompt opens the thought (closed and empty with thinking off),
-# so the output starts inside it. The Qwen3.5 hybrid (tiny-hybrid-mtp) has this one.
-QWEN35_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
-    """        {{- '<think>\\n\\n</think>\\n\\n' }}
-    {%- endif %}
-{%- endif %}""",
-    """        {{- '<think>\\n\\n</think>\\n\\n' }}
-    {%- else %}
-        {{- '<think>\\n' }}
-    {%- endif %}
-{%- endif %}""")
-assert QWEN35_CHAT_TEMPLATE != CHAT_TEMPLATE
-# The vision model's: Qwen3.5's, with a message's content parts (text, and images as
-# Qwen's <|vision_start|><|image_pad|><|vision_end|>) as its real template renders them.
-IMAGE_MARKUP = "<|vision_start|><|image_pad|><|vision_end|>"
-QWEN35_VL_CHAT_TEMPLATE = QWEN35_CHAT_TEMPLATE.replace(
-    """message.role == "user" and message.content is string and not(""",
-    """message.role == "user" and not(message.content is string and """).replace(
-    """    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}""",
-    """    {%- elif message.content %}
-        {%- set parts = namespace(text='') %}
-        {%- for part in message.content %}
-            {%- if part.type == 'text' %}
-                {%- set parts.text = parts.text + part.text %}
-            {%- elif part.type in ('image', 'image_url') %}
-                {%- set parts.text = parts.text + '""" + IMAGE_MARKUP + """' %}
-            {%- endif %}
-        {%- endfor %}
-        {%- set content = parts.text %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}""")
-assert QWEN35_VL_CHAT_TEMPLATE.count(IMAGE_MARKUP) == 1
-# Appended only: the ids of earlier tokens never change. Tool-call and thinking markers are
-# single special tokens, as in Qwen3's vocabulary (mlx-lm finds <think> by its token).
-SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
-]
-EOS_TOKEN = "<|im_end|>"
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]  # the VLM's, after
 
 
 # Weight formats, as Mac checkpoints come: fp32 (the base), bf16 and fp16
@@ -274,6 +148,32 @@ _BASE_MODELS: dict[str, EmbeddedSpec] = {
             "eos_token_id": 256 + SPECIAL_TOKENS.index(EOS_TOKEN),
         },
         seed=4,
+        vision=True,
+    ),
+    # Qwen2.5-VL's layout: its vision tower (window attention, a full-attention block),
+    # multimodal rotary sections in chunks, over the dense Qwen2 text stack (mlx-lm's
+    # qwen2_vl loader), the whole config flat as Hugging Face writes it.
+    "tiny-qwen25-vl": EmbeddedSpec(
+        name="tiny-qwen25-vl",
+        config={
+            **_COMMON,
+            "model_type": "qwen2_5_vl",
+            "num_hidden_layers": 2,
+            "vocab_size": _vocab_size() + len(VISION_TOKENS),
+            "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
+            "vision_config": {
+                "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 64,
+                "intermediate_size": 128, "num_heads": 4, "out_hidden_size": 128,
+                "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
+                "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+                "in_channels": 3, "tokens_per_second": 2,
+            },
+            "image_token_id": _vocab_size() + 2,
+            "vision_start_token_id": _vocab_size(),
+            "vision_end_token_id": _vocab_size() + 1,
+            "bos_token_id": 256,  # <|endoftext|>, as Qwen2.5-VL's config names it
+        },
+        seed=5,
         vision=True,
     ),
     "tiny-hybrid-mtp": EmbeddedSpec(
@@ -407,7 +307,8 @@ def _build(spec: EmbeddedSpec, path: Path) -> None:
         _add_mtp_in_hf_layout(spec, model, path)
     if spec.vision:
         _add_vision_tower(spec, path)
-        _write_tokenizer(path, QWEN35_VL_CHAT_TEMPLATE, SPECIAL_TOKENS + VISION_TOKENS)
+        _write_tokenizer(path, QWEN35_VL_CHAT_TEMPLATE if spec.config["model_type"] == "qwen3_5"
+                         else QWEN_VL_CHAT_TEMPLATE, SPECIAL_TOKENS + VISION_TOKENS)
     else:
         _write_tokenizer(path, QWEN35_CHAT_TEMPLATE if spec.hf_qwen35_with_mtp
                          else CHAT_TEMPLATE)

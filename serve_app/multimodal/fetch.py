@@ -42,7 +42,7 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
     def __init__(self, fetch: UrlFetch) -> None:
         self.fetch = fetch
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
         _host_allowed(newurl, self.fetch)
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 

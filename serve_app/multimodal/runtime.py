@@ -4,6 +4,8 @@ processors the real tokens."""
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,18 +13,29 @@ from typing import Any
 
 import numpy as np
 
-from serve_app.models.compat import install_decode_step
+from serve_app.models.compat import MROPE_STYLES, install_decode_step
 from serve_app.multimodal.fetch import UrlFetch
 from serve_app.multimodal.images import ImageLimits
+from serve_app.multimodal.processor import ProcessedImage
 from serve_app.multimodal.prompt import ImagePrompts, VisionPrompt
 from serve_app.multimodal.splice import SpliceState, SpliceTable, install
 from serve_app.multimodal.tower import FeatureCache, VisionStats, VisionTower, has_vision
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Request:
     delta: int
     uid: int | None = None
+
+
+@dataclass
+class _Held:
+    """A request waiting for the tower: the images its restored prefix will not cover."""
+
+    req: Any
+    missing: list[ProcessedImage]
 
 
 class VisionRuntime:
@@ -42,13 +55,95 @@ class VisionRuntime:
         # keys its table entries by itself, and one engine runs a model at a time).
         state = getattr(model, "_serve_app_splice", None)
         if state is None:
-            state = SpliceState(SpliceTable(vocab))
+            state = SpliceState(SpliceTable(vocab), MROPE_STYLES[tower.config["model_type"]])
             if install(model, state, list(section)) == 0:
                 raise ValueError("the model has no rotary embedding to place images with")
             model._serve_app_splice = state
         self.state = state
         self._requests: dict[int, _Request] = {}
         self._deltas: dict[int, int] = {}  # by batch uid, for decode steps
+        # Requests waiting for their images (``hold``), and the features encoded for them,
+        # kept until they join whatever the feature cache's bound drops meanwhile.
+        self._held: deque[_Held] = deque()
+        self._pinned: dict[str, Any] = {}
+
+    # ---- before a request joins: its images, a prefill chunk's worth of tower a step
+
+    @property
+    def busy(self) -> bool:
+        """Requests wait for the tower: the engine must not sleep on its queue."""
+        return bool(self._held)
+
+    def hold(self, req: Any) -> bool:
+        """Keep ``req`` until the tower has encoded the images its planned restore does not
+        cover (``encode_step``); False: none, it can join now."""
+        vision: VisionPrompt = req.vision
+        plan = req.cache.restore if req.cache is not None else None
+        lo = max(vision.first_image, plan.tokens if plan is not None else 0)
+        missing: dict[str, ProcessedImage] = {}
+        for span in vision.spans:
+            digest = span.image.digest
+            if span.end > lo and digest not in self.features and digest not in self._pinned:
+                missing[digest] = span.image
+        if not missing:
+            return False
+        self._held.append(_Held(req, list(missing.values())))
+        return True
+
+    def encode_step(self, budget: int) -> list:
+        """One tower call over the held requests' next images, across requests, up to
+        ``budget`` image tokens (one prefill chunk's worth; at least one image, so a larger
+        one still goes): the requests now ready to join, in the order they came."""
+        batch: dict[str, ProcessedImage] = {}
+        tokens = 0
+        for image in (i for held in self._held for i in held.missing):
+            if image.digest in batch:
+                continue
+            if batch and tokens + image.tokens > budget:
+                break
+            batch[image.digest] = image
+            tokens += image.tokens
+        failed: set[str] = set()
+        if batch:
+            images = list(batch.values())
+            try:
+                self._pinned.update(zip(batch, self.features.encode(images), strict=True))
+            except Exception:  # each request then encodes alone as it joins, and fails alone
+                logger.exception("the vision tower failed on %d images", len(images))
+                failed = set(batch)
+        ready = []
+        for held in list(self._held):
+            held.missing = [i for i in held.missing
+                            if i.digest not in self._pinned and i.digest not in failed]
+            if not held.missing:
+                self._held.remove(held)
+                ready.append(held.req)
+        return ready
+
+    def drop(self, rid: int) -> Any | None:
+        """The held request ``rid``, no longer waiting (cancelled), or None."""
+        for held in self._held:
+            if held.req.rid == rid:
+                self._held.remove(held)
+                self._unpin()
+                return held.req
+        return None
+
+    def drop_all(self) -> list:
+        """Every held request (the engine stops)."""
+        held = [h.req for h in self._held]
+        self._held.clear()
+        self._pinned.clear()
+        return held
+
+    def _unpin(self) -> None:
+        wanted = {i.digest for h in self._held for s in h.req.vision.spans for i in [s.image]}
+        for digest in [d for d in self._pinned if d not in wanted]:
+            del self._pinned[digest]
+
+    def _features(self, image: ProcessedImage) -> Any:
+        pinned = self._pinned.get(image.digest)
+        return pinned if pinned is not None else self.features.features(image)
 
     def install(self, generator: Any) -> None:
         """A new batch: nothing of the old one stays; its decode steps place the rows."""
@@ -75,9 +170,9 @@ class VisionRuntime:
         self.stats.prefix_hits += sum(s.end <= lo for s in vision.spans)
         self._requests[rid] = _Request(vision.delta)
         if lo < last:
-            features = [(max(s.start, lo) - lo,
-                         self.features.features(s.image)[max(0, lo - s.start):])
+            features = [(max(s.start, lo) - lo, self._features(s.image)[max(0, lo - s.start):])
                         for s in vision.spans if s.end > lo]
+            self._unpin()
             base = self.state.table.add((id(self), rid), np.asarray(vision.tokens[lo:last]),
                                         vision.positions[:, lo:last], features)
             out, at = [], restored

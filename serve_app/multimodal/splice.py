@@ -92,6 +92,7 @@ class SpliceState:
     """What the overridden modules read during one forward pass."""
 
     table: SpliceTable
+    style: str = "interleaved"  # mlx-vlm's layout of the sections (``compat.MROPE_STYLES``)
     current: tuple | None = None  # (virtual mask (B, L), index k (B, L)) of this forward
     rows: tuple | None = None  # decode: (row has images (B,), row delta (B,))
     mrope: dict[int, Any] = field(default_factory=dict)
@@ -130,7 +131,7 @@ def _mrope(state: SpliceState, rope: Any, section: list[int]) -> Any:
     key = id(rope)
     if key not in state.mrope:
         state.mrope[key] = MRoPERotaryEmbedding(rope.dims, base=rope.base,
-                                                mrope_section=section, style="interleaved")
+                                                mrope_section=section, style=state.style)
     return state.mrope[key]
 
 
@@ -166,7 +167,7 @@ def _rope(state: SpliceState, module: Any, call: Any, x: Any, offset: Any = 0) -
         if key not in state.angles:
             state.angles[key] = mrope(x, positions())
         cos, sin = state.angles[key]
-        return apply_multimodal_rotary_pos_emb(x, x, cos, sin, style="interleaved")[0]
+        return apply_multimodal_rotary_pos_emb(x, x, cos, sin, style=state.style)[0]
 
     if state.current is not None:
         virtual, k = state.current

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import itertools
 import json
 import time
 from collections import OrderedDict
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_app.models.compat import vision_tower_classes
+from serve_app.models.compat import MROPE_STYLES, vision_tower_classes
 from serve_app.multimodal.processor import ProcessedImage
 
 PREFIXES = ("vision_tower.", "model.visual.", "visual.")  # mlx-vlm's, Hugging Face's
@@ -23,6 +24,7 @@ class VisionStats:
     """The encoder's counters (engine thread writes, a scrape reads)."""
 
     images: int = 0  # images the tower encoded
+    calls: int = 0  # tower calls (images arriving together share one)
     encoder_seconds: float = 0.0
     cache_hits: int = 0  # images whose features came from the cache
     prefix_hits: int = 0  # images the restored prefix covered (no features needed)
@@ -30,12 +32,14 @@ class VisionStats:
 
 
 def has_vision(model_dir: Path) -> bool:
-    """Whether the checkpoint is a vision-language model this server can serve images to."""
+    """Whether the checkpoint is a vision-language model of a family this server places
+    images for (``compat.MROPE_STYLES``); another family's text is served as a text model's."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return False
     return isinstance(config.get("vision_config"), dict) and \
+        config.get("model_type") in MROPE_STYLES and \
         (model_dir / "preprocessor_config.json").exists()
 
 
@@ -66,18 +70,24 @@ class VisionTower:
         mx.eval(self.model.parameters())
         self.dtype = self.model.patch_embed.proj.weight.dtype
 
-    def encode(self, image: ProcessedImage) -> Any:
-        """The image's features, one row per placeholder token."""
+    def encode(self, images: list[ProcessedImage]) -> list[Any]:
+        """Each image's features, one row per placeholder token: one call of the tower for
+        them all (its attention stays within each image; the rows come out as each image
+        alone gives them, tested on every weight format)."""
         import mlx.core as mx
 
-        pixels = mx.array(image.pixel_values).astype(self.dtype)
-        out = self.model(pixels, mx.array([image.grid], dtype=mx.int32))
+        pixels = mx.concatenate([mx.array(i.pixel_values).astype(self.dtype) for i in images])
+        out = self.model(pixels, mx.array([i.grid for i in images], dtype=mx.int32))
         features = out[0] if isinstance(out, tuple) else out
         mx.eval(features)
-        if features.shape[0] != image.tokens:
-            raise ValueError(f"the vision tower gave {features.shape[0]} features for an image "
-                             f"of {image.tokens} tokens")
-        return features
+        sizes = [i.tokens for i in images]
+        if features.shape[0] != sum(sizes):
+            raise ValueError(f"the vision tower gave {features.shape[0]} features for images "
+                             f"of {sum(sizes)} tokens")
+        if len(images) == 1:
+            return [features]
+        cuts = list(itertools.accumulate(sizes[:-1]))
+        return list(mx.split(features, cuts, axis=0))
 
 
 class FeatureCache:
@@ -90,23 +100,32 @@ class FeatureCache:
         self.stats = stats
         self._items: OrderedDict[str, Any] = OrderedDict()
 
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._items
+
     def features(self, image: ProcessedImage) -> Any:
         hit = self._items.get(image.digest)
         if hit is not None:
             self._items.move_to_end(image.digest)
             self.stats.cache_hits += 1
             return hit
+        return self.encode([image])[0]
+
+    def encode(self, images: list[ProcessedImage]) -> list[Any]:
+        """``images`` through the tower in one call, each kept (within ``max_bytes``)."""
         tic = time.perf_counter()
-        features = self.tower.encode(image)
+        encoded = self.tower.encode(images)
         self.stats.encoder_seconds += time.perf_counter() - tic
-        self.stats.images += 1
-        if features.nbytes <= self.max_bytes:
-            self._items[image.digest] = features
-            self.stats.cached_bytes += features.nbytes
-            while self.stats.cached_bytes > self.max_bytes:
-                _, old = self._items.popitem(last=False)
-                self.stats.cached_bytes -= old.nbytes
-        return features
+        self.stats.images += len(images)
+        self.stats.calls += 1
+        for image, features in zip(images, encoded, strict=True):
+            if features.nbytes <= self.max_bytes and image.digest not in self._items:
+                self._items[image.digest] = features
+                self.stats.cached_bytes += features.nbytes
+        while self.stats.cached_bytes > self.max_bytes:
+            _, old = self._items.popitem(last=False)
+            self.stats.cached_bytes -= old.nbytes
+        return encoded
 
     def clear(self) -> None:
         self._items.clear()

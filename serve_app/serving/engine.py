@@ -8,13 +8,11 @@ knows nothing about HTTP, Ray or text: tokens in, tokens out.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import replace
 
@@ -29,7 +27,7 @@ from serve_app.models.compat import batch_row_caches, install_decode_step
 from serve_app.multimodal.prompt import VisionPrompt
 from serve_app.multimodal.runtime import VisionRuntime
 from serve_app.parallel.lockstep import Cancel, Forget, Insert
-from serve_app.serving import engine_cache
+from serve_app.serving import engine_cache, engine_exit
 from serve_app.serving.admission import (
     KVBudget,
     KVBudgetError,
@@ -44,17 +42,6 @@ from serve_app.serving.sampling import SamplingParams
 from serve_app.serving.speculative import Speculator
 
 logger = logging.getLogger(__name__)
-
-
-_live_engines: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _park_engines() -> None:
-    """Park every engine before the interpreter finalizes: an MLX thread that is
-    still running then would be torn down mid-flight and abort the process."""
-    for engine in list(_live_engines):
-        engine.shutdown(timeout=5.0)
 
 
 class Engine:
@@ -113,7 +100,7 @@ class Engine:
         self.applied_limits: MemoryLimits | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
         self._thread.start()
-        _live_engines.add(self)
+        engine_exit.register(self)
 
     # ---- called from any thread -------------------------------------------------
 
@@ -150,11 +137,10 @@ class Engine:
 
     def set_kv_budget(self, budget_bytes: int | None) -> None:
         """Admit requests by KV bytes (``admission.KVBudget``): one that would take the
-        reserved KV past ``budget_bytes`` waits in the engine's queue until running ones
-        free enough; one over the budget by itself is refused at ``submit``
-        (``KVBudgetError``). None: no admission by bytes."""
-        layout = self._probed_layout
-        shape = cache_shape_from_layout(layout) if layout.supported else None
+        reserved KV past ``budget_bytes`` waits until running ones free enough; one over
+        the budget alone is refused at ``submit`` (``KVBudgetError``). None: no limit."""
+        shape = cache_shape_from_layout(self._probed_layout) \
+            if self._probed_layout.supported else None
         self.kv = KVBudget(shape, budget_bytes if shape is not None else None)
         self._commands.put(("wake", None))  # a larger budget may admit waiting requests
 
@@ -168,9 +154,8 @@ class Engine:
             raise KVBudgetError(refusal)
 
     def set_memory_limits(self, limits: MemoryLimits | None) -> None:
-        """MLX's wired and cache limits, applied on the engine thread now and again after
-        every ``BatchGenerator`` it makes (which sets the recommended wired limit itself).
-        Off Metal nothing is set (``applied_limits`` stays None: the plan is advisory)."""
+        """MLX's wired and cache limits, applied on the engine thread now and after every
+        ``BatchGenerator`` it makes (which sets its own); off Metal none (advisory)."""
         self._commands.put(("limits", limits))
 
     def at_capacity(self) -> bool:
@@ -275,8 +260,9 @@ class Engine:
         self._on_stop()
         self._fail_all(self.broken or "engine shut down")
         self._fail_queued("engine shut down")
-        while self._kv_waiting:
-            self._fail(self._kv_waiting.popleft(), "engine shut down")
+        for req in [*self._kv_waiting, *(self.vision.drop_all() if self.vision else [])]:
+            self._fail(req, "engine shut down")
+        self._kv_waiting.clear()
         self._count_waiting()
         # Free MLX state on the thread that made it: arrays of this thread's
         # stream destroyed at interpreter exit abort the process.
@@ -300,7 +286,11 @@ class Engine:
                         with self._lock:
                             self.stats.running_batch_size = 0
                     self._idle()
-                self._drain_commands(block=not self._requests)
+                busy = self.vision is not None and self.vision.busy
+                self._drain_commands(block=not self._requests and not busy)
+                if busy and self.vision is not None:  # a prefill chunk's worth of tower work
+                    for req in self.vision.encode_step(self.prefill_step_size):
+                        self._join(req)  # the requests whose images are all encoded
                 if self._requests:
                     self._step()
                 self._admit_waiting()
@@ -376,17 +366,22 @@ class Engine:
             self.stats.kv_waiting = len(self._kv_waiting)
 
     def _start(self, req: EngineRequest) -> None:
+        with self._lock:  # reserved from now (a request waiting for the tower holds it too)
+            self.stats.kv_in_use_bytes += req.kv_bytes
+        if req.vision is not None and self.vision is not None and self.vision.hold(req):
+            return  # its images first, a prefill chunk's worth a step (``_serve``)
+        self._join(req)
+
+    def _join(self, req: EngineRequest) -> None:
         try:
             self._insert(req)
         except Exception as exc:  # e.g. a restore that does not fit the model
             logger.exception("engine %s: inserting request %d failed", self.name, req.rid)
+            self._release_kv(req)
             self._fail(req, f"could not start the request: {exc}")
-            return
-        with self._lock:
-            self.stats.kv_in_use_bytes += req.kv_bytes
 
     def _release_kv(self, req: EngineRequest) -> None:
-        """A request in the batch ended: its KV reservation is free."""
+        """A request ended (or never joins): its KV reservation is free."""
         if not req.kv_bytes:  # no KV budget: nothing reserved
             return
         with self._lock:
@@ -462,17 +457,20 @@ class Engine:
         deliver(req, EngineEvent(finish_reason="cancelled"))
 
     def _cancel_waiting(self, rid: int) -> None:
-        """Cancel a request still waiting for KV (it never joined the batch)."""
-        for req in self._kv_waiting:
-            if req.rid == rid:
-                self._kv_waiting.remove(req)
-                self._count_waiting()
-                with self._lock:
-                    self.stats.cancelled += 1
-                    self.stats.in_flight -= 1
-                self._forget_unstarted(req)
-                deliver(req, EngineEvent(finish_reason="cancelled"))
-                return
+        """Cancel a request waiting for KV or for the tower (it never joined the batch)."""
+        req = next((r for r in self._kv_waiting if r.rid == rid), None)
+        if req is not None:
+            self._kv_waiting.remove(req)
+            self._count_waiting()
+        elif self.vision is not None and (req := self.vision.drop(rid)) is not None:
+            self._release_kv(req)
+        if req is None:
+            return
+        with self._lock:
+            self.stats.cancelled += 1
+            self.stats.in_flight -= 1
+        self._forget_unstarted(req)
+        deliver(req, EngineEvent(finish_reason="cancelled"))
 
     def _step(self) -> None:
         tic = time.perf_counter()

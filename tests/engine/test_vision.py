@@ -1,7 +1,8 @@
 """Images through the engine on the embedded tiny-vl (Qwen3.5's vision tower over the tiny
-hybrid stack) in every weight format: a request restored from the prefix cache gives the
-cold prefill's tokens, another image at the same place misses, a repeated image skips the
-encoder, and the tokens are mlx-vlm's own model's."""
+hybrid stack) and tiny-qwen25-vl (Qwen2.5-VL's over a dense one) in every weight format: a
+request restored from the prefix cache gives the cold prefill's tokens, another image at the
+same place misses, a repeated image skips the encoder, and the tokens are mlx-vlm's own
+model's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from serve_app.config.catalog import FORMATS, variant_name
 from serve_app.models.embedded import materialize
@@ -31,10 +33,14 @@ def user(seed: int, text: str = "What is in this picture?") -> dict:
     return {"role": "user", "content": [{"type": "text", "text": text}, image_part(seed)]}
 
 
-@pytest.fixture(scope="module", params=FORMATS)
+# Qwen3.5's vision tower over its hybrid text stack, and Qwen2.5-VL's over a dense one.
+FAMILIES = ("tiny-vl", "tiny-qwen25-vl")
+
+
+@pytest.fixture(scope="module", params=[(m, f) for m in FAMILIES for f in FORMATS],
+                ids=lambda p: variant_name(*p))
 def services(request, tmp_path_factory):
-    warm, cold, _ = make_services(variant_name("tiny-vl", request.param),
-                                  tmp_path_factory.mktemp("vl"))
+    warm, cold, _ = make_services(variant_name(*request.param), tmp_path_factory.mktemp("vl"))
     yield warm, cold
     warm.shutdown()
     cold.shutdown()
@@ -100,14 +106,15 @@ def test_text_requests_beside_image_requests_are_unchanged(services):
 
 @pytest.mark.parametrize("images", [[(7, (90, 70))], [(100, (128, 128))],
                                     [(7, (64, 128)), (8, (128, 96))]],
-                         ids=["6x4", "square", "two-images"])
-def test_the_tokens_are_mlx_vlms_own(tmp_path, images):
-    """The independent check: mlx-vlm's own Qwen3.5 model, loaded from the same directory,
-    greedy over its own embeddings and positions, gives the engine's tokens (non-square,
-    square and several images: the rotary delta differs in each)."""
+                         ids=["non-square", "square", "two-images"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_tokens_are_mlx_vlms_own(tmp_path, name, images):
+    """The independent check: mlx-vlm's own model (Qwen3.5's, Qwen2.5-VL's), loaded from the
+    same directory, greedy over its own embeddings and positions, gives the engine's tokens
+    (non-square, square and several images: the rotary delta differs in each)."""
     from mlx_vlm.utils import load_model
 
-    warm, cold, _ = make_services("tiny-vl", tmp_path)
+    warm, cold, _ = make_services(name, tmp_path)
     try:
         content = [{"type": "text", "text": "Describe this picture."}]
         content += [{"type": "image_url", "image_url": {"url": data_url(seed, size)}}
@@ -123,13 +130,13 @@ def test_the_tokens_are_mlx_vlms_own(tmp_path, images):
             async for events in cold.stream(prepared):
                 ours.extend(e for e in events if isinstance(e, Delta))
         asyncio.run(go())
-        model = load_model(materialize("tiny-vl", tmp_path))
+        model = load_model(materialize(name, tmp_path))
         ids = mx.array([vision.tokens])
         processed = [s.image for s in vision.spans]
         embedded = model.get_input_embeddings(
             ids, mx.array(np.concatenate([i.pixel_values for i in processed])),
             image_grid_thw=mx.array([i.grid for i in processed]))
-        cache = model.language_model.make_cache()
+        cache = make_prompt_cache(model.language_model)  # its own make_cache where it has one
         out = model.language_model(ids, inputs_embeds=embedded.inputs_embeds, cache=cache,
                                    position_ids=embedded.position_ids,
                                    rope_deltas=embedded.rope_deltas)  # kept for decode
@@ -212,14 +219,16 @@ def test_the_next_turn_is_prefilled_ahead_with_its_image(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_after_a_restart_an_image_conversation_restores_from_ssd(fmt, model_home, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_after_a_restart_an_image_conversation_restores_from_ssd(family, fmt, model_home,
+                                                                 tmp_path):
     """One 'process lifetime' captures the conversation to SSD (blocks and the hybrid's
     recurrent-state sidecars); the next, with an empty hot tier, restores the image's
     blocks from the files and answers as a cold prefill does."""
     from serve_app.serving.request import ChatCompletionRequest as Chat
     from tests.support.formats import Server
 
-    name = variant_name("tiny-vl", fmt)
+    name = variant_name(family, fmt)
     request = Chat(model="m", messages=[user(13)], max_tokens=10, temperature=0,
                    chat_template_kwargs=OFF)
     first = Server(name, model_home, tmp_path)

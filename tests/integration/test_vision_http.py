@@ -24,6 +24,8 @@ MODEL = "tiny-vl"
 MODELS = [{"name": MODEL, "source": "embedded:tiny-vl", "context_length": 2048,
            "max_batch_size": 4, "max_tokens": 64, "cache": {"block_size": 16},
            "vision": {"fetch_urls": True, "fetch_hosts": ["127.0.0.1"], "fetch_timeout_s": 5}}]
+MODELS.append({"name": "qwen25-vl", "source": "embedded:tiny-qwen25-vl", "context_length": 2048,
+               "max_batch_size": 4, "max_tokens": 64, "cache": {"block_size": 16}})
 REFUSED_HOST = "only from 127.0.0.1, not from example.com"
 OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 QUESTION = "What is in this picture?"
@@ -145,6 +147,20 @@ def test_a_bad_image_is_a_400_naming_it_and_the_server_goes_on(client, answer, p
         ask(client, [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}])
     assert refused.value.status_code == 400
     assert ask(client, question()).choices[0].message.content == answer
+
+
+def test_a_qwen25_vl_model_answers_images_and_restores_them(client):
+    """The second family (Qwen2.5-VL's layout) through the same server: a repeated question
+    about an image restores its blocks and answers the same."""
+    def once():
+        return client.chat.completions.create(model="qwen25-vl", messages=question(2),
+                                              max_tokens=12, temperature=0, extra_body=OFF)
+    first, again = once(), once()
+    assert first.choices[0].message.content
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert cached(again) > 0
+    assert getattr(client.models.retrieve("qwen25-vl"), "input_modalities", None) == [
+        "text", "image"]
 
 
 def test_the_model_says_it_takes_images(server, client):

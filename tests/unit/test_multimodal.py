@@ -66,10 +66,12 @@ def test_placeholders_expand_and_image_tokens_are_keyed_by_content():
         expand_images([9, 9], [a], pad=9)
 
 
-def test_multimodal_positions_are_mlx_vlms():
-    """The seam: mlx-vlm's get_rope_index, unbound, for an image of 2x3 merged tokens."""
-    config = {"vision_config": {"spatial_merge_size": 2}, "image_token_id": 9,
-              "vision_start_token_id": 8}
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen2_5_vl"])
+def test_multimodal_positions_are_mlx_vlms(model_type):
+    """The seam: mlx-vlm's get_rope_index of each family, unbound, for an image of 2x3
+    merged tokens."""
+    config = {"model_type": model_type, "vision_config": {"spatial_merge_size": 2},
+              "image_token_id": 9, "vision_start_token_id": 8}
     tokens = [1, 2, 8, *[9] * 6, 7, 3, 4]
     positions, delta = mrope_positions(tokens, [(1, 4, 6)], config)
     assert positions.shape == (3, len(tokens))
@@ -128,8 +130,8 @@ def test_a_prefix_keyed_by_its_images_gives_them_back(tmp_path):
 
     prompts = ImagePrompts.__new__(ImagePrompts)  # no processor needed for keys
     prompts.pad = 9
-    prompts.config = {"vision_config": {"spatial_merge_size": 2}, "image_token_id": 9,
-                      "vision_start_token_id": 8}
+    prompts.config = {"model_type": "qwen3_5", "vision_config": {"spatial_merge_size": 2},
+                      "image_token_id": 9, "vision_start_token_id": 8}
     a, b = _image("aa" * 32, 6), _image("bb" * 32, 2)
     a = ProcessedImage(a.pixel_values, (1, 4, 6), 6, a.digest)
     b = ProcessedImage(b.pixel_values, (1, 2, 4), 2, b.digest)
