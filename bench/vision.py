@@ -108,6 +108,7 @@ def mlx_vlm_direct(model_dir: Path, url: str, turns: list[dict], tokens: int) ->
     both servers are held to."""
     import mlx.core as mx
     import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_tokenizer
     from mlx_vlm.utils import load_model
 
@@ -130,7 +131,7 @@ def mlx_vlm_direct(model_dir: Path, url: str, turns: list[dict], tokens: int) ->
         embedded = model.get_input_embeddings(mx.array([vision.tokens]),
                                               mx.array(image.pixel_values),
                                               image_grid_thw=mx.array([image.grid]))
-        cache = model.language_model.make_cache()
+        cache = make_prompt_cache(model.language_model)  # its own make_cache where it has one
         logits = model.language_model(mx.array([vision.tokens]),
                                       inputs_embeds=embedded.inputs_embeds, cache=cache,
                                       position_ids=embedded.position_ids,

@@ -207,16 +207,15 @@ class VisionRuntime:
 
     def step(self, uids: list[int], inner: Callable[[], list]) -> list:
         """One decode step of the batch whose rows are ``uids``."""
-        if not any(uid in self._deltas for uid in uids):
-            return inner()
         import mlx.core as mx
 
-        self.state.rows = (mx.array([uid in self._deltas for uid in uids]),
-                           mx.array([self._deltas.get(uid, 0) for uid in uids]))
+        if any(uid in self._deltas for uid in uids):
+            self.state.rows = mx.array([self._deltas.get(uid, 0) for uid in uids])
+        self.state.decoding = True
         try:
             return inner()
         finally:
-            self.state.rows = None
+            self.state.rows, self.state.decoding = None, False
 
     @staticmethod
     def processors(vision: VisionPrompt, processors: list) -> list:

@@ -94,7 +94,8 @@ class SpliceState:
     table: SpliceTable
     style: str = "interleaved"  # mlx-vlm's layout of the sections (``compat.MROPE_STYLES``)
     current: tuple | None = None  # (virtual mask (B, L), index k (B, L)) of this forward
-    rows: tuple | None = None  # decode: (row has images (B,), row delta (B,))
+    decoding: bool = False  # a decode step: every input is a real (sampled) token
+    rows: Any = None  # a decode step with image rows: each row's delta (B,), 0 for text
     mrope: dict[int, Any] = field(default_factory=dict)
     # This forward's (cos, sin) by (kind, dtype): every attention layer, queries and keys,
     # sits at the same positions (cleared when a forward or a decode step begins).
@@ -139,7 +140,7 @@ def _embed(state: SpliceState, module: Any, call: Any, ids: Any) -> Any:
     import mlx.core as mx
 
     state.angles.clear()  # a forward begins here
-    if state.table.empty:
+    if state.table.empty or state.decoding:
         state.current = None
         return call(module, ids)
     real, _, rows, feats = state.table.arrays()
@@ -159,6 +160,10 @@ def _rope(state: SpliceState, module: Any, call: Any, x: Any, offset: Any = 0) -
     import mlx.core as mx
     from mlx_vlm.models.rope_utils import apply_multimodal_rotary_pos_emb
 
+    if state.rows is not None:
+        # A generated token's three positions are equal, where multimodal rotary is plain
+        # rotary: every row in mlx-lm's fused kernel at offset + delta (0 for text rows).
+        return call(module, x, offset=offset + state.rows)
     out = call(module, x, offset=offset)
     mrope = state.mrope[id(module)]
 
@@ -175,14 +180,4 @@ def _rope(state: SpliceState, module: Any, call: Any, x: Any, offset: Any = 0) -
             positions = state.table.arrays()[1]
             out = mx.where(virtual[:, None, :, None],
                            explicit("virtual", lambda: positions[:, k]), out)
-    if state.rows is not None:
-        has_images, delta = state.rows
-        batch, length = x.shape[0], x.shape[2]
-
-        def placed() -> Any:
-            base = mx.broadcast_to(mx.array(offset), (batch,)) + delta
-            at = base[:, None] + mx.arange(length)[None, :]
-            return mx.broadcast_to(at[None], (3, batch, length))
-
-        out = mx.where(has_images[:, None, None, None], explicit("rows", placed), out)
     return out
