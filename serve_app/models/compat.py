@@ -570,3 +570,11 @@ def override_call(module: Any, call: Callable[..., Any], tag: str) -> None:
 
     module.__class__ = type(f"{tag}{cls.__name__}", (cls,),
                             {"__call__": __call__, "_serve_app_override": tag})
+
+
+def final_hidden(model: Any, ids: Any) -> Any:
+    """A decoder's final, normed hidden states (B, L, D) for token ids (B, L), without its
+    output head: mlx-lm 0.32's ``model.model`` (``language_model.model`` for a vision
+    checkpoint loaded as text), called with no cache (a causal mask)."""
+    text = getattr(model, "language_model", model)
+    return text.model(ids)

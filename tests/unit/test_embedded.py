@@ -11,15 +11,39 @@ from serve_app.models.embedded import EMBEDDED_MODELS, SPECIAL_TOKENS, materiali
 
 
 def digests(path) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+GENERATIVE = sorted(n for n, spec in EMBEDDED_MODELS.items() if not spec.encoder)
+ENCODERS = sorted(n for n, spec in EMBEDDED_MODELS.items() if spec.encoder)
 
 
 @pytest.mark.parametrize("name", sorted(EMBEDDED_MODELS))
-def test_materialize_is_deterministic_and_loads(tmp_path, name):
+def test_materialize_is_deterministic(tmp_path, name):
     a = materialize(name, tmp_path / "a")
     b = materialize(name, tmp_path / "b")
     assert digests(a) == digests(b)
     assert materialize(name, tmp_path / "a") == a  # built once, then reused
+
+
+@pytest.mark.parametrize("name", ENCODERS)
+def test_encoders_load_with_their_pooling(tmp_path, name):
+    from serve_app.pooling.model import PoolingModel
+
+    task = "rerank" if "rerank" in name else "embed"
+    model = PoolingModel(materialize(name, tmp_path), task)
+    assert model.encode("Hi there").ids[0] == model.tokenizer.cls_token_id
+    if task == "embed":
+        assert (model.pooling.mode, model.pooling.normalize, model.pooling.max_length) == (
+            "mean", True, 128)
+    else:
+        assert model.net.config.num_labels == 1
+
+
+@pytest.mark.parametrize("name", GENERATIVE)
+def test_generative_models_load_through_mlx_lm(tmp_path, name):
+    a = materialize(name, tmp_path / "a")
     model, tokenizer = mlx_lm.load(str(a))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hé"}],
                                         add_generation_prompt=True)

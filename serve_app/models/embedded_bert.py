@@ -1,0 +1,75 @@
+"""The tiny random-weight encoders (BERT's layout, as Hugging Face writes it): an embedding
+model with sentence-transformers' files (mean pooling, normalised) and a cross-encoder
+(a one-label classifier), each in every weight format, for the pooling tests."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+from typing import Any, cast
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+# Characters and their continuations: any ASCII text tokenizes, one WordPiece a character.
+_CHARS = [c for c in string.printable if not c.isspace() and not c.isupper()]
+
+
+def vocab() -> list[str]:
+    return SPECIALS + _CHARS + [f"##{c}" for c in _CHARS]
+
+
+def config(layers: int, rerank: bool) -> dict:
+    out: dict[str, Any] = {
+        "model_type": "bert", "architectures": ["BertModel"], "vocab_size": len(vocab()),
+        "hidden_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "intermediate_size": 128, "max_position_embeddings": 128, "type_vocab_size": 2,
+        "layer_norm_eps": 1e-12, "hidden_act": "gelu", "pad_token_id": 0,
+    }
+    if rerank:
+        out.update(architectures=["BertForSequenceClassification"],
+                   id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    return out
+
+
+def build(cfg: dict, values: Any, fmt: str, dtype_name: str, group_size: int,
+          path: Path) -> None:
+    """Write the model: ``values(name, shape)`` gives each parameter's seeded fp32 values."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from serve_app.pooling.bert import BertConfig, BertModel
+
+    model = BertModel(BertConfig.from_dict(cfg))
+    params = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    dtype = getattr(mx, dtype_name)
+    model.update(tree_unflatten([(k, mx.array(values(k, tuple(v.shape))).astype(dtype))
+                                 for k, v in params]))
+    out = dict(cfg, torch_dtype=dtype_name)
+    if fmt == "q4":
+        nn.quantize(model, group_size=group_size, bits=4,
+                    class_predicate=lambda _, m: isinstance(m, nn.Linear)
+                    and m.weight.shape[-1] % group_size == 0)
+        out["quantization"] = {"group_size": group_size, "bits": 4}
+    weights = dict(cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(out, indent=2))
+    (path / "vocab.txt").write_text("\n".join(vocab()) + "\n")
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 128,
+        "pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
+        "sep_token": "[SEP]", "mask_token": "[MASK]"}, indent=2))
+    if "BertModel" in cfg["architectures"]:  # sentence-transformers: mean, normalised
+        (path / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling",
+             "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize",
+             "type": "sentence_transformers.models.Normalize"}], indent=2))
+        (path / "1_Pooling").mkdir()
+        (path / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": cfg["hidden_size"], "pooling_mode_cls_token": False,
+            "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+            "pooling_mode_mean_sqrt_len_tokens": False}, indent=2))
+        (path / "sentence_bert_config.json").write_text(json.dumps(
+            {"max_seq_length": 128, "do_lower_case": False}))

@@ -1,0 +1,1 @@
+"""Embeddings and reranking: models that pool hidden states into vectors or scores."""
