@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # Characters and their continuations: any ASCII text tokenizes, one WordPiece a character.
@@ -31,27 +31,51 @@ def config(layers: int, rerank: bool) -> dict:
     return out
 
 
+def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every parameter of a Hugging Face ``BertModel`` (and a classifier) with its shape."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    out: dict[str, tuple[int, ...]] = {
+        "embeddings.word_embeddings.weight": (cfg["vocab_size"], h),
+        "embeddings.position_embeddings.weight": (cfg["max_position_embeddings"], h),
+        "embeddings.token_type_embeddings.weight": (cfg["type_vocab_size"], h),
+        "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,),
+        "pooler.dense.weight": (h, h), "pooler.dense.bias": (h,),
+    }
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"encoder.layer.{n}"
+        for name, rows, cols in (("attention.self.query", h, h), ("attention.self.key", h, h),
+                                 ("attention.self.value", h, h),
+                                 ("attention.output.dense", h, h),
+                                 ("intermediate.dense", i, h), ("output.dense", h, i)):
+            out[f"{p}.{name}.weight"], out[f"{p}.{name}.bias"] = (rows, cols), (rows,)
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            out[f"{p}.{norm}.weight"], out[f"{p}.{norm}.bias"] = (h,), (h,)
+    if "id2label" in cfg:
+        out["classifier.weight"], out["classifier.bias"] = (len(cfg["id2label"]), h), \
+            (len(cfg["id2label"]),)
+    return out
+
+
 def build(cfg: dict, values: Any, fmt: str, dtype_name: str, group_size: int,
           path: Path) -> None:
-    """Write the model: ``values(name, shape)`` gives each parameter's seeded fp32 values."""
+    """Write the model: ``values(name, shape)`` gives each parameter's seeded fp32 values;
+    4-bit quantizes the linear layers (not the embeddings), as mlx's ``nn.quantize`` does."""
     import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten, tree_unflatten
 
-    from serve_app.pooling.bert import BertConfig, BertModel
-
-    model = BertModel(BertConfig.from_dict(cfg))
-    params = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
     dtype = getattr(mx, dtype_name)
-    model.update(tree_unflatten([(k, mx.array(values(k, tuple(v.shape))).astype(dtype))
-                                 for k, v in params]))
     out = dict(cfg, torch_dtype=dtype_name)
+    weights: dict[str, Any] = {}
+    for name, shape in shapes(cfg).items():
+        value = mx.array(values(name, shape)).astype(dtype)
+        linear = name.endswith(".weight") and len(shape) == 2 and "embeddings" not in name
+        if fmt == "q4" and linear and shape[1] % group_size == 0:
+            stem = name[: -len(".weight")]
+            q, scales, biases = mx.quantize(value, group_size=group_size, bits=4)
+            weights.update({name: q, f"{stem}.scales": scales, f"{stem}.biases": biases})
+        else:
+            weights[name] = value
     if fmt == "q4":
-        nn.quantize(model, group_size=group_size, bits=4,
-                    class_predicate=lambda _, m: isinstance(m, nn.Linear)
-                    and m.weight.shape[-1] % group_size == 0)
         out["quantization"] = {"group_size": group_size, "bits": 4}
-    weights = dict(cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(out, indent=2))
     (path / "vocab.txt").write_text("\n".join(vocab()) + "\n")

@@ -27,6 +27,7 @@ RANKS = {
     "parallel": 2,  # one model over several ranks: what splits, the group, the commands
     "reasoning": 2,  # thinking models: markers, the thought/answer split, the budget
     "multimodal": 2,  # images: decoding, the processor, the vision tower, the splice
+    "pooling": 2,  # embeddings and reranking: encoders, pooling, scores
     "memory": 3,   # what models need and machines have; the plan
     "metrics": 4,  # the one metrics table, recording, samples
     "serving": 5,  # preparing requests, the engine, the model service
