@@ -123,6 +123,20 @@ SERVING = (
         "Images a second: encoded by the vision tower, taken from its feature cache (the same "
         "image again), or covered by the restored prefix (the prefix cache keys image tokens "
         "by content); seconds a second the tower spent encoding (engine thread)."),
+    PanelSpec("Embedding and rerank models: inputs and tokens a second", "short", (
+        Query(rate("ray_serve_app_pooling_inputs_total", "model, task"),
+              "inputs/s {{model}} {{task}}"),
+        Query(rate("ray_serve_app_pooling_tokens_total", "model, task"),
+              "tokens/s {{model}} {{task}}")),
+        "Texts, token lists or query-document pairs a second that embedding and rerank "
+        "models ran, and their tokens (without padding)."),
+    PanelSpec("Embedding and rerank models: requests per model call, seconds per call", "s", (
+        *quantiles("ray_serve_app_pooling_batch_seconds"),
+        Query("histogram_quantile(0.5, sum by (le, model) (rate("
+              f"ray_serve_app_pooling_batch_requests_bucket{{{MODEL}}}{RATE})))",
+              "p50 requests a call {{model}}")),
+        "How long one model call takes (all of its requests' inputs, sorted by length), and "
+        "how many requests Ray Serve's @serve.batch gathered into it (median)."),
     PanelSpec("Sharded models: time in steps and on the command channel, by rank", "s", (
         Query(rate("ray_serve_app_rank_step_seconds_total", "model, rank"),
               "steps {{model}} rank {{rank}}"),

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from serve_app.config.profile import Profile
     from serve_app.metrics.table import Recorder
     from serve_app.models.phase import ModelPhase
-    from serve_app.serving.events import Event
+    from serve_app.pooling.calls import PoolingAnswer, PoolingCall
+    from serve_app.serving.events import Event, Failure
     from serve_app.serving.request import Caller, ChatCompletionRequest, OpenAIRequest
     from serve_app.serving.selfbench import SelfBenchmark
 
@@ -38,6 +39,11 @@ class ModelBackend(Protocol):
     async def count_prompt_tokens(self, name: str, request: ChatCompletionRequest,
                                   caller: Caller) -> int:
         """Prompt tokens of ``request`` templated as it would be served (no generation)."""
+        ...
+
+    async def run_pooling(self, name: str, call: PoolingCall) -> PoolingAnswer | Failure:
+        """An embedding or rerank model's answer to ``call`` (its replica's, batched with
+        the requests arriving with it), or the ``Failure`` to send."""
         ...
 
     async def model_ready(self, name: str) -> bool:

@@ -330,11 +330,16 @@ class OpenAIIngress:
                             "start event", type="server_error")
 
     def model_of(self, name: str) -> Any:
+        """A generation model's profile (404 for no model; 400 for an embedding one)."""
         m = self.profile.model(name)
         if m is None:
             known = ", ".join(p.name for p in self.profile.models)
             raise ApiError(404, f"model {name!r} does not exist; served: {known}",
                            type="not_found_error", param="model", code="model_not_found")
+        if m.task != "generate":
+            route = "/v1/embeddings" if m.task == "embed" else "/v1/rerank and /v1/score"
+            raise ApiError(400, f"model {name!r} is a {m.task} model: it answers {route}, "
+                                "not generation", param="model", code="wrong_model_task")
         return m
 
     # ---- OpenAI's Responses API ---------------------------------------------------------

@@ -30,6 +30,38 @@ PROFILE_DEFAULTS: dict[str, dict[str, str]] = {
 }
 
 
+# What an embedded model serves when its profile does not say (``models[].task``).
+EMBEDDED_TASKS = {"tiny-bert": "embed", "tiny-bert-rerank": "rerank", "all-minilm-l6-v2": "embed"}
+
+
+def task_of_config(config: dict) -> str:
+    """The task a checkpoint's config implies: an encoder (BERT) embeds, or reranks with a
+    classifier head (a cross-encoder); anything else generates."""
+    if config.get("model_type") != "bert":
+        return "generate"
+    archs = config.get("architectures") or []
+    return "rerank" if any(a.endswith("ForSequenceClassification") for a in archs) else "embed"
+
+
+def default_task(source: str) -> str:
+    """``models[].task``'s default for ``source``: an embedded model's own, a local
+    checkpoint's config's, else generate (a hub repo is not read before it downloads)."""
+    import json
+    from pathlib import Path
+
+    if source.startswith(EMBEDDED_PREFIX):
+        name = source[len(EMBEDDED_PREFIX):]
+        for fmt in FORMATS:  # a variant's task is its base model's
+            if fmt != "fp32" and name.endswith(f"-{fmt}"):
+                name = name[: -len(fmt) - 1]
+        return EMBEDDED_TASKS.get(name, "generate")
+    try:
+        return task_of_config(json.loads((Path(source).expanduser() / "config.json")
+                                         .read_text()))
+    except (OSError, ValueError):
+        return "generate"
+
+
 def variant_name(base: str, fmt: str) -> str:
     """``tiny-hybrid`` in fp32, ``tiny-hybrid-bf16`` in bf16, ..."""
     return base if fmt == "fp32" else f"{base}-{fmt}"

@@ -24,7 +24,12 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from serve_app.config.catalog import EMBEDDED_PREFIX, embedded_names, profile_defaults
+from serve_app.config.catalog import (
+    EMBEDDED_PREFIX,
+    default_task,
+    embedded_names,
+    profile_defaults,
+)
 from serve_app.config.chat_templates import check_chat_template, check_tool_call_format
 from serve_app.config.chat_templates import tokenizer_config as _tokenizer_config
 from serve_app.config.normalize_rules import RULE_NAMES
@@ -199,6 +204,20 @@ class VisionProfile(_Strict):
     fetch_hosts: list[str] = []
 
 
+class PoolingProfile(_Strict):
+    """An embedding or rerank model's batching and inputs (``serve_app/pooling``)."""
+
+    # Requests one model call takes together (Ray Serve's @serve.batch), how long the first
+    # waits for others; a call runs inputs sorted by length, max_batch_tokens at a time.
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
+    batch_wait_timeout_s: Annotated[float, Field(ge=0.0, le=1.0)] = 0.005
+    max_batch_tokens: Annotated[int, Field(ge=16)] = 8192
+    max_inputs: Annotated[int, Field(ge=1)] = 2048  # inputs (or documents) in one request
+    truncate: bool = False  # inputs over the model's limit: cut (true) or a 400 (false)
+    matryoshka: bool = False  # the model was trained to be cut: `dimensions` is allowed
+    instruction: str | None = None  # a decoder reranker's <Instruct> (Qwen3-Reranker's)
+
+
 class ParallelProfile(_Strict):
     """One model across several processes (Macs) over ``mlx.distributed``
     (``serve_app/parallel``): ``tensor: N`` splits every layer's heads and MLP over N
@@ -290,14 +309,20 @@ class ModelProfile(_Strict):
     reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "gpt_oss", "none"] = "auto"
     reasoning: ReasoningProfile = ReasoningProfile()
     vision: VisionProfile = VisionProfile()
+    # What it serves: chat and completions (generate), /v1/embeddings (embed), /v1/rerank
+    # and /v1/score (rerank). Default: the checkpoint's (an encoder embeds, a
+    # cross-encoder reranks; catalog.default_task), else generate.
+    task: Literal["generate", "embed", "rerank"] = "generate"
+    pooling: PoolingProfile = PoolingProfile()
 
     @model_validator(mode="before")
     @classmethod
     def _embedded_defaults(cls, data: Any) -> Any:
         """An embedded model's defaults for keys the profile does not set (a key set to
-        null stays null: the checkpoint's own template or format)."""
+        null stays null: the checkpoint's own template or format), and the task."""
         if isinstance(data, dict) and isinstance(data.get("source"), str):
-            return {**profile_defaults(data["source"]), **data}
+            return {"task": default_task(data["source"]), **profile_defaults(data["source"]),
+                    **data}
         return data
 
     @field_validator("chat_template")
@@ -341,8 +366,9 @@ class ModelProfile(_Strict):
     @property
     def prefix_routing(self) -> bool:
         """Whether requests are routed on cached prefixes (see ``RoutingProfile``)."""
-        mode = self.routing.mode
-        return mode == "prefix" or (mode == "auto" and self.num_replicas > 1)
+        mode = self.routing.mode  # an embedding or rerank model keeps no prefixes
+        return self.task == "generate" and (mode == "prefix" or (
+            mode == "auto" and self.num_replicas > 1))
 
     @property
     def always_loaded(self) -> bool:
@@ -437,6 +463,9 @@ def _cross_checks(profile: Profile) -> list[tuple[tuple[Any, ...], str]]:
     """Contradictions between keys, each with the key it is reported at."""
     out: list[tuple[tuple[Any, ...], str]] = []
     for i, m in enumerate(profile.models):
+        out += [(("models", i, key), f"task {m.task} generates nothing: drop {key}")
+                for key in ("speculative", "parallel")
+                if m.task != "generate" and getattr(m, key) is not None]
         if m.pinned and m.idle_unload_s is not None:
             out.append((("models", i, "idle_unload_s"),
                         "a pinned model is never unloaded: drop idle_unload_s or pinned"))

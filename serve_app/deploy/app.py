@@ -23,6 +23,7 @@ from serve_app.config.profile import (
 )
 from serve_app.deploy.ingress import Ingress
 from serve_app.deploy.pool import loaded_at_start
+from serve_app.deploy.pooling_replica import PoolingReplica
 from serve_app.deploy.replica import ROUTING_STATS_PERIOD_S, ModelReplica
 from serve_app.memory.plan import models_memory
 from serve_app.memory.planning import planned
@@ -61,6 +62,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     handles: dict[str, Any] = {}
     for i, m in enumerate(profile.models):
         threads = m.cpu_threads or os.cpu_count() or 1
+        if m.task != "generate":
+            handles[m.name] = pooling_deployment(m, threads).bind(
+                m, profile.model_home, m.name in at_start)
+            continue
         options: dict[str, Any] = {}
         if m.max_replicas_per_node is not None:
             options["max_replicas_per_node"] = m.max_replicas_per_node
@@ -113,6 +118,20 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         max_ongoing_requests=1000,
     )(Ingress)
     return ingress.bind(profile, handles, digests, plan)
+
+
+def pooling_deployment(m: Any, threads: int) -> Any:
+    """An embedding or rerank model's deployment (``deploy/pooling_replica.py``)."""
+    return serve.deployment(
+        name=deployment_name(m.name), num_replicas=m.num_replicas,
+        ray_actor_options={"num_cpus": m.num_cpus, "resources": dict(m.resources),
+                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads),
+                                                        **serve_replica_env()}}},
+        # @serve.batch gathers what is in flight: room for several full batches
+        max_ongoing_requests=4 * m.pooling.max_batch_size, health_check_period_s=10,
+        **({"max_replicas_per_node": m.max_replicas_per_node}
+           if m.max_replicas_per_node is not None else {}),
+    )(PoolingReplica)
 
 
 def check_nodes(name: str, index: int, size: int, placement: str) -> None:

@@ -17,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.api import auth
 from serve_app.api.http import api
+from serve_app.api.pooling_api import PoolingRoutes
 from serve_app.api.status_routes import StatusRoutes
 from serve_app.cluster.replicas import Gathered, ModelView, model_view
 from serve_app.config.api_keys import KeyDigests
@@ -53,6 +54,8 @@ from serve_app.serving.request import ApiError, Caller, OpenAIRequest
 
 if TYPE_CHECKING:  # MLX and the grammar library load in replicas only (and where needed)
     from serve_app.cache.stats import Cleared
+    from serve_app.pooling.calls import PoolingAnswer, PoolingCall
+    from serve_app.serving.events import Failure
     from serve_app.serving.prepare import PreparedRequest
     from serve_app.serving.selfbench import SelfBenchmark
 
@@ -66,9 +69,10 @@ CLEAR_WAIT_S = 10.0  # a cache clear waits this long for the model's staged SSD 
 # Applied at import time, in every process that loads this module: the replica
 # re-imports it, so routes must be bound here, not inside the builder.
 @serve.ingress(api)
-class Ingress(StatusRoutes):
-    """The OpenAI-compatible HTTP front (the routes of ``OpenAIIngress``) and the status
-    page (``StatusRoutes``) on the models' Ray Serve handles (``RayModels``)."""
+class Ingress(PoolingRoutes, StatusRoutes):
+    """The OpenAI-compatible HTTP front (the routes of ``OpenAIIngress``), the embedding and
+    rerank routes (``PoolingRoutes``) and the status page (``StatusRoutes``) on the models'
+    Ray Serve handles (``RayModels``)."""
 
     def __init__(self, profile: Profile, handles: dict[str, DeploymentHandle],
                  keys: KeyDigests | None = None,
@@ -137,6 +141,14 @@ class RayModels:
             sent.done()
             raise
         return sent.watch(self._call(name, prepared, caller, streamed))
+
+    async def run_pooling(self, name: str, call: PoolingCall) -> PoolingAnswer | Failure:
+        sent = self._sent(name)  # counted while it runs: the pool never unloads it then
+        try:
+            await self._pool_ready(name)
+            return await self.handles[name].run.remote(call)
+        finally:
+            sent.done()
 
     def _sent(self, name: str) -> _Sent:
         gate = self.gate

@@ -96,6 +96,7 @@ class ModelFootprint:
     hot_share_bytes: int = 0
     ranks: int = 1  # a sharded model spread over nodes: one rank's share of this many
     vision_cache_bytes: int = 0  # a vision model's feature cache (``vision.feature_cache_mb``)
+    prefix_cache: bool = True  # an embedding or rerank model keeps no prefix cache
 
     @property
     def resident_bytes(self) -> int:
@@ -108,7 +109,8 @@ class ModelFootprint:
 
     def describe(self) -> str:
         kv = (f"KV {fmt_bytes(self.kv_bytes)} for {self.sequences} x {self.tokens} tokens at "
-              f"{fmt_bytes(self.shape.kv_bytes_per_token)} a token")
+              f"{fmt_bytes(self.shape.kv_bytes_per_token)} a token") if self.prefix_cache else (
+            f"activations {fmt_bytes(self.kv_bytes)} for a batch of {self.tokens} tokens")
         if self.shape.state_bytes_per_sequence:
             kv += (f" and {fmt_bytes(self.shape.state_bytes_per_sequence)} of recurrent state "
                    "a sequence")
@@ -125,6 +127,12 @@ def footprint(model: ModelProfile, weights_bytes: int, shape: CacheShape,
     A model sharded over ranks spread one per node takes one rank's share on a node: its
     weights and KV over the ranks (each holds its heads, or its layers). ``vision``: the
     checkpoint has a vision tower, whose feature cache is planned too (where enabled)."""
+    if model.task != "generate":  # no KV kept: one batch's activations, for a while
+        return ModelFootprint(
+            name=model.name, weights_bytes=weights_bytes,
+            kv_bytes=shape.bytes_for(1, model.pooling.max_batch_tokens), sequences=1,
+            tokens=model.pooling.max_batch_tokens, shape=shape, pinned=model.pinned,
+            prefix_cache=False)
     kv_bytes = shape.bytes_for(model.max_batch_size, model.context_length)
     parallel = model.parallel
     ranks = parallel.size if parallel is not None and parallel.placement == "spread" else 1
@@ -260,8 +268,8 @@ def plan_memory(profile: Profile, models: Sequence[ModelFootprint], machine: Mac
     else:
         hot = hot_floor = int(store.hot_budget)
         hot_origin = "cache_store.hot_budget"
-    share = hot // max(len(resident), 1)
-    planned = tuple(replace(m, hot_share_bytes=share) for m in models)
+    share = hot // max(sum(m.prefix_cache for m in resident), 1)
+    planned = tuple(replace(m, hot_share_bytes=share if m.prefix_cache else 0) for m in models)
 
     problems: list[str] = []
     fixed = hot_floor + staging

@@ -148,6 +148,13 @@ def pool_samples(model: str, loaded: bool, loads: int, load_seconds: float,
               for reason, n in unloads.items())]
 
 
+def pooling_samples(model: str, task: str, inputs: int, tokens: int) -> list[Sample]:
+    """An embedding or rerank replica's counts (``PoolingReplica``): zeros at its start."""
+    labels = {"model": model, "task": task}
+    return [Sample("serve_app_pooling_inputs", labels, inputs),
+            Sample("serve_app_pooling_tokens", labels, tokens)]
+
+
 def _times(value: int | None, factor: int) -> int | None:
     return None if value is None else value * factor
 

@@ -127,6 +127,17 @@ METRICS: tuple[MetricDef, ...] = (
     _c("serve_app_image_encoder_seconds", "replica",
        "Seconds the vision tower spent encoding images (on the engine thread, between decode "
        "steps)."),
+    _c("serve_app_pooling_inputs", "replica",
+       "Inputs an embedding or rerank model ran (texts, token lists or query-document pairs), "
+       "by task (`embed`, `rerank`).", ("model", "task")),
+    _c("serve_app_pooling_tokens", "replica",
+       "Tokens an embedding or rerank model ran (without padding).", ("model", "task")),
+    _h("serve_app_pooling_batch_requests",
+       "Requests one model call of an embedding or rerank model took together (Ray Serve's "
+       "@serve.batch gathers those that arrive together).", (1, 2, 4, 8, 16, 32, 64, 128)),
+    _h("serve_app_pooling_batch_seconds",
+       "Seconds one model call of an embedding or rerank model took (every input of its "
+       "requests, sorted by length, on the model's one MLX thread).", ITL_BUCKETS),
     _c("serve_app_speculative_verify_steps", "replica",
        "Decode steps that verified drafted tokens (speculative decoding), by draft method "
        "(`off` for a model without speculation).", ("model", "method")),

@@ -93,6 +93,21 @@ class ImageStats:
 
 
 @dataclass
+class PoolingStats:
+    """An embedding or rerank model's work (``serve_app/deploy/pooling_replica``), summed
+    over its replicas: requests, their inputs and tokens, the model calls that took them
+    together (Ray Serve's @serve.batch) and the seconds those ran."""
+
+    task: str = merged("answering", default="embed")
+    requests: int = merged("sum", default=0)
+    inputs: int = merged("sum", default=0)
+    tokens: int = merged("sum", default=0)
+    batches: int = merged("sum", default=0)
+    batch_seconds: float = merged("sum", default=0.0)
+    failed: int = merged("sum", default=0)
+
+
+@dataclass
 class ReplicaStats:
     """One replica's stats, or (merged) a model's over its replicas. An unloaded replica
     has no engine, cache, phases or normalization (None)."""
@@ -108,6 +123,7 @@ class ReplicaStats:
     cache_store: dict | None = merged("answering", default=None)
     recent: RecentActivity | None = merged("nested", default=None)  # the last minute
     images: ImageStats | None = merged("nested", default=None)  # a vision model's
+    pooling: PoolingStats | None = merged("nested", default=None)  # an embedding model's
 
     def own(self) -> ReplicaStats:
         """What a replica reports to its store: its node store's stats left out."""
@@ -139,6 +155,8 @@ class ReplicaStats:
             out["recent"] = self.recent.summary()
         if self.images is not None:
             out["images"] = asdict(self.images)
+        if self.pooling is not None:
+            out["pooling"] = asdict(self.pooling)
         if self.cache_store is not None:
             out["cache_store"] = self.cache_store
         if self.replica is not None:

@@ -13,7 +13,13 @@ from serve_app.cache.ssd import SSDStore
 from serve_app.cache.tiers import TieredStore
 from serve_app.config.normalize_rules import RULE_NAMES
 from serve_app.deploy.pool import UNLOAD_REASONS
-from serve_app.metrics.samples import pool_samples, rank_samples, replica_samples, store_samples
+from serve_app.metrics.samples import (
+    pool_samples,
+    pooling_samples,
+    rank_samples,
+    replica_samples,
+    store_samples,
+)
 from serve_app.metrics.table import (
     DEFS,
     METRICS,
@@ -112,6 +118,7 @@ def test_every_labelled_counter_a_dashboard_queries_starts_at_zero():
                                  dict.fromkeys(RULE_NAMES, 0)))
     pump.publish(store_samples(TieredStore(1 << 20, None, 1 << 20).stats(), {"0" * 16: "m"}))
     pump.publish(pool_samples("m", True, 0, 0.0, dict.fromkeys(UNLOAD_REASONS, 0)))
+    pump.publish(pooling_samples("e", "embed", 0, 0))
     pump.publish(rank_samples("m", [RankStatus(r, "node", "127.0.0.1", 1) for r in (0, 1)]))
     for where in ("ingress", "router"):
         zero_at_start(recorder, where, "m")
