@@ -8,9 +8,10 @@ EMBEDDED_PREFIX = "embedded:"
 # The tiny deterministic random-weight models, each in every weight format.
 # ``tiny-hybrid-mtp`` is a Qwen3.5 checkpoint (Hugging Face layout) with an MTP head;
 # ``tiny-vl`` and ``tiny-qwen25-vl`` are vision-language models (Qwen3.5's, Qwen2.5-VL's);
-# ``tiny-bert`` embeds and ``tiny-bert-rerank`` reranks (BERT encoders).
+# ``tiny-bert`` embeds and ``tiny-bert-rerank`` reranks (BERT encoders); ``tiny-xlmr`` and
+# ``tiny-xlmr-rerank`` the same in XLM-RoBERTa's layout.
 BASE_NAMES = ("tiny-dense", "tiny-hybrid", "tiny-hybrid-mtp", "tiny-vl", "tiny-qwen25-vl",
-              "tiny-bert", "tiny-bert-rerank")
+              "tiny-bert", "tiny-bert-rerank", "tiny-xlmr", "tiny-xlmr-rerank")
 FORMATS = ("fp32", "bf16", "fp16", "q4")
 # Real models read from a package (serve_app/models/smollm2.py): name -> weight format.
 # ``smollm2-135m`` is the GGUF's own 4-bit, the format that decodes fastest on MLX's CPU
@@ -31,13 +32,14 @@ PROFILE_DEFAULTS: dict[str, dict[str, str]] = {
 
 
 # What an embedded model serves when its profile does not say (``models[].task``).
-EMBEDDED_TASKS = {"tiny-bert": "embed", "tiny-bert-rerank": "rerank", "all-minilm-l6-v2": "embed"}
+EMBEDDED_TASKS = {"tiny-bert": "embed", "tiny-bert-rerank": "rerank", "all-minilm-l6-v2": "embed",
+                  "tiny-xlmr": "embed", "tiny-xlmr-rerank": "rerank"}
 
 
 def task_of_config(config: dict) -> str:
-    """The task a checkpoint's config implies: an encoder (BERT) embeds, or reranks with a
+    """The task a checkpoint's config implies: an encoder (BERT, RoBERTa) embeds, or reranks with a
     classifier head (a cross-encoder); anything else generates."""
-    if config.get("model_type") != "bert":
+    if config.get("model_type") not in ("bert", "roberta", "xlm-roberta"):
         return "generate"
     archs = config.get("architectures") or []
     return "rerank" if any(a.endswith("ForSequenceClassification") for a in archs) else "embed"

@@ -42,7 +42,7 @@ from serve_app.models.embedded_templates import (
 )
 
 # 3: Qwen3 chat template, tool and think tokens; 4: Qwen3.5 opens thoughts; 5: tiny-vl;
-# 6: tiny-qwen25-vl; 7: tiny-bert, tiny-bert-rerank
+# 6: tiny-qwen25-vl; 7: tiny-bert, tiny-bert-rerank, tiny-xlmr, tiny-xlmr-rerank
 FORMAT_VERSION = 7
 
 
@@ -186,6 +186,11 @@ _BASE_MODELS: dict[str, EmbeddedSpec] = {
                               seed=6, encoder=True),
     "tiny-bert-rerank": EmbeddedSpec(name="tiny-bert-rerank",
                                      config=embedded_bert.config(2, True), seed=7,
+                                     encoder=True),
+    "tiny-xlmr": EmbeddedSpec(name="tiny-xlmr", config=embedded_bert.config(2, False, True),
+                              seed=8, encoder=True),
+    "tiny-xlmr-rerank": EmbeddedSpec(name="tiny-xlmr-rerank",
+                                     config=embedded_bert.config(2, True, True), seed=9,
                                      encoder=True),
     "tiny-hybrid-mtp": EmbeddedSpec(
         name="tiny-hybrid-mtp",

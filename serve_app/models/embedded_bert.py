@@ -18,15 +18,21 @@ def vocab() -> list[str]:
     return SPECIALS + _CHARS + [f"##{c}" for c in _CHARS]
 
 
-def config(layers: int, rerank: bool) -> dict:
+def config(layers: int, rerank: bool, roberta: bool = False) -> dict:
+    """A tiny encoder's config in BERT's layout, or XLM-RoBERTa's (``roberta``: positions
+    after the padding id, one token type, a two-layer classifier head, no pooler in the
+    cross-encoder; the same WordPiece vocabulary, [PAD] at 0)."""
+    kind = "XLMRoberta" if roberta else "Bert"
     out: dict[str, Any] = {
-        "model_type": "bert", "architectures": ["BertModel"], "vocab_size": len(vocab()),
-        "hidden_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
-        "intermediate_size": 128, "max_position_embeddings": 128, "type_vocab_size": 2,
-        "layer_norm_eps": 1e-12, "hidden_act": "gelu", "pad_token_id": 0,
+        "model_type": "xlm-roberta" if roberta else "bert", "architectures": [f"{kind}Model"],
+        "vocab_size": len(vocab()), "hidden_size": 64, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "intermediate_size": 128,
+        "max_position_embeddings": 130 if roberta else 128,
+        "type_vocab_size": 1 if roberta else 2, "layer_norm_eps": 1e-5 if roberta else 1e-12,
+        "hidden_act": "gelu", "pad_token_id": 0,
     }
     if rerank:
-        out.update(architectures=["BertForSequenceClassification"],
+        out.update(architectures=[f"{kind}ForSequenceClassification"],
                    id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return out
 
@@ -39,8 +45,10 @@ def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         "embeddings.position_embeddings.weight": (cfg["max_position_embeddings"], h),
         "embeddings.token_type_embeddings.weight": (cfg["type_vocab_size"], h),
         "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,),
-        "pooler.dense.weight": (h, h), "pooler.dense.bias": (h,),
     }
+    roberta = cfg["model_type"] != "bert"
+    if not (roberta and "id2label" in cfg):  # RoBERTa's classifiers have no pooler
+        out["pooler.dense.weight"], out["pooler.dense.bias"] = (h, h), (h,)
     for n in range(cfg["num_hidden_layers"]):
         p = f"encoder.layer.{n}"
         for name, rows, cols in (("attention.self.query", h, h), ("attention.self.key", h, h),
@@ -50,9 +58,13 @@ def shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             out[f"{p}.{name}.weight"], out[f"{p}.{name}.bias"] = (rows, cols), (rows,)
         for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
             out[f"{p}.{norm}.weight"], out[f"{p}.{norm}.bias"] = (h,), (h,)
-    if "id2label" in cfg:
-        out["classifier.weight"], out["classifier.bias"] = (len(cfg["id2label"]), h), \
-            (len(cfg["id2label"]),)
+    labels = len(cfg.get("id2label") or {})
+    if labels and roberta:
+        out.update({"classifier.dense.weight": (h, h), "classifier.dense.bias": (h,),
+                    "classifier.out_proj.weight": (labels, h),
+                    "classifier.out_proj.bias": (labels,)})
+    elif labels:
+        out["classifier.weight"], out["classifier.bias"] = (labels, h), (labels,)
     return out
 
 
@@ -83,7 +95,8 @@ def build(cfg: dict, values: Any, fmt: str, dtype_name: str, group_size: int,
         "tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 128,
         "pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
         "sep_token": "[SEP]", "mask_token": "[MASK]"}, indent=2))
-    if "BertModel" in cfg["architectures"]:  # sentence-transformers: mean, normalised
+    if cfg["architectures"][0].endswith("Model"):  # sentence-transformers: normalised
+        mode = "cls" if cfg["model_type"] != "bert" else "mean"  # as bge-m3; as MiniLM
         (path / "modules.json").write_text(json.dumps([
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
             {"idx": 1, "name": "1", "path": "1_Pooling",
@@ -92,8 +105,9 @@ def build(cfg: dict, values: Any, fmt: str, dtype_name: str, group_size: int,
              "type": "sentence_transformers.models.Normalize"}], indent=2))
         (path / "1_Pooling").mkdir()
         (path / "1_Pooling" / "config.json").write_text(json.dumps({
-            "word_embedding_dimension": cfg["hidden_size"], "pooling_mode_cls_token": False,
-            "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+            "word_embedding_dimension": cfg["hidden_size"],
+            "pooling_mode_cls_token": mode == "cls",
+            "pooling_mode_mean_tokens": mode == "mean", "pooling_mode_max_tokens": False,
             "pooling_mode_mean_sqrt_len_tokens": False}, indent=2))
         (path / "sentence_bert_config.json").write_text(json.dumps(
             {"max_seq_length": 128, "do_lower_case": False}))

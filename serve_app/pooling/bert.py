@@ -1,6 +1,9 @@
 """A BERT encoder in MLX, its parameters named as Hugging Face's ``BertModel`` names them,
 so a sentence-transformers checkpoint loads with its own weight names (BERT, MiniLM, BGE,
-E5 and the other ``model_type: bert`` encoders; a cross-encoder adds its classifier).
+E5 and the other ``model_type: bert`` encoders; a cross-encoder adds its classifier), and
+the RoBERTa family's (``roberta``, ``xlm-roberta``: bge-m3, multilingual-e5,
+bge-reranker-v2-m3), whose positions start after the padding id and whose classifier is a
+two-layer head on the first token.
 
 Written from the architecture (post-norm layers, exact GELU, absolute positions, token
 types), not taken from a GPL implementation."""
@@ -12,6 +15,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+# The encoders this module runs, by ``model_type``.
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
 
 
 @dataclass(frozen=True)
@@ -26,11 +32,23 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     hidden_act: str = "gelu"
     num_labels: int = 0  # a cross-encoder's classifier outputs (0: none)
+    model_type: str = "bert"
+    pad_token_id: int = 0
+
+    @property
+    def roberta(self) -> bool:
+        return self.model_type != "bert"
+
+    @property
+    def position_offset(self) -> int:
+        """The first real token's position: RoBERTa's count from the padding id + 1."""
+        return self.pad_token_id + 1 if self.roberta else 0
 
     @classmethod
     def from_dict(cls, config: dict) -> BertConfig:
-        if config.get("model_type") != "bert":
-            raise ValueError(f"model_type {config.get('model_type')!r} is not bert")
+        if config.get("model_type") not in ENCODER_TYPES:
+            raise ValueError(f"model_type {config.get('model_type')!r} is not one of "
+                             f"{', '.join(ENCODER_TYPES)}")
         if config.get("hidden_act", "gelu") not in ("gelu", "gelu_new", "relu"):
             raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported")
         labels = len(config.get("id2label") or {}) if _is_classifier(config) else 0
@@ -51,8 +69,8 @@ class _Embeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
-    def __call__(self, ids: mx.array, types: mx.array) -> mx.array:
-        positions = mx.arange(ids.shape[1])[None, :]
+    def __call__(self, ids: mx.array, types: mx.array, offset: int = 0) -> mx.array:
+        positions = mx.arange(offset, offset + ids.shape[1])[None, :]  # rows padded right
         x = self.word_embeddings(ids) + self.position_embeddings(positions) + \
             self.token_type_embeddings(types)
         return self.LayerNorm(x)
@@ -133,6 +151,18 @@ class _Pooler(nn.Module):
         return mx.tanh(self.dense(hidden[:, 0]))
 
 
+class _RobertaHead(nn.Module):
+    """RoBERTa's classifier: a dense layer and tanh on the first token, then the labels."""
+
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out_proj = nn.Linear(c.hidden_size, c.num_labels)
+
+    def __call__(self, hidden: mx.array) -> mx.array:
+        return self.out_proj(mx.tanh(self.dense(hidden[:, 0])))
+
+
 class BertModel(nn.Module):
     """Hidden states for token ids (B, L) and their attention mask (B, L: 1 real, 0 pad);
     a cross-encoder's ``scores`` (its classifier over the pooled first token)."""
@@ -144,11 +174,13 @@ class BertModel(nn.Module):
         self.encoder = _Encoder(config)
         self.pooler = _Pooler(config)
         if config.num_labels:
-            self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+            self.classifier: nn.Module = _RobertaHead(config) if config.roberta else \
+                nn.Linear(config.hidden_size, config.num_labels)
 
     def __call__(self, ids: mx.array, attention: mx.array,
                  types: mx.array | None = None) -> mx.array:
-        x = self.embeddings(ids, mx.zeros_like(ids) if types is None else types)
+        x = self.embeddings(ids, mx.zeros_like(ids) if types is None else types,
+                            self.config.position_offset)
         # pads are keys no query attends to (each real query has at least itself)
         mask = (attention[:, None, None, :] > 0)
         for layer in self.encoder.layer:
@@ -157,20 +189,22 @@ class BertModel(nn.Module):
 
     def scores(self, ids: mx.array, attention: mx.array, types: mx.array | None = None
                ) -> mx.array:
-        return self.classifier(self.pooler(self(ids, attention, types)))
+        hidden = self(ids, attention, types)
+        return self.classifier(hidden if self.config.roberta else self.pooler(hidden))
 
     @staticmethod
     def sanitize(weights: dict[str, Any], classifier: bool) -> dict[str, Any]:
-        """Hugging Face's names onto this module's: a ``bert.`` prefix (task heads)
-        dropped, old ``gamma``/``beta`` layer norms renamed, heads we do not run
-        (masked-LM, NSP) and position ids left out."""
+        """Hugging Face's names onto this module's: a ``bert.`` or ``roberta.`` prefix
+        (task heads) dropped, old ``gamma``/``beta`` layer norms renamed, heads we do not
+        run (masked-LM, NSP) and position ids left out."""
         out = {}
         for key, value in weights.items():
-            if key.startswith("bert."):
-                key = key[len("bert."):]
+            for prefix in ("bert.", "roberta."):
+                if key.startswith(prefix):
+                    key = key[len(prefix):]
             key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace(
                 "LayerNorm.beta", "LayerNorm.bias")
-            if key.startswith(("cls.", "embeddings.position_ids")) or (
+            if key.startswith(("cls.", "lm_head.", "embeddings.position_ids")) or (
                     key.startswith("classifier.") and not classifier):
                 continue
             out[key] = value

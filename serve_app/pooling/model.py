@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from serve_app.models.compat import final_hidden
-from serve_app.pooling.bert import BertConfig, BertModel
+from serve_app.pooling.bert import ENCODER_TYPES, BertConfig, BertModel
 from serve_app.pooling.pooler import Pooling, pool, read_pooling
 
 Task = Literal["embed", "rerank"]
@@ -48,15 +48,6 @@ class Encoded:
     types: list[int] | None = None  # an encoder's token types (a pair's second segment: 1)
 
 
-def task_of(config: dict) -> Literal["generate", "embed", "rerank"]:
-    """The task a checkpoint's config implies: an encoder embeds (or reranks, with a
-    classifier head); anything else generates unless its profile says otherwise."""
-    if config.get("model_type") != "bert":
-        return "generate"
-    archs = config.get("architectures") or []
-    return "rerank" if any(a.endswith("ForSequenceClassification") for a in archs) else "embed"
-
-
 class PoolingModel:
     def __init__(self, model_dir: Path, task: Task, max_batch_tokens: int = 8192) -> None:
         from transformers import AutoTokenizer
@@ -64,7 +55,7 @@ class PoolingModel:
         self.model_dir = model_dir
         self.task = task
         self.config = json.loads((model_dir / "config.json").read_text())
-        self.encoder = self.config.get("model_type") == "bert"
+        self.encoder = self.config.get("model_type") in ENCODER_TYPES
         self.max_batch_tokens = max_batch_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.tokenizer.model_max_length = 1 << 40  # lengths are ours to check (``limit``)
@@ -207,8 +198,8 @@ def _load_bert(model_dir: Path, config: dict, classifier: bool) -> BertModel:
         raise ValueError(f"{model_dir}: no safetensors weights")
     weights = BertModel.sanitize(weights, classifier)
     if not any(k.startswith("pooler.") for k in weights):
-        if classifier:
-            raise ValueError(f"{model_dir}: a cross-encoder needs its pooler weights")
+        if classifier and not c.roberta:
+            raise ValueError(f"{model_dir}: a BERT cross-encoder needs its pooler weights")
         del model.pooler  # sentence-transformers checkpoints may leave it out
     quantization = config.get("quantization")
     if quantization:

@@ -48,6 +48,8 @@ def read_pooling(model_dir: Path, config: dict, decoder: bool) -> Pooling:
                                      "modes; this server pools with exactly one")
                 mode = chosen[0]
     limit = int(config.get("max_position_embeddings") or 512)
+    if config.get("model_type") in ("roberta", "xlm-roberta"):  # positions after the pad id
+        limit -= int(config.get("pad_token_id", 1)) + 1
     st = _json(model_dir / "sentence_bert_config.json")
     if isinstance(st, dict) and isinstance(st.get("max_seq_length"), int):
         limit = min(limit, st["max_seq_length"])

@@ -22,8 +22,11 @@ def vectors(model: PoolingModel, texts: list[str]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_tiny_encoder_batched_equals_alone_and_the_reference(tmp_path, fmt):
-    model = PoolingModel(materialize(variant_name("tiny-bert", fmt), tmp_path), "embed")
+@pytest.mark.parametrize("base", ["tiny-bert", "tiny-xlmr"])
+def test_tiny_encoder_batched_equals_alone_and_the_reference(tmp_path, base, fmt):
+    """BERT's layout (mean pooling) and XLM-RoBERTa's (positions after the padding id, CLS
+    pooling as bge-m3 pools)."""
+    model = PoolingModel(materialize(variant_name(base, fmt), tmp_path), "embed")
     texts = ["a", "hello world", "x " * 60, "the last one, of medium length"]
     encoded = [model.encode(t) for t in texts]
     together = finish(model.embed(encoded), model.pooling, None)
@@ -60,11 +63,12 @@ def test_matryoshka_cut_renormalises():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rerank_scores_batched_equal_alone(tmp_path, fmt):
-    """A cross-encoder's sigmoid score and a decoder reranker's P(yes), in [0, 1], the
-    same batched and alone; the decoder's is its own forward pass's yes/no softmax."""
+    """A cross-encoder's sigmoid score (BERT's pooler head, XLM-RoBERTa's two-layer head)
+    and a decoder reranker's P(yes), in [0, 1], the same batched and alone; the decoder's
+    is its own forward pass's yes/no softmax."""
     pairs = [("what is x", "x is a letter"), ("q", "a much longer document " * 4),
              ("colour", "red")]
-    for name in ("tiny-bert-rerank", "tiny-dense"):
+    for name in ("tiny-bert-rerank", "tiny-xlmr-rerank", "tiny-dense"):
         model = PoolingModel(materialize(variant_name(name, fmt), tmp_path), "rerank")
         encoded = [model.encode_pair(q, d) for q, d in pairs]
         together = model.scores(encoded)

@@ -28,6 +28,8 @@ MODELS = [
     {"name": "cross", "source": "embedded:tiny-bert-rerank"},
     {"name": "qwen-rerank", "source": "embedded:tiny-dense", "task": "rerank"},
     {"name": "chat", "source": "embedded:tiny-dense", "max_tokens": 8},
+    {"name": "xlmr", "source": "embedded:tiny-xlmr"},
+    {"name": "xlmr-rerank", "source": "embedded:tiny-xlmr-rerank"},
 ]
 TEXTS = ["hello world", "a", "the quick brown fox " * 5]
 
@@ -108,6 +110,20 @@ def test_rerank_in_cohere_and_jina_shape(server, model_home, path):
     assert body["usage"]["total_tokens"] > 0
 
 
+def test_xlm_roberta_embeds_and_reranks_as_in_process(server, client, model_home):
+    model = local("tiny-xlmr", model_home)
+    expected = finish(model.embed([model.encode(t) for t in TEXTS]), model.pooling, None)
+    got = client.embeddings.create(model="xlmr", input=TEXTS, encoding_format="float")
+    assert np.array_equal(np.array([d.embedding for d in got.data], np.float32), expected)
+    reranker = local("tiny-xlmr-rerank", model_home, "rerank")
+    docs = ["x is a letter", "red"]
+    scores = reranker.scores([reranker.encode_pair("what is x", d) for d in docs])
+    body = post(server, "/v1/rerank", {"model": "xlmr-rerank", "query": "what is x",
+                                       "documents": docs}).json()
+    assert {x["index"]: x["relevance_score"] for x in body["results"]} == pytest.approx(
+        dict(enumerate(scores.tolist())), abs=1e-6)
+
+
 def test_score_pairs_and_a_decoder_reranker(server):
     r = post(server, "/v1/score", {"model": "qwen-rerank", "text_1": "what is x",
                                    "text_2": ["x is a letter", "red"]})
@@ -166,6 +182,6 @@ def test_counters_and_models_list(server):
                                             timeout=60).json()["data"]}
     assert {n: m["task"] for n, m in models.items()} == {
         "bert": "embed", "qwen-embed": "embed", "cross": "rerank", "qwen-rerank": "rerank",
-        "chat": "generate"}
+        "chat": "generate", "xlmr": "embed", "xlmr-rerank": "rerank"}
     status = httpx.get(f"{server.base_url}/v1/status", timeout=60).json()["models"]
     assert status["cross"]["pooling"]["task"] == "rerank" and "engine" not in status["cross"]

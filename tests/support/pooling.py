@@ -10,8 +10,9 @@ import numpy as np
 
 
 def reference_embedding(path: Path, ids: list[int]) -> np.ndarray:
-    """One input's normalised mean-pooled vector (fp32, bf16 and fp16 weights: a 4-bit
-    checkpoint's are not read here)."""
+    """One input's normalised vector, pooled as the model's sentence-transformers files say
+    (mean or the first token), BERT's positions or RoBERTa's (fp32, bf16 and fp16 weights:
+    a 4-bit checkpoint's are not read here)."""
     import mlx.core as mx
 
     w = {k: np.array(v.astype(mx.float32), dtype=np.float64)
@@ -27,8 +28,9 @@ def reference_embedding(path: Path, ids: list[int]) -> np.ndarray:
         return x @ w[f"{name}.weight"].T + w[f"{name}.bias"]
 
     n = len(ids)
+    offset = cfg["pad_token_id"] + 1 if cfg["model_type"] != "bert" else 0  # RoBERTa's
     x = w["embeddings.word_embeddings.weight"][ids] + \
-        w["embeddings.position_embeddings.weight"][:n] + \
+        w["embeddings.position_embeddings.weight"][offset:offset + n] + \
         w["embeddings.token_type_embeddings.weight"][0]
     x = norm(x, "embeddings.LayerNorm")
     d = x.shape[-1] // heads
@@ -45,5 +47,6 @@ def reference_embedding(path: Path, ids: list[int]) -> np.ndarray:
                  + x, f"{p}.attention.output.LayerNorm")
         h = gelu(linear(x, f"{p}.intermediate.dense"))
         x = norm(linear(h, f"{p}.output.dense") + x, f"{p}.output.LayerNorm")
-    vec = x.mean(0)
+    pooling = json.loads((path / "1_Pooling" / "config.json").read_text())
+    vec = x[0] if pooling["pooling_mode_cls_token"] else x.mean(0)
     return vec / np.linalg.norm(vec)

@@ -16,6 +16,7 @@ from serve_app.config.profile import ProfileError, parse_profile
     ("embedded:tiny-bert", "embed"), ("embedded:tiny-bert-q4", "embed"),
     ("embedded:tiny-bert-rerank-bf16", "rerank"), ("embedded:all-minilm-l6-v2-fp16", "embed"),
     ("embedded:tiny-dense", "generate"), ("Qwen/Qwen3-Embedding-0.6B", "generate"),
+    ("embedded:tiny-xlmr-fp16", "embed"), ("embedded:tiny-xlmr-rerank", "rerank"),
 ])
 def test_the_task_defaults_to_the_checkpoints(source, task):
     assert default_task(source) == task
