@@ -66,6 +66,7 @@ class VisionRuntime:
         # kept until they join whatever the feature cache's bound drops meanwhile.
         self._held: deque[_Held] = deque()
         self._pinned: dict[str, Any] = {}
+        self._ready: dict[int, set[str]] = {}  # released by encode_step, joining: their images
 
     # ---- before a request joins: its images, a prefill chunk's worth of tower a step
 
@@ -73,6 +74,11 @@ class VisionRuntime:
     def busy(self) -> bool:
         """Requests wait for the tower: the engine must not sleep on its queue."""
         return bool(self._held)
+
+    @property
+    def held(self) -> int:
+        """Requests waiting for the tower (their KV is reserved: they count as running)."""
+        return len(self._held)
 
     def hold(self, req: Any) -> bool:
         """Keep ``req`` until the tower has encoded the images its planned restore does not
@@ -118,6 +124,7 @@ class VisionRuntime:
             if not held.missing:
                 self._held.remove(held)
                 ready.append(held.req)
+                self._ready[held.req.rid] = {s.image.digest for s in held.req.vision.spans}
         return ready
 
     def drop(self, rid: int) -> Any | None:
@@ -134,10 +141,13 @@ class VisionRuntime:
         held = [h.req for h in self._held]
         self._held.clear()
         self._pinned.clear()
+        self._ready.clear()
         return held
 
     def _unpin(self) -> None:
-        wanted = {i.digest for h in self._held for s in h.req.vision.spans for i in [s.image]}
+        """Features no held or joining request needs leave (the feature cache may keep them)."""
+        wanted = {s.image.digest for h in self._held for s in h.req.vision.spans}
+        wanted.update(*self._ready.values())
         for digest in [d for d in self._pinned if d not in wanted]:
             del self._pinned[digest]
 
@@ -172,7 +182,6 @@ class VisionRuntime:
         if lo < last:
             features = [(max(s.start, lo) - lo, self._features(s.image)[max(0, lo - s.start):])
                         for s in vision.spans if s.end > lo]
-            self._unpin()
             base = self.state.table.add((id(self), rid), np.asarray(vision.tokens[lo:last]),
                                         vision.positions[:, lo:last], features)
             out, at = [], restored
@@ -184,15 +193,21 @@ class VisionRuntime:
             return out
         return segments
 
+    def _joined_or_not(self, rid: int) -> None:
+        if self._ready.pop(rid, None) is not None:
+            self._unpin()
+
     def joined(self, rid: int, uid: int) -> None:
         self._requests[rid].uid = uid
         self._deltas[uid] = self._requests[rid].delta
+        self._joined_or_not(rid)
 
     def prefilled(self, rid: int) -> None:
         """The request's prompt is in its cache: its virtual ids are free."""
         self.state.table.remove((id(self), rid))
 
     def ended(self, rid: int) -> None:
+        self._joined_or_not(rid)  # a released request that failed to join
         self.state.table.remove((id(self), rid))
         request = self._requests.pop(rid, None)
         if request is not None and request.uid is not None:

@@ -352,8 +352,9 @@ class Engine:
             return
         self._start(req)
 
-    def _kv_fits(self, req: EngineRequest) -> bool:
-        return self.kv.fits(self.stats.kv_in_use_bytes, req.kv_bytes, len(self._requests))
+    def _kv_fits(self, req: EngineRequest) -> bool:  # requests held for the tower run too
+        held = self.vision.held if self.vision is not None else 0
+        return self.kv.fits(self.stats.kv_in_use_bytes, req.kv_bytes, len(self._requests) + held)
 
     def _admit_waiting(self) -> None:
         """Requests waiting for KV, in order, while the first of them fits."""

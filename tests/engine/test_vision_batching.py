@@ -1,8 +1,9 @@
 """The vision tower's work inside continuous batching (issue 42): images of requests that
 arrive together go through the tower in one call, their features exactly each image's
-alone (every weight format); a prefill chunk's worth of tower work a step at most, so the
-rows already decoding get a step between tower calls; a request waiting for the tower can
-be cancelled; a tower that fails fails only its requests."""
+alone (every weight format), kept until each request joins; a prefill chunk's worth of
+tower work a step at most, so the rows already decoding get a step between tower calls; a
+request waiting for the tower counts against the KV budget and can be cancelled; a tower
+that fails fails only its requests."""
 
 from __future__ import annotations
 
@@ -199,3 +200,69 @@ def test_a_failing_tower_fails_only_its_requests(services):
         tower.encode = real
     assert isinstance(failed, Failure) and "tower broke" in failed.message
     assert answered == run(cold, chat([82]))["text"]
+
+
+def test_features_encoded_together_stay_until_each_request_joins(tmp_path):
+    """With no feature cache at all (``feature_cache_mb: 0``), requests released by one
+    tower call still find their features when each joins: nothing is encoded twice."""
+    path = materialize("tiny-vl", tmp_path)
+    model, tokenizer = mlx_lm.load(str(path))
+    service = ModelService(ModelProfile(name="m", source="embedded:tiny-vl",
+                                        cache={"enabled": False},
+                                        vision={"feature_cache_mb": 0}),
+                           model, tokenizer, path, None)
+    try:
+        runtime = service.engine.vision
+        a, b = held(service, 3001, [91]), held(service, 3002, [92, 91])
+        assert runtime.hold(a) and runtime.hold(b)
+        assert runtime.encode_step(budget=4096) == [a, b]
+        images = runtime.stats.images
+        for r in (a, b):
+            runtime._segments(r.rid, r.vision, 0, [list(r.vision.tokens)])
+            runtime.joined(r.rid, r.rid)
+        assert runtime.stats.images == images == 2  # 91 once, 92 once, none again
+        assert not runtime._pinned  # all joined: nothing kept (there is no cache)
+        for r in (a, b):
+            runtime.ended(r.rid)
+    finally:
+        service.shutdown()
+
+
+def test_requests_held_for_the_tower_count_against_the_kv_budget(tmp_path):
+    """Two image requests whose KV together is over the budget: the second waits for KV
+    (it used to be held beside the first, both reserving, nothing running)."""
+    path = materialize("tiny-vl", tmp_path)
+    model, tokenizer = mlx_lm.load(str(path))
+    service = ModelService(ModelProfile(name="m", source="embedded:tiny-vl",
+                                        cache={"enabled": False}),
+                           model, tokenizer, path, None)
+    try:
+        requests = [chat([101], n=6), chat([102], n=6)]
+        service.engine.set_kv_budget(1 << 40)  # the shape, to size the real budget with
+        need = max(service.engine.kv.bytes_for(len(service.prepare(r).prompt), 6)
+                   for r in requests)
+        service.engine.set_kv_budget(int(need * 1.5))
+        service.engine.vision.features.clear()
+
+        runtime = service.engine.vision
+        encode = runtime.encode_step
+        runtime.encode_step = lambda budget: []  # the tower waits until both are admitted
+
+        async def both():
+            async def one(request):
+                out = []
+                async for events in service.stream(service.prepare(request)):
+                    out += [e.text for e in events if isinstance(e, Delta)]
+                return "".join(out)
+            tasks = [asyncio.create_task(one(r)) for r in requests]
+            while runtime.held + service.engine.snapshot().kv_waiting < 2:
+                await asyncio.sleep(0.01)
+            runtime.encode_step = encode
+            return await asyncio.gather(*tasks)
+
+        answers = asyncio.run(both())
+        snap = service.engine.snapshot()
+        assert snap.kv_waited >= 1 and snap.kv_in_use_bytes == 0
+        assert answers == [run(service, r)["text"] for r in requests]
+    finally:
+        service.shutdown()
