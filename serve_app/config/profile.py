@@ -198,7 +198,7 @@ class VisionProfile(_Strict):
     max_images: Annotated[int, Field(ge=1, le=256)] = 16
     feature_cache_mb: Annotated[int, Field(ge=0)] = 256
     # http(s) image addresses, fetched only when on (within the timeout and max_image_bytes;
-    # from fetch_hosts alone where it names some, redirects too). Never a local path.
+    # from fetch_hosts alone where it names some, else public addresses). Never a path.
     fetch_urls: bool = False
     fetch_timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
     fetch_hosts: list[str] = []

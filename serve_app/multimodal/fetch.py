@@ -1,8 +1,15 @@
 """Images at web addresses, fetched only where the profile allows it: bounded in bytes
-and in time, redirects held to the same hosts, never a local path."""
+and in time (redirects included), from the listed hosts or else from public addresses
+only, redirects held to the same rule, never a local path.
+
+A host is checked by the addresses it resolves to before the fetch; a name that resolves
+to another address at connect time (DNS rebinding) is not caught: list the hosts
+(``vision.fetch_hosts``) where that matters."""
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -10,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 
 CHUNK = 64 * 1024
+MAX_REDIRECTS = 3
 
 
 @dataclass(frozen=True)
@@ -18,7 +26,7 @@ class UrlFetch:
 
     enabled: bool = False
     timeout_s: float = 10.0  # the whole fetch: connect, redirects and body
-    hosts: tuple[str, ...] = ()  # host names allowed (empty: any host)
+    hosts: tuple[str, ...] = ()  # host names allowed (empty: any public host)
 
 
 class FetchError(ValueError):
@@ -26,24 +34,46 @@ class FetchError(ValueError):
 
 
 def _host_allowed(url: str, fetch: UrlFetch) -> str:
+    """The address's host when it may be fetched: in ``fetch.hosts`` where that names some;
+    else any host whose every address is public (no loopback, private, link-local or
+    reserved address: the server's own network is not the client's to read)."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise FetchError("an image address must be an http(s) URL or a base64 data URL")
     host = parts.hostname.lower()
-    if fetch.hosts and host not in fetch.hosts:
-        raise FetchError(f"this server fetches images only from {', '.join(fetch.hosts)}, "
-                         f"not from {host}: send the image as a base64 data URL")
+    if fetch.hosts:
+        if host not in fetch.hosts:
+            raise FetchError(f"this server fetches images only from "
+                             f"{', '.join(fetch.hosts)}, not from {host}: send the image as "
+                             "a base64 data URL")
+        return host
+    try:
+        addresses = {str(a[4][0]) for a in socket.getaddrinfo(host, parts.port or 80,
+                                                              proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        raise FetchError(f"could not fetch the image: {host} does not resolve") from None
+    if not all(ipaddress.ip_address(a.split("%")[0]).is_global for a in addresses):
+        raise FetchError(f"this server does not fetch images from {host}: it is not a public "
+                         "address (list it in vision.fetch_hosts to allow it)")
     return host
 
 
 class _Redirects(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only to an address the request itself could have named."""
+    """Follows a redirect only to an address the request itself could have named, within
+    the fetch's time, and never reads a redirect's body."""
 
-    def __init__(self, fetch: UrlFetch) -> None:
-        self.fetch = fetch
+    max_redirections = MAX_REDIRECTS
+
+    def __init__(self, fetch: UrlFetch, deadline: float) -> None:
+        self.fetch, self.deadline = fetch, deadline
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
+        fp.close()  # urllib reads the body before following: nothing is left to read
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
         _host_allowed(newurl, self.fetch)
+        req.timeout = left  # the next hop has what is left of the fetch's time
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -55,7 +85,7 @@ def fetch_image(url: str, fetch: UrlFetch, max_bytes: int) -> bytes:
                          "as a base64 data URL (data:image/png;base64,...)")
     _host_allowed(url, fetch)
     deadline = time.monotonic() + fetch.timeout_s
-    opener = urllib.request.build_opener(_Redirects(fetch))
+    opener = urllib.request.build_opener(_Redirects(fetch, deadline))
     request = urllib.request.Request(url, headers={"Accept": "image/*",
                                                    "User-Agent": "serve-app"})
     try:
@@ -74,6 +104,9 @@ def fetch_image(url: str, fetch: UrlFetch, max_bytes: int) -> bytes:
     except FetchError:
         raise
     except urllib.error.HTTPError as exc:
+        if 300 <= exc.code < 400:
+            raise FetchError(f"fetching the image at {url} took over {MAX_REDIRECTS} "
+                             "redirects") from None
         raise FetchError(f"fetching the image at {url} failed: HTTP {exc.code}") from None
     except (TimeoutError, OSError) as exc:  # URLError is an OSError; so is a socket timeout
         if isinstance(exc, TimeoutError) or "timed out" in str(exc):

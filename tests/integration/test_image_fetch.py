@@ -1,6 +1,7 @@
 """Image addresses fetched where the profile allows it (issue 42): from a real loopback web
-server, bounded in bytes and time, redirects held to the allowed hosts, every refusal a
-reason (``serve_app/multimodal/fetch.py``; the served path is in test_vision_http)."""
+server, bounded in bytes and time, redirects few, unread and held to the allowed hosts,
+non-public addresses refused unless listed, every refusal a reason
+(``serve_app/multimodal/fetch.py``; the served path is in test_vision_http)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from serve_app.multimodal.fetch import UrlFetch
 from serve_app.multimodal.images import ImageError, ImageLimits, image_bytes
 from tests.support.images import ImageSite, png
 
-ON = ImageLimits(max_bytes=1 << 20, fetch=UrlFetch(True, timeout_s=1.0))
+# The site is on loopback: listed, as a profile must list a host that is not public.
+ON = ImageLimits(max_bytes=1 << 20, fetch=UrlFetch(True, 1.0, ("127.0.0.1", "localhost")))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,23 @@ def test_hosts_are_held_to_the_list_redirects_too(site):
         image_bytes(site.url("/3.png", host="localhost"), only_loopback)
     with pytest.raises(ImageError, match="not from localhost"):  # /moved goes to localhost
         image_bytes(site.url("/moved"), only_loopback)
-    assert image_bytes(site.url("/moved"), ON) == png(1)  # any host: the redirect is followed
+    assert image_bytes(site.url("/moved"), ON) == png(1)  # both listed: the redirect is followed
+
+
+@pytest.mark.parametrize("address", ["http://127.0.0.1:9/a.png", "http://localhost/a.png",
+                                     "http://10.1.2.3/a.png", "http://169.254.169.254/x",
+                                     "http://[::1]/a.png"])
+def test_without_a_host_list_only_public_addresses_are_fetched(address):
+    any_public = ImageLimits(fetch=UrlFetch(True, 1.0))
+    with pytest.raises(ImageError, match="not a public address"):
+        image_bytes(address, any_public)
+
+
+def test_redirects_are_few_and_their_bodies_unread(site):
+    """``/loop`` redirects to itself with an endless body each time: refused after three
+    redirects, quickly (a body read would take the whole fetch time)."""
+    with pytest.raises(ImageError, match="over 3 redirects"):
+        image_bytes(site.url("/loop"), ON)
 
 
 def test_an_unreachable_host_is_a_reason_not_a_hang():

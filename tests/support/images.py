@@ -24,7 +24,8 @@ class ImageSite:
     ``/<seed>.png`` is ``png(seed)``; ``/missing`` a 404; ``/big`` announces more bytes than
     any limit; ``/endless`` streams without announcing; ``/slow`` waits ``slow_s`` before
     answering and ``/drip`` takes as long a byte at a time; ``/moved`` redirects to
-    ``/1.png`` on the host ``moved_to``."""
+    ``/1.png`` on the host ``moved_to``, ``/loop`` to itself for ever (with an endless
+    body)."""
 
     def __init__(self, slow_s: float = 3.0, moved_to: str = "127.0.0.1") -> None:
         import http.server
@@ -64,6 +65,15 @@ class ImageSite:
                 elif path == "/slow":
                     time.sleep(slow_s)
                     self._send(png(1))
+                elif path == "/loop":  # for ever, an endless body with each redirect
+                    self.send_response(302)
+                    self.send_header("Location", f"http://{moved_to}:{site.port}/loop")
+                    self.end_headers()
+                    try:
+                        for _ in range(4096):
+                            self.wfile.write(b"\0" * 65536)
+                    except OSError:
+                        pass
                 elif path == "/moved":
                     self.send_response(302)
                     self.send_header("Location", f"http://{moved_to}:{site.port}/1.png")
