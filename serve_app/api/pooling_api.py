@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from serve_app.api.http import OpenAIIngress, api, not_ready_error, replica_lost_error
 from serve_app.pooling.calls import EmbedCall, PoolingAnswer, ScoreCall
+from serve_app.serving.errors import queue_full_error
 from serve_app.serving.events import Failure
 from serve_app.serving.request import ApiError, checked, validation_error
 
@@ -25,6 +26,9 @@ class _Pooled(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: StrictStr
     truncate: StrictBool | None = None  # inputs over the model's limit: cut (else a 400)
+
+    def cut(self) -> bool | None:
+        return self.truncate
 
     def check_supported(self) -> None:
         pass
@@ -48,9 +52,9 @@ class EmbeddingRequest(_Pooled):
                 raise ApiError(400, f"input[{n}]: must not be empty", param=f"input[{n}]")
         if isinstance(items[0], str):
             return EmbedCall(texts=tuple(items), dimensions=self.dimensions,
-                             truncate=self.truncate)
+                             truncate=self.cut())
         return EmbedCall(token_lists=tuple(tuple(i) for i in items),
-                         dimensions=self.dimensions, truncate=self.truncate)
+                         dimensions=self.dimensions, truncate=self.cut())
 
     def response(self, answer: PoolingAnswer, model: str) -> dict:
         data = []
@@ -63,7 +67,7 @@ class EmbeddingRequest(_Pooled):
 
 
 class _Document(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # other fields a client keeps with it
     text: StrictStr
 
 
@@ -72,7 +76,10 @@ class RerankRequest(_Pooled):
     documents: list[StrictStr | _Document]
     top_n: Annotated[StrictInt, Field(ge=1)] | None = None
     return_documents: StrictBool = True
-    max_chunks_per_doc: StrictInt | None = None  # Cohere v1's; accepted, not used
+    # Cohere's, accepted and not used: documents are scored whole (or cut, with truncate)
+    max_chunks_per_doc: StrictInt | None = None
+    max_tokens_per_doc: StrictInt | None = None
+    rank_fields: list[StrictStr] | None = None
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
@@ -81,7 +88,7 @@ class RerankRequest(_Pooled):
         if not self.documents:
             raise ApiError(400, "documents: must not be empty", param="documents")
         _bounded(len(self.documents), max_inputs, "documents")
-        return ScoreCall(tuple((self.query, d) for d in self.texts()), self.truncate)
+        return ScoreCall(tuple((self.query, d) for d in self.texts()), self.cut())
 
     def response(self, answer: PoolingAnswer, model: str) -> dict:
         texts = self.texts()
@@ -112,7 +119,7 @@ class ScoreRequest(_Pooled):
                                 "one text_1 for any number of text_2, or as many of each",
                            param="text_2")
         _bounded(len(two), max_inputs, "text_2")
-        return ScoreCall(tuple(zip(one, two, strict=True)), self.truncate, param="text_2")
+        return ScoreCall(tuple(zip(one, two, strict=True)), self.cut(), param="text_2")
 
     def response(self, answer: PoolingAnswer, model: str) -> dict:
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list",
@@ -174,6 +181,10 @@ class PoolingRoutes(OpenAIIngress):
             except ApiError:
                 raise
             except Exception as exc:
+                if type(exc).__name__ == "BackPressureError":  # Ray Serve's queue is full
+                    raise queue_full_error(f"model {m.name!r} has "
+                                           f"{m.max_queued_requests} requests waiting; retry "
+                                           "shortly") from None
                 if not self.backend.replica_lost(m.name, exc):
                     raise
                 raise replica_lost_error(m.name) from None

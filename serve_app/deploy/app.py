@@ -127,8 +127,10 @@ def pooling_deployment(m: Any, threads: int) -> Any:
         ray_actor_options={"num_cpus": m.num_cpus, "resources": dict(m.resources),
                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads),
                                                         **serve_replica_env()}}},
-        # @serve.batch gathers what is in flight: room for several full batches
-        max_ongoing_requests=4 * m.pooling.max_batch_size, health_check_period_s=10,
+        # @serve.batch gathers what is in flight: room for several full batches; beyond
+        # max_queued_requests waiting, Serve refuses (a 429 from the ingress)
+        max_ongoing_requests=4 * m.pooling.max_batch_size,
+        max_queued_requests=m.max_queued_requests, health_check_period_s=10,
         **({"max_replicas_per_node": m.max_replicas_per_node}
            if m.max_replicas_per_node is not None else {}),
     )(PoolingReplica)

@@ -34,7 +34,7 @@ from serve_app.models.phase import (
     replica_identity,
 )
 from serve_app.pooling.calls import PoolingAnswer, PoolingCall, ScoreCall
-from serve_app.serving.errors import model_load_failed_error, queue_full_error
+from serve_app.serving.errors import model_load_failed_error
 from serve_app.serving.events import Failure
 from serve_app.serving.replica_stats import PoolingStats, ReplicaProcess, ReplicaStats
 from serve_app.serving.request import ApiError
@@ -61,7 +61,6 @@ class PoolingReplica:
         self.loads, self.load_seconds = 0, 0.0
         self.unloads = dict.fromkeys(UNLOAD_REASONS, 0)
         self.active = 0  # requests here now (an unload waits for none)
-        self.queued = 0  # inputs waiting for or in a model call (admission)
         self._transition: asyncio.Lock | None = None
         self.loop_thread: str | None = None
         settings = profile.pooling
@@ -175,21 +174,11 @@ class PoolingReplica:
         self.active += 1
         try:
             model = await self._loaded()
-            inputs = len(call.pairs) if isinstance(call, ScoreCall) else \
-                len(call.texts) or len(call.token_lists)
-            limit = self.profile.pooling.max_batch_tokens * 16
-            if self.queued and self.queued + inputs > limit:
-                raise queue_full_error(f"model {self.profile.name!r} has {self.queued} inputs "
-                                       "waiting; retry shortly")
             if not isinstance(call, ScoreCall) and call.dimensions is not None:
                 self._check_dimensions(model, call.dimensions)
             encoded = await asyncio.to_thread(_encode, model, call, self._truncate(call),
                                               self.profile.pooling.instruction)
-            self.queued += inputs
-            try:
-                values = await self._run(encoded)
-            finally:
-                self.queued -= inputs
+            values = await self._run(encoded)
             if isinstance(values, Exception):
                 raise values
             tokens = sum(len(e.ids) for e in encoded)
@@ -204,6 +193,11 @@ class PoolingReplica:
         except ApiError as exc:
             self.counts.failed += 1
             return exc.to_failure()
+        except Exception as exc:  # a bug of ours: a 500 that says so, the replica goes on
+            logger.exception("model %s: a request failed", self.profile.name)
+            self.counts.failed += 1
+            return ApiError(500, f"the model replica failed on this request: {exc}",
+                            type="server_error").to_failure()
         finally:
             self.active -= 1
 
@@ -299,8 +293,8 @@ def _encode(model: PoolingModel, call: PoolingCall, truncate: bool,
             else:
                 out.append(model.encode_ids(list(item), truncate))
         except TooLong as exc:
-            raise ApiError(400, f"{call.param}[{i}] has {exc} (set truncate: true to cut "
-                                "inputs to it)", param=f"{call.param}[{i}]",
+            hint = "" if truncate else " (set truncate: true to cut inputs to it)"
+            raise ApiError(400, f"{call.param}[{i}] has {exc}{hint}", param=f"{call.param}[{i}]",
                            code="context_length_exceeded") from None
         except ValueError as exc:
             raise ApiError(400, f"{call.param}[{i}]: {exc}", param=f"{call.param}[{i}]") \

@@ -578,3 +578,12 @@ def final_hidden(model: Any, ids: Any) -> Any:
     checkpoint loaded as text), called with no cache (a causal mask)."""
     text = getattr(model, "language_model", model)
     return text.model(ids)
+
+
+def output_logits(model: Any, hidden: Any) -> Any:
+    """A decoder's output head over final hidden states (..., D): its ``lm_head``, or its
+    tied embedding (``args.tie_word_embeddings``; mlx-lm 0.32's layout, as ``trunk_parts``)."""
+    text = getattr(model, "language_model", model)
+    if getattr(text.args, "tie_word_embeddings", False):
+        return text.model.embed_tokens.as_linear(hidden)
+    return text.lm_head(hidden)

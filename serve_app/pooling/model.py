@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +19,7 @@ from typing import Any, Literal
 import mlx.core as mx
 import numpy as np
 
-from serve_app.models.compat import final_hidden
+from serve_app.models.compat import final_hidden, output_logits
 from serve_app.pooling.bert import ENCODER_TYPES, BertConfig, BertModel
 from serve_app.pooling.pooler import Pooling, pool, read_pooling
 
@@ -59,11 +60,14 @@ class PoolingModel:
         self.max_batch_tokens = max_batch_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.tokenizer.model_max_length = 1 << 40  # lengths are ours to check (``limit``)
+        # One Rust tokenizer, its truncation set per call: worker threads take turns.
+        self._tokenizing = threading.Lock()
         if self.encoder:
             self.net: Any = _load_bert(model_dir, self.config, classifier=task == "rerank")
-            if task == "rerank" and not self.net.config.num_labels:
-                raise ValueError(f"{model_dir}: an encoder reranks with a classifier head "
-                                 "(a cross-encoder, ...ForSequenceClassification)")
+            labels = self.net.config.num_labels
+            if task == "rerank" and labels != 1:
+                raise ValueError(f"{model_dir}: an encoder reranks with a one-label classifier "
+                                 f"head (a cross-encoder), and this one has {labels}")
         else:
             import mlx_lm
 
@@ -84,8 +88,9 @@ class PoolingModel:
     def encode(self, text: str, truncate: bool = False) -> Encoded:
         """A text's tokens as the model was trained on them (special tokens included); over
         ``limit``: cut to it (``truncate``), else ``TooLong``."""
-        ids = self.tokenizer(text, truncation=truncate, max_length=self.limit if truncate
-                             else None)["input_ids"]
+        with self._tokenizing:
+            ids = self.tokenizer(text, truncation=truncate, max_length=self.limit if truncate
+                                 else None)["input_ids"]
         return self.checked(Encoded(list(ids)))
 
     def encode_ids(self, ids: list[int], truncate: bool = False) -> Encoded:
@@ -101,17 +106,28 @@ class PoolingModel:
         cut where ``truncate``, as sentence-transformers' cross-encoders do), or a decoder
         reranker's prompt."""
         if self.encoder:
-            try:
+            with self._tokenizing:
+                query_ids = self.tokenizer(query)["input_ids"]
+                if len(query_ids) + 1 >= self.limit:  # no room for a document
+                    raise TooLong(len(query_ids) + 1, self.limit)
                 out = self.tokenizer(query, document, max_length=self.limit if truncate
                                      else None, truncation="only_second" if truncate else False)
-            except Exception as exc:  # the query alone is over the limit
-                raise TooLong(len(self.tokenizer(query)["input_ids"]), self.limit) from exc
             return self.checked(Encoded(list(out["input_ids"]),
                                         list(out.get("token_type_ids") or []) or None))
-        body = (f"<Instruct>: {instruction or RERANK_INSTRUCTION}\n<Query>: {query}\n"
-                f"<Document>: {document}")
-        return self.checked(Encoded(list(self.tokenizer.encode(
-            RERANK_PREFIX + body + RERANK_SUFFIX, add_special_tokens=False))))
+        head = (f"{RERANK_PREFIX}<Instruct>: {instruction or RERANK_INSTRUCTION}\n"
+                f"<Query>: {query}\n<Document>: ")
+        with self._tokenizing:
+            ids = self.tokenizer.encode(head + document + RERANK_SUFFIX,
+                                        add_special_tokens=False)
+            if len(ids) > self.limit and truncate:  # the document's tokens cut, the rest kept
+                before = self.tokenizer.encode(head, add_special_tokens=False)
+                after = self.tokenizer.encode(RERANK_SUFFIX, add_special_tokens=False)
+                doc = self.tokenizer.encode(document, add_special_tokens=False)
+                room = self.limit - len(before) - len(after)
+                if room < 1:
+                    raise TooLong(len(before) + len(after) + 1, self.limit)
+                ids = before + doc[:room] + after
+        return self.checked(Encoded(list(ids)))
 
     def checked(self, encoded: Encoded) -> Encoded:
         if not encoded.ids:
@@ -121,8 +137,8 @@ class PoolingModel:
         return encoded
 
     def _one_token(self, word: str) -> int:
-        ids = self.tokenizer.encode(word, add_special_tokens=False)
-        return int(ids[0])
+        with self._tokenizing:
+            return int(self.tokenizer.encode(word, add_special_tokens=False)[0])
 
     # ---- the network ----------------------------------------------------------------
 
@@ -180,9 +196,9 @@ class PoolingModel:
             logits = self.net.scores(ids, attention, types).astype(mx.float32)[:, 0]
             out = mx.sigmoid(logits)
         else:
-            logits = self.net(ids).astype(mx.float32)
-            last = mx.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-            pair = last[:, self._yes_no]  # (yes, no)
+            hidden = final_hidden(self.net, ids)  # the head on the last rows only: (B, V)
+            last = mx.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+            pair = output_logits(self.net, last).astype(mx.float32)[:, self._yes_no]
             out = mx.softmax(pair, axis=-1)[:, 0]
         mx.eval(out)
         return np.array(out)

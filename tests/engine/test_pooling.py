@@ -98,3 +98,42 @@ def test_inputs_over_the_limit_are_refused_or_cut(tmp_path):
     assert len(pair.ids) == 128 and pair.types is not None and pair.types[-1] == 1
     with pytest.raises(TooLong):
         rerank.encode_pair("a question", "a long document " * 40)
+
+
+def test_the_tokenizer_is_shared_safely_between_threads(tmp_path):
+    """Worker threads tokenize at once, with and without truncation (one Rust tokenizer
+    whose truncation is set per call): every result is the one a lone call gives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = PoolingModel(materialize("tiny-bert", tmp_path), "embed")
+    texts = [("x " * n, n % 2 == 0) for n in range(1, 200)]
+
+    def one(item):
+        text, cut = item
+        try:
+            return model.encode(text, truncate=cut).ids
+        except ValueError as exc:  # TooLong, as alone
+            return str(exc)
+
+    alone = [one(t) for t in texts]
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            assert list(pool.map(one, texts)) == alone
+
+
+def test_a_decoder_reranker_cuts_the_document_only(tmp_path):
+    from serve_app.pooling.model import TooLong
+    from serve_app.pooling.pooler import Pooling
+
+    model = PoolingModel(materialize("tiny-dense", tmp_path), "rerank")
+    model.pooling = Pooling("lasttoken", True, 400)  # a small limit, to reach it
+    long_doc = "a long document " * 40
+    with pytest.raises(TooLong):
+        model.encode_pair("what is x", long_doc)
+    cut = model.encode_pair("what is x", long_doc, truncate=True)
+    whole = model.encode_pair("what is x", "a long")
+    assert len(cut.ids) == 400
+    suffix = model.tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n<think>\n\n"
+                                    "</think>\n\n", add_special_tokens=False)
+    assert cut.ids[-len(suffix):] == suffix == whole.ids[-len(suffix):]
+    assert 0.0 <= model.scores([cut])[0] <= 1.0

@@ -30,6 +30,9 @@ MODELS = [
     {"name": "chat", "source": "embedded:tiny-dense", "max_tokens": 8},
     {"name": "xlmr", "source": "embedded:tiny-xlmr"},
     {"name": "xlmr-rerank", "source": "embedded:tiny-xlmr-rerank"},
+    # one request a model call, each waiting 50 ms for company, one more queued at most
+    {"name": "narrow", "source": "embedded:tiny-bert", "max_queued_requests": 1,
+     "pooling": {"max_batch_size": 1, "batch_wait_timeout_s": 0.05}},
 ]
 TEXTS = ["hello world", "a", "the quick brown fox " * 5]
 
@@ -164,6 +167,20 @@ def test_bad_requests_are_clear_errors_and_lose_nothing(server, client, path, bo
     assert len(client.embeddings.create(model="bert", input="still fine").data) == 1
 
 
+def test_a_full_model_answers_429_and_the_rest_are_served(server):
+    """32 requests at once where 4 run and 1 waits: Ray Serve refuses the others, each a
+    429 with Retry-After; every request gets one or the other."""
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(lambda i: post(server, "/v1/embeddings", {
+            "model": "narrow", "input": f"sentence {i}"}), range(32)))
+    codes = [r.status_code for r in answers]
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+    refused = next(r for r in answers if r.status_code == 429)
+    assert refused.headers.get("retry-after") and \
+        refused.json()["error"]["code"] == "queue_full"
+    assert post(server, "/v1/embeddings", {"model": "narrow", "input": "x"}).status_code == 200
+
+
 def test_truncate_cuts_instead_of_refusing(server):
     r = post(server, "/v1/embeddings", {"model": "bert", "input": "x " * 300,
                                         "truncate": True, "encoding_format": "base64"})
@@ -182,6 +199,6 @@ def test_counters_and_models_list(server):
                                             timeout=60).json()["data"]}
     assert {n: m["task"] for n, m in models.items()} == {
         "bert": "embed", "qwen-embed": "embed", "cross": "rerank", "qwen-rerank": "rerank",
-        "chat": "generate", "xlmr": "embed", "xlmr-rerank": "rerank"}
+        "chat": "generate", "xlmr": "embed", "xlmr-rerank": "rerank", "narrow": "embed"}
     status = httpx.get(f"{server.base_url}/v1/status", timeout=60).json()["models"]
     assert status["cross"]["pooling"]["task"] == "rerank" and "engine" not in status["cross"]
