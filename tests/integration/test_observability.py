@@ -40,6 +40,7 @@ BS = 16
 HYBRID = "obs-hybrid"
 DENSE = "obs-dense"
 LIMITED = "obs-limited"
+EMBED = "obs-embed"
 MODELS = [
     # Routed by the prefix-affinity router even with one replica: its decisions reach
     # Prometheus like every other metric.
@@ -50,6 +51,8 @@ MODELS = [
     {"name": LIMITED, "source": "embedded:tiny-dense", "context_length": 4096,
      "max_batch_size": 1, "max_queued_requests": 1, "max_tokens": 4000,
      "cache": {"enabled": False}},
+    # An embedding model: its counters and model-call histograms reach Prometheus too.
+    {"name": EMBED, "source": "embedded:tiny-bert"},
 ]
 # Ray pushes worker metrics to the node's exporter every 10 s by default.
 SERVER_ENV = {"RAY_metrics_report_interval_ms": "500"}
@@ -309,6 +312,14 @@ def test_metrics_follow_a_workload_across_a_restart(stack):
     prom.wait_for(m("prefix_cache_hit_tokens_total", model=HYBRID), expected + hot)
     assert prom.value(m("prefix_cache_hit_tokens_total", model=HYBRID, tier="hot")) > 0
     prom.wait_for(m("prefix_cache_walkbacks_total", model=HYBRID), 1)  # still exactly one
+
+    # ---- an embedding model's work: inputs and tokens counted, its model calls timed
+    embedded = openai_client(second, "k").embeddings.create(model=EMBED, input=["a", "bc"])
+    prom.wait_for(m("pooling_inputs_total", model=EMBED, task="embed"), 2)
+    prom.wait_for(m("pooling_tokens_total", model=EMBED, task="embed"),
+                  embedded.usage.prompt_tokens)
+    prom.wait_for(m("requests_total", model=EMBED, status="200"), 1)
+    assert prom.value(m("pooling_batch_seconds_count", model=EMBED)) >= 1
 
     # ---- every panel of every dashboard has data (rate() needs a few samples of the new
     # series: until then a panel may be empty); the scraped text is valid
