@@ -129,12 +129,13 @@ def cached_hub_dir(repo: str, revision: str | None) -> Path | None:
 def real_model_facts(name: str) -> ModelFacts:
     """An embedded real model's facts before it is downloaded: its known config and size."""
     from serve_app.config.catalog import REAL_MODELS
-    from serve_app.models import smollm2
+    from serve_app.models import minilm, smollm2
 
     fmt = REAL_MODELS[name]
     dtype = "float32" if fmt == "q4" else fmt
-    config = {**smollm2.CONFIG, "torch_dtype": dtype}
-    return ModelFacts(config, smollm2.WEIGHTS_BYTES[fmt], dtype,
+    known = minilm if name.startswith("all-minilm") else smollm2
+    config = {**known.CONFIG, "torch_dtype": dtype}
+    return ModelFacts(config, known.WEIGHTS_BYTES[fmt], dtype,
                       f"embedded:{name} (not downloaded yet)")
 
 

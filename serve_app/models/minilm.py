@@ -25,6 +25,15 @@ FILES = ("config.json", "config_sentence_transformers.json", "model.safetensors"
          "tokenizer.json", "tokenizer_config.json", "vocab.txt", "1_Pooling/config.json",
          "README.md")
 WEIGHTS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+# What the memory plan needs before the download (tests/integration/test_minilm.py checks
+# both against a materialized model): the config's keys it reads, each format's bytes.
+CONFIG = {
+    "model_type": "bert", "architectures": ["BertModel"], "hidden_size": 384,
+    "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 12,
+    "max_position_embeddings": 512, "type_vocab_size": 2, "vocab_size": 30522,
+    "layer_norm_eps": 1e-12, "hidden_act": "gelu", "pad_token_id": 0,
+}
+WEIGHTS_BYTES = {"float32": 90_868_376, "bfloat16": 45_438_896, "float16": 45_438_792}
 
 
 def build(out: Path, downloads: Path, progress: ProgressFn | None = None) -> None:

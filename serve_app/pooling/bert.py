@@ -179,8 +179,9 @@ class BertModel(nn.Module):
 
     def __call__(self, ids: mx.array, attention: mx.array,
                  types: mx.array | None = None) -> mx.array:
-        x = self.embeddings(ids, mx.zeros_like(ids) if types is None else types,
-                            self.config.position_offset)
+        if types is None or self.config.type_vocab_size == 1:  # RoBERTa's: one type only
+            types = mx.zeros_like(ids)
+        x = self.embeddings(ids, types, self.config.position_offset)
         # pads are keys no query attends to (each real query has at least itself)
         mask = (attention[:, None, None, :] > 0)
         for layer in self.encoder.layer:

@@ -99,3 +99,20 @@ def test_served_minilm_gives_the_published_scores_to_the_openai_client(tmp_path,
             scores = corpus @ asked[q]
             for i, published in top:
                 assert abs(scores[i] - published) <= 6e-5, (query, CORPUS[i], scores[i])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MINILM_FORMATS.values()))
+def test_known_facts_match_the_materialized_model(name, model_home):
+    """The memory plan's facts before the download equal the built model's."""
+    import json
+
+    from serve_app.config.catalog import REAL_MODELS
+    from serve_app.memory.facts import real_model_facts
+    from serve_app.models import minilm
+
+    path = materialize(name, model_home)
+    config = json.loads((path / "config.json").read_text())
+    assert {k: config[k] for k in minilm.CONFIG} == minilm.CONFIG
+    assert (path / "model.safetensors").stat().st_size == \
+        minilm.WEIGHTS_BYTES[REAL_MODELS[name]] == real_model_facts(name).weights_bytes

@@ -25,6 +25,7 @@ from serve_app.models.embedded import materialize
 from serve_app.models.phase import PHASES
 from tests.support import REPO
 from tests.support.clients import chat, openai_client, text
+from tests.support.formats import REALS
 from tests.support.servers import running, wait_for
 from tests.support.threads import Threads
 
@@ -46,7 +47,7 @@ def test_gguf_names_map_onto_mlx_lms_llama():
 
 
 @pytest.mark.slow  # builds each format of the real model from its wheel
-@pytest.mark.parametrize("name", sorted(REAL_MODELS))
+@pytest.mark.parametrize("name", REALS)
 def test_known_facts_match_the_materialized_model(name, model_home):
     """The memory plan's facts before the download equal the built model's."""
     path = materialize(name, model_home)

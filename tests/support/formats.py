@@ -12,7 +12,7 @@ from serve_app.cache.client import LocalCacheClient
 from serve_app.cache.hashing import chain, salted_root
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.tiers import TieredStore
-from serve_app.config.catalog import FORMATS, REAL_MODELS
+from serve_app.config.catalog import EMBEDDED_PREFIX, FORMATS, REAL_MODELS, default_task
 from serve_app.config.profile import ModelProfile
 from serve_app.models.embedded import materialize
 from serve_app.serving.request import CompletionRequest
@@ -23,7 +23,8 @@ from tests.support.servers import wait_for
 BS = 16
 HYBRIDS = [f"tiny-hybrid-{f}" if f != "fp32" else "tiny-hybrid" for f in FORMATS]
 DENSES = [f"tiny-dense-{f}" if f != "fp32" else "tiny-dense" for f in FORMATS]
-REALS = sorted(REAL_MODELS)  # SmolLM2-135M: 4-bit as its GGUF, fp32 and bf16
+# SmolLM2-135M: 4-bit as its GGUF, fp32 and bf16 (the generative real models)
+REALS = sorted(n for n in REAL_MODELS if default_task(EMBEDDED_PREFIX + n) == "generate")
 
 _loaded: dict[str, tuple] = {}
 
