@@ -47,11 +47,7 @@ class ImageSite:
                 elif path == "/endless":
                     self.send_response(200)
                     self.end_headers()
-                    try:
-                        for _ in range(4096):
-                            self.wfile.write(b"\0" * 65536)
-                    except OSError:
-                        pass
+                    self._endless()
                 elif path == "/drip":  # a byte at a time, never quite timing out
                     self.send_response(200)
                     self.end_headers()
@@ -69,11 +65,7 @@ class ImageSite:
                     self.send_response(302)
                     self.send_header("Location", f"http://{moved_to}:{site.port}/loop")
                     self.end_headers()
-                    try:
-                        for _ in range(4096):
-                            self.wfile.write(b"\0" * 65536)
-                    except OSError:
-                        pass
+                    self._endless()
                 elif path == "/moved":
                     self.send_response(302)
                     self.send_header("Location", f"http://{moved_to}:{site.port}/1.png")
@@ -81,6 +73,13 @@ class ImageSite:
                     self.end_headers()
                 else:
                     self.send_error(404)
+
+            def _endless(self) -> None:  # 256 MiB of zeros, or until the client leaves
+                try:
+                    for _ in range(4096):
+                        self.wfile.write(b"\0" * 65536)
+                except OSError:
+                    pass
 
             def _send(self, body: bytes) -> None:
                 self.send_response(200)
