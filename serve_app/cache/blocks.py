@@ -8,10 +8,11 @@ state exactly at the block's end boundary.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from serve_app.cache.layout import KV, RECURRENT, Layout
 from serve_app.cache.payload import BlockPayload, RestorePlan, Tensor
+from serve_app.kvquant.batch_cache import make_cache
+from serve_app.kvquant.format import pack, unpack
 
 
 def capture_block(
@@ -21,7 +22,8 @@ def capture_block(
 
     ``layer_caches`` are the batch caches of a running ``BatchGenerator``
     (``BatchKVCache`` with left padding, batched ``ArraysCache``); only this
-    block's slice is materialized, so capture stays linear in prompt length.
+    block's slice is materialized, so capture stays linear in prompt length. Quantized
+    K/V (``layout.kv_quant``) leaves packed: its words, scales and biases in one array.
     """
     kv: dict[int, tuple] = {}
     state: dict[int, tuple] = {}
@@ -29,8 +31,13 @@ def capture_block(
         if kind == KV:
             padding = getattr(cache, "left_padding", None)  # None: a single-row KVCache
             pad = 0 if padding is None else int(padding[idx].item())
-            kv[i] = (cache.keys[idx : idx + 1, :, pad + start : pad + end, :],
-                     cache.values[idx : idx + 1, :, pad + start : pad + end, :])
+            if layout.kv_quant is None:
+                kv[i] = (cache.keys[idx : idx + 1, :, pad + start : pad + end, :],
+                         cache.values[idx : idx + 1, :, pad + start : pad + end, :])
+            else:
+                kv[i] = tuple(pack(tuple(a[idx : idx + 1, :, pad + start : pad + end, :]
+                                         for a in triple))
+                              for triple in (cache.keys, cache.values))
         elif kind == RECURRENT and checkpoint:
             state[i] = tuple(s[idx : idx + 1] for s in cache.cache)
     mx.eval([a for pair in kv.values() for a in pair], [a for s in state.values() for a in s])
@@ -49,7 +56,7 @@ def build_cache(model, layout: Layout, plan: RestorePlan) -> list:
     recurrent state to cut) keeps the KV of its first ``block_tokens[-1]`` tokens.
     """
     blocks = _checked_blocks(layout, plan)
-    cache = make_prompt_cache(model)
+    cache = make_cache(model, layout.kv_quant)
     checkpoint = blocks[-1].state
     for i, kind in enumerate(layout.kinds):
         if kind == KV:
@@ -57,7 +64,12 @@ def build_cache(model, layout: Layout, plan: RestorePlan) -> list:
             values = [b.kv[i][1].to_mlx() for b in blocks]
             k = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
             v = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
-            cache[i].state = (k, v, k.shape[2])
+            if layout.kv_quant is None:
+                cache[i].state = (k, v, k.shape[2])
+            else:
+                cache[i].keys = unpack(k, layout.kv_quant, layout.kv_scale_dtype)
+                cache[i].values = unpack(v, layout.kv_quant, layout.kv_scale_dtype)
+                cache[i].offset = k.shape[2]
         else:
             cache[i].cache = [t.to_mlx() for t in checkpoint[i]]
     mx.eval([c.state for c in cache])

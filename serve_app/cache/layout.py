@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serve_app.cache.payload import STORAGE, BlockPayload, Tensor
+from serve_app.kvquant.format import KVQuant
 
 KV = "kv"
 RECURRENT = "recurrent"
@@ -75,6 +76,10 @@ class Layout:
     # Per layer: (keys, values) for kv layers, the state arrays for recurrent ones.
     arrays: tuple[tuple[ArraySpec, ...], ...] = field(default=())
     epoch: str = ""
+    # Quantized K/V (``kv_cache.bits``): each attention layer's keys and values are
+    # stored packed (``serve_app/kvquant/format.py``), their scales in ``kv_scale_dtype``.
+    kv_quant: KVQuant | None = None
+    kv_scale_dtype: str = ""
 
     @property
     def supported(self) -> bool:
@@ -85,9 +90,19 @@ class Layout:
         return RECURRENT in self.kinds
 
     @property
+    def kv_format(self) -> str:
+        """``float``, or the quantized format and its scales' dtype (``q8g64-bfloat16``)."""
+        if self.kv_quant is None:
+            return "float"
+        return f"{self.kv_quant.name}-{self.kv_scale_dtype}"
+
+    @property
     def digest(self) -> str:
         arrays = ";".join(",".join(a.describe() for a in layer) for layer in self.arrays)
-        text = "|".join(["layout-v2", *self.kinds, arrays, self.epoch])
+        # Float K/V keeps the digest it always had (caches written before stay valid); a
+        # quantized format is named, so no profile change ever restores the other kind.
+        quant = [f"kv-{self.kv_format}"] if self.kv_quant else []
+        text = "|".join(["layout-v2", *self.kinds, arrays, self.epoch, *quant])
         return hashlib.sha256(text.encode()).hexdigest()
 
     def block_nbytes(self, tokens: int) -> int:
@@ -149,6 +164,10 @@ def canonical_kind(cache: object) -> str:
 
     # Kinds we recognise but cannot slice per block yet, checked before the
     # generic ones because some subclass them.
+    from serve_app.kvquant.batch_cache import BatchQuantizedKVCache, QuantizedRowCache
+
+    if isinstance(cache, QuantizedRowCache | BatchQuantizedKVCache):
+        return KV  # ours: sliced per block, packed (mlx-lm's own cannot batch)
     unsupported = (
         (RotatingKVCache, "rotating"),
         (QuantizedKVCache, "quantized"),
@@ -175,28 +194,36 @@ def layout_of(prompt_cache: list) -> Layout:
     return Layout(kinds)
 
 
-def probe_layout(model) -> Layout:
+def probe_layout(model, kv_quant: KVQuant | None = None) -> Layout:
     """The model's layout with every cached array's shape and dtype.
 
-    Runs the model on two tokens with a fresh cache, on the calling thread
-    (the engine thread: MLX work stays there).
+    Runs the model on two tokens with a fresh cache (its attention layers quantized
+    where ``kv_quant`` says), on the calling thread (the engine thread: MLX work stays
+    there).
     """
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(model)
+    from serve_app.kvquant.batch_cache import make_cache
+    from serve_app.kvquant.format import pack
+
+    cache = make_cache(model, kv_quant)
     layout = layout_of(cache)
     if not layout.supported:
         return layout
     mx.eval(model(mx.array([[0, 1]]), cache=cache))
     arrays = []
+    scale_dtype = ""
     for c, kind in zip(cache, layout.kinds, strict=True):
         if kind == KV:
             k, v = c.keys, c.values
+            if kv_quant is not None:
+                scale_dtype = str(k[1].dtype).removeprefix("mlx.core.")
+                k, v = pack(k), pack(v)
             arrays.append(tuple(ArraySpec((1, a.shape[1], None, a.shape[3]),
                                           Tensor.from_mlx(a[:1, :1, :1, :1]).dtype)
                                 for a in (k, v)))
         else:
             arrays.append(tuple(ArraySpec(tuple(a.shape), Tensor.from_mlx(a[:1]).dtype)
                                 for a in c.cache))
-    return Layout(layout.kinds, arrays=tuple(arrays), epoch=installed_cache_epoch())
+    return Layout(layout.kinds, arrays=tuple(arrays), epoch=installed_cache_epoch(),
+                  kv_quant=kv_quant, kv_scale_dtype=scale_dtype)

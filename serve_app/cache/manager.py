@@ -77,7 +77,9 @@ class CacheManager:
         self._expect = {"model": identity, "layout": layout.digest,
                         "block_size": str(settings.block_size)}
         self._disk = DiskInfo(identity, layout.digest, settings.block_size, settings.storage,
-                              settings.codec)
+                              settings.codec, layout.kv_format)
+        if layout.kv_quant is not None:  # float blocks written before it named none
+            self._expect["kv_format"] = layout.kv_format
         breaker = getattr(client, "breaker", None)  # the store's settings, for nodes too
         self.remote = RemoteFetchPolicy() if breaker is None else RemoteFetchPolicy(
             breaker_failures=breaker.threshold, breaker_cool_down_s=breaker.cool_down_s)

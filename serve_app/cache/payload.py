@@ -24,8 +24,10 @@ import numpy as np
 
 from serve_app.cache.match import Partial
 
-# MLX dtype name -> the numpy dtype that carries its bits.
-STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+# MLX dtype name -> the numpy dtype that carries its bits (``uint32``: quantized K/V,
+# packed: ``serve_app/kvquant/format.py``).
+STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+           "uint32": np.uint32}
 
 
 class PayloadError(ValueError):

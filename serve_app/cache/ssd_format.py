@@ -158,3 +158,6 @@ class DiskInfo:
     block_size: int
     storage: str  # "ssd_sidecar" or "embedded"
     codec: str
+    # The K/V's format: "float", or quantized ("q8g64-bfloat16": bits, group, scales).
+    # The layout digest already tells formats apart; the file names its own for people.
+    kv_format: str = "float"

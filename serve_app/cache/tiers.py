@@ -197,7 +197,8 @@ class TieredStore:
             meta = {"model": disk.model, "layout": disk.layout,
                     "block_size": str(disk.block_size), "tokens": str(payload.tokens),
                     "parent_id": entry.parent_id, "dtypes": dtypes,
-                    "token_ids": encode_token_ids(entry.token_ids)}
+                    "token_ids": encode_token_ids(entry.token_ids),
+                    "kv_format": disk.kv_format}
             if embedded:
                 meta["checkpoint"] = "embedded"
             result = WriteResult.DONE

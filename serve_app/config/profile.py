@@ -13,9 +13,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
     ByteSize,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -32,8 +30,14 @@ from serve_app.config.catalog import (
 )
 from serve_app.config.chat_templates import check_chat_template, check_tool_call_format
 from serve_app.config.chat_templates import tokenizer_config as _tokenizer_config
+from serve_app.config.model_sections import (
+    KVCacheProfile,
+    PoolingProfile,
+    ReasoningProfile,
+    VisionProfile,
+)
 from serve_app.config.normalize_rules import RULE_NAMES
-from serve_app.config.validation import SizeOrAuto, clean_loc
+from serve_app.config.validation import SizeOrAuto, Strict, clean_loc
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -43,22 +47,18 @@ class ProfileError(ValueError):
     """A profile is invalid; the message names the file and the key."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
 PositiveInt = Annotated[int, Field(ge=1)]
 
 
 
-class SamplingDefaults(_Strict):
+class SamplingDefaults(Strict):
     """Sampling used when a request does not say."""
 
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
 
 
-class CacheProfile(_Strict):
+class CacheProfile(Strict):
     """Prefix caching for one model."""
 
     enabled: bool = True
@@ -80,7 +80,7 @@ class CacheProfile(_Strict):
     checkpoint_interval: Annotated[int, Field(ge=1)] | None = None
 
 
-class CacheStoreProfile(_Strict):
+class CacheStoreProfile(Strict):
     """The per-node cache-store actor, shared by every model replica on the node."""
 
     # Bytes, or ``auto``: what the memory plan leaves once the models are loaded, within
@@ -109,7 +109,7 @@ class CacheStoreProfile(_Strict):
     breaker_cool_down_s: Annotated[float, Field(gt=0.0)] = 10.0
 
 
-class RoutingProfile(_Strict):
+class RoutingProfile(Strict):
     """How requests pick one of a model's replicas."""
 
     # "prefix": the replica that has the least to prefill, by the cluster's block
@@ -123,7 +123,7 @@ class RoutingProfile(_Strict):
     load_cost_tokens: Annotated[float, Field(ge=0.0)] = 512.0
 
 
-class SpeculativeProfile(_Strict):
+class SpeculativeProfile(Strict):
     """Speculative decoding (``serve_app/serving/speculative.py``): each decode step drafts
     up to ``num_draft_tokens`` per request and the model verifies them in one forward.
     Output is exactly what plain decoding gives at temperature 0, and distributed as it
@@ -164,61 +164,7 @@ class SpeculativeProfile(_Strict):
         return self
 
 
-Effort = Literal["minimal", "low", "medium", "high"]
-DEFAULT_EFFORT_BUDGETS: dict[Effort, int] = {
-    "minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
-
-
-class ReasoningProfile(_Strict):
-    """A thinking model's thoughts (``serve_app/reasoning``): the budget a thought may
-    spend before the server closes it with the model's own end-of-thinking tokens, per
-    ``reasoning_effort`` and by default, and the field the chat API sends it in."""
-
-    # Thought tokens when a request names no budget and no effort; None: no limit.
-    budget_tokens: Annotated[int, Field(ge=0)] | None = None
-    # ``reasoning_effort`` (chat) / ``reasoning.effort`` (Responses) as thought budgets.
-    effort_budgets: dict[Effort, Annotated[int, Field(ge=0)]] = Field(
-        default_factory=lambda: dict(DEFAULT_EFFORT_BUDGETS))
-    # The chat API's name for the thought: "reasoning_content" (DeepSeek, vLLM),
-    # "reasoning" (mlx_lm.server, OpenRouter) or both.
-    response_field: Literal["reasoning_content", "reasoning", "both"] = "reasoning_content"
-    # After each turn, prefill the next turn's prefix ahead (the history as the template
-    # renders it next time, without this turn's thought): the next turn restores all of
-    # its history. Off: it restores up to this turn's answer start (serve_app/reasoning).
-    prefill_next_turn: bool = True
-
-
-class VisionProfile(_Strict):
-    """A vision-language model's images (``serve_app/multimodal``): per-request limits and
-    the vision tower's output cache (by image, bounded)."""
-
-    enabled: bool = True  # off: the model serves text only (images get a 400)
-    max_image_bytes: Annotated[int, Field(ge=1)] = 20 * 1024 * 1024
-    max_image_pixels: Annotated[int, Field(ge=1)] = 16_000_000
-    max_images: Annotated[int, Field(ge=1, le=256)] = 16
-    feature_cache_mb: Annotated[int, Field(ge=0)] = 256
-    # http(s) image addresses, fetched only when on (within the timeout and max_image_bytes;
-    # from fetch_hosts alone where it names some, else public addresses). Never a path.
-    fetch_urls: bool = False
-    fetch_timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
-    fetch_hosts: list[str] = []
-
-
-class PoolingProfile(_Strict):
-    """An embedding or rerank model's batching and inputs (``serve_app/pooling``)."""
-
-    # Requests one model call takes together (Ray Serve's @serve.batch), how long the first
-    # waits for others; a call runs inputs sorted by length, max_batch_tokens at a time.
-    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 32
-    batch_wait_timeout_s: Annotated[float, Field(ge=0.0, le=1.0)] = 0.005
-    max_batch_tokens: Annotated[int, Field(ge=16)] = 8192
-    max_inputs: Annotated[int, Field(ge=1)] = 2048  # inputs (or documents) in one request
-    truncate: bool = False  # inputs over the model's limit: cut (true) or a 400 (false)
-    matryoshka: bool = False  # the model was trained to be cut: `dimensions` is allowed
-    instruction: str | None = None  # a decoder reranker's <Instruct> (Qwen3-Reranker's)
-
-
-class ParallelProfile(_Strict):
+class ParallelProfile(Strict):
     """One model across several processes (Macs) over ``mlx.distributed``
     (``serve_app/parallel``): ``tensor: N`` splits every layer's heads and MLP over N
     ranks, ``pipeline: N`` splits its layers. The replica is rank 0; the others run as
@@ -250,7 +196,7 @@ class ParallelProfile(_Strict):
         return self.tensor or self.pipeline or 1
 
 
-class ModelProfile(_Strict):
+class ModelProfile(Strict):
     """One served model: where it comes from and how it is batched."""
 
     name: str
@@ -314,6 +260,8 @@ class ModelProfile(_Strict):
     # cross-encoder reranks; catalog.default_task), else generate.
     task: Literal["generate", "embed", "rerank"] = "generate"
     pooling: PoolingProfile = PoolingProfile()
+    # The attention layers' K/V format (``serve_app/kvquant``): float by default.
+    kv_cache: KVCacheProfile = KVCacheProfile()
 
     @model_validator(mode="before")
     @classmethod
@@ -386,7 +334,7 @@ class ModelProfile(_Strict):
         return self.max_prompt_chars or 32 * self.context_length
 
 
-class IngressProfile(_Strict):
+class IngressProfile(Strict):
     num_cpus: Annotated[float, Field(ge=0.0)] = 0.0
     num_replicas: PositiveInt = 1
     # A file of API keys, one a line (with SERVE_APP_API_KEYS, see serve_app/api/auth.py):
@@ -425,7 +373,7 @@ class IngressProfile(_Strict):
         return value
 
 
-class MemoryProfile(_Strict):
+class MemoryProfile(Strict):
     """The node's memory plan (``serve_app/memory/plan.py``): what models, KV and the hot tier
     may take of unified memory together."""
 
@@ -436,7 +384,7 @@ class MemoryProfile(_Strict):
     max_loaded_models: PositiveInt | None = None
 
 
-class Profile(_Strict):
+class Profile(Strict):
     """The whole of an application's ``args``."""
 
     models: Annotated[list[ModelProfile], Field(min_length=1)]
@@ -466,6 +414,9 @@ def _cross_checks(profile: Profile) -> list[tuple[tuple[Any, ...], str]]:
         out += [(("models", i, key), f"task {m.task} generates nothing: drop {key}")
                 for key in ("speculative", "parallel")
                 if m.task != "generate" and getattr(m, key) is not None]
+        if m.task != "generate" and m.kv_cache.bits is not None:
+            out.append((("models", i, "kv_cache", "bits"),
+                        f"task {m.task} keeps no K/V cache: drop kv_cache"))
         if m.pinned and m.idle_unload_s is not None:
             out.append((("models", i, "idle_unload_s"),
                         "a pinned model is never unloaded: drop idle_unload_s or pinned"))

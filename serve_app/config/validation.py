@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, ByteSize, TypeAdapter, ValidationError
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, TypeAdapter, ValidationError
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
@@ -51,3 +51,9 @@ def _size_or_auto(value: Any) -> Any:
 
 # A byte count or ``auto`` (one error message for a bad value, not one per union member).
 SizeOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_size_or_auto)]
+
+
+class Strict(BaseModel):
+    """A section of a profile: unknown keys refused, no coercion, immutable."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)

@@ -115,6 +115,7 @@ class RankProcess:
     def start(self, hosts: list[list[str]]) -> RankStatus:
         """Join the group, load this rank's share, start the following engine; returns
         once it probed the model with rank 0 (a forward of every rank together)."""
+        from serve_app.kvquant.format import quant_of
         from serve_app.parallel.lockstep import Channel
         from serve_app.serving.engine_ranks import RankEngine
 
@@ -127,6 +128,7 @@ class RankProcess:
                                  max_batch_size=profile.max_batch_size,
                                  max_queued_requests=profile.max_queued_requests,
                                  prefill_step_size=profile.prefill_step_size,
+                                 kv_quant=quant_of(profile.kv_cache),
                                  name=f"{profile.name}-rank{self.rank}")
         layout = self.engine.wait_ready(600)
         self.cache = open_cache(profile, layout, self.cache_store, model_dir,

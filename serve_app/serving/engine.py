@@ -21,6 +21,8 @@ from mlx_lm.generate import BatchGenerator
 
 from serve_app.cache.layout import Layout, probe_layout
 from serve_app.cache.request_plan import Published, RequestPlan
+from serve_app.kvquant.batch_cache import make_cache
+from serve_app.kvquant.format import KVQuant
 from serve_app.memory.plan import MemoryLimits
 from serve_app.memory.shapes import cache_shape_from_layout
 from serve_app.models.compat import batch_row_caches, install_decode_step
@@ -64,8 +66,10 @@ class Engine:
         name: str = "model",
         speculator: Speculator | None = None,
         vision: VisionRuntime | None = None,
+        kv_quant: KVQuant | None = None,
     ) -> None:
         self.model = model
+        self.kv_quant = kv_quant  # the attention layers' K/V quantized (None: float)
         self.vision = vision  # a vision-language model's image splice
         self.broken: str | None = None  # why a sharded engine stopped (a rank was lost)
         self._abandoned: set[int] = set()  # requests ``RankEngine.abandon`` already ended
@@ -248,7 +252,7 @@ class Engine:
     def _run(self) -> None:
         try:
             self._begin()
-            self.layout = probe_layout(self.model)
+            self.layout = probe_layout(self.model, self.kv_quant)
             if self.speculator is not None:
                 self.speculator.calibrate(self.model, self.max_batch_size)
             self._generator = self._new_generator()
@@ -404,6 +408,8 @@ class Engine:
                                f"tokens where rank 0 restored {restored}")
         if cache is not None:
             caches, all_tokens = [cache], [req.prompt[: req.restored]]
+        elif self.kv_quant is not None:  # mlx-lm would make it float
+            caches = [make_cache(self.model, self.kv_quant)]
         if req.cache is not None:
             req.cache.start(req.restored)
         # Every request learns when it left the queue and what it really restored.

@@ -27,6 +27,7 @@ from serve_app.config.catalog import EMBEDDED_PREFIX
 from serve_app.config.normalize_rules import RULE_NAMES
 from serve_app.config.paths import default_home
 from serve_app.config.profile import ModelProfile, source_kind
+from serve_app.kvquant.format import quant_of
 from serve_app.metrics.samples import replica_samples
 from serve_app.metrics.table import Recorder
 from serve_app.models.compat import download_model, token_bytes_table
@@ -177,7 +178,8 @@ class ModelService:
         kwargs: dict[str, Any] = {
             "stop_tokens": self.eos_ids, "max_batch_size": profile.max_batch_size,
             "max_queued_requests": profile.max_queued_requests,
-            "prefill_step_size": profile.prefill_step_size, "name": profile.name}
+            "prefill_step_size": profile.prefill_step_size, "name": profile.name,
+            "kv_quant": quant_of(profile.kv_cache)}
         vision, images = vision_for(profile, model, model_dir) if lockstep is None \
             else (None, None)  # the ranks of a sharded model place no images
         if lockstep is None:

@@ -40,6 +40,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 
 from serve_app.config.profile import SpeculativeProfile
+from serve_app.kvquant.batch_cache import BatchQuantizedKVCache
 from serve_app.models.compat import (
     DecodeRows,
     recording_final_hidden,
@@ -402,7 +403,8 @@ class Speculator:
                 drafts: list[list[int]]) -> list:
         depth = max(len(d) for d in drafts)
         caches = rows.caches
-        if not all(isinstance(c, BatchKVCache | ArraysCache) for c in caches):
+        if not all(isinstance(c, BatchKVCache | BatchQuantizedKVCache | ArraysCache)
+                   for c in caches):
             self.supported = False  # sliding windows and the like: plain decoding
             logger.warning("speculative decoding is off: cache types %s cannot roll back",
                            sorted({type(c).__name__ for c in caches}))
@@ -547,7 +549,7 @@ class Speculator:
             return
         for arrays_cache, saved in zip(arrays, snapshot, strict=True):
             arrays_cache.cache = saved  # recurrent state: back to before the verify
-        kv = [c for c in caches if isinstance(c, BatchKVCache)]
+        kv = [c for c in caches if isinstance(c, BatchKVCache | BatchQuantizedKVCache)]
         lengths = [len(t) for t in emitted]
         width = max(lengths)
         padding = [width - n for n in lengths]

@@ -26,19 +26,25 @@ DENSES = [f"tiny-dense-{f}" if f != "fp32" else "tiny-dense" for f in FORMATS]
 # SmolLM2-135M: 4-bit as its GGUF, fp32 and bf16 (the generative real models)
 REALS = sorted(n for n in REAL_MODELS if default_task(EMBEDDED_PREFIX + n) == "generate")
 
-_loaded: dict[str, tuple] = {}
+_loaded: dict[tuple[str, str], tuple] = {}
+_models: dict[str, tuple] = {}
 
 
-def load(name: str, home: Path) -> tuple:
-    """(path, model, tokenizer, cold service), once per model until :func:`close_loaded`
-    (tests/engine/conftest.py calls it after each module)."""
-    if name not in _loaded:
-        path = materialize(name, home)
-        model, tokenizer = mlx_lm.load(str(path))
+def load(name: str, home: Path, kv_cache: dict | None = None) -> tuple:
+    """(path, model, tokenizer, cold service), once per model and K/V format
+    (``kv_cache``: the profile's key; the cold service has the same) until
+    :func:`close_loaded` (tests/engine/conftest.py calls it after each module)."""
+    key = (name, repr(sorted((kv_cache or {}).items())))
+    if key not in _loaded:
+        if name not in _models:
+            path = materialize(name, home)
+            _models[name] = (path, *mlx_lm.load(str(path)))
+        path, model, tokenizer = _models[name]
         cold = ModelService(ModelProfile(name="cold", source=f"embedded:{name}",
-                                         cache={"enabled": False}), model, tokenizer, path)
-        _loaded[name] = (path, model, tokenizer, cold)
-    return _loaded[name]
+                                         cache={"enabled": False}, kv_cache=kv_cache or {}),
+                            model, tokenizer, path)
+        _loaded[key] = (path, model, tokenizer, cold)
+    return _loaded[key]
 
 
 def close_loaded() -> None:
@@ -46,19 +52,20 @@ def close_loaded() -> None:
     for *_, cold in _loaded.values():
         cold.shutdown()
     _loaded.clear()
+    _models.clear()
 
 
 class Server:
     """One 'process lifetime' of the cache for one model: service, store, directory."""
 
     def __init__(self, name: str, home: Path, directory=None, cache: dict | None = None,
-                 speculative: dict | None = None) -> None:
-        path, model, tokenizer, self.cold = load(name, home)
+                 speculative: dict | None = None, kv_cache: dict | None = None) -> None:
+        path, model, tokenizer, self.cold = load(name, home, kv_cache)
         self.ssd = SSDStore(directory, 1 << 30) if directory is not None else None
         self.store = TieredStore(1 << 30, self.ssd)
         profile = ModelProfile(name="warm", source=f"embedded:{name}",
                                cache={"block_size": BS, **(cache or {})},
-                               speculative=speculative)
+                               speculative=speculative, kv_cache=kv_cache or {})
         self.service = ModelService(profile, model, tokenizer, path, LocalCacheClient(self.store))
 
     def ask(self, prompt: list[int], n: int = 10) -> dict:
@@ -92,17 +99,19 @@ def branch(prompt: list[int]) -> list[int]:
     return prompt[:-3] + [5 + (t + 7) % 240 for t in prompt[-3:]]
 
 
-def restart_matches_cold(name: str, storage: str, home: Path, tmp_path: Path) -> None:
+def restart_matches_cold(name: str, storage: str, home: Path, tmp_path: Path,
+                         kv_cache: dict | None = None) -> None:
     """Cold, then restored from SSD after a restart, then from the hot tier, then its full
-    blocks alone: the same tokens each time."""
+    blocks alone: the same tokens each time (``kv_cache``: with that K/V format, the
+    cold service's too)."""
     cache = {"gdn_snapshot_storage": storage}
     prompt = prompt_of(7, 3)
-    first = Server(name, home, tmp_path, cache)
+    first = Server(name, home, tmp_path, cache, kv_cache=kv_cache)
     a = first.ask(prompt)
     first.drain()
     first.close()
 
-    again = Server(name, home, tmp_path, cache)
+    again = Server(name, home, tmp_path, cache, kv_cache=kv_cache)
     b = again.ask(prompt)  # three blocks and the tail at the prompt's end
     assert b["cached"] == len(prompt) - 1
     assert b["text"] == a["text"] == again.cold_text(prompt)

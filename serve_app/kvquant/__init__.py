@@ -1,0 +1,1 @@
+"""A quantized K/V cache that continuous batching can run: the format, the caches."""

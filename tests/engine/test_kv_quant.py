@@ -1,0 +1,113 @@
+"""Quantized K/V (``kv_cache.bits``) inside continuous batching and on every tier.
+
+In-process (real engine, real store, real files, no Ray), on every weight format of
+both tiny families: a request restored from the hot tier or, after a restart, from SSD
+gives exactly the tokens of a cold prefill with the same ``kv_cache``; rows batched
+together give what each gives alone; blocks are stored quantized (packed) and a
+profile with another format never restores them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from serve_app.cache.ssd_format import read_file
+from serve_app.serving.request import ChatCompletionRequest, CompletionRequest
+from tests.support.engine import run
+from tests.support.formats import (
+    BS,
+    DENSES,
+    HYBRIDS,
+    Server,
+    load,
+    prompt_of,
+    restart_matches_cold,
+)
+
+Q8 = {"bits": 8, "group_size": 32}
+Q4 = {"bits": 4, "group_size": 32}
+
+
+@pytest.mark.parametrize("name", HYBRIDS + DENSES)
+def test_warm_multi_turn_matches_cold_with_quantized_kv(name, home):
+    server = Server(name, home, kv_cache=Q8)
+    assert server.service.layout.kv_quant is not None
+    messages = [{"role": "system", "content": f"Quantized K/V of {name}. " * 2},
+                {"role": "user", "content": "The first question."}]
+    for turn in range(3):
+        req = ChatCompletionRequest(model="m", messages=messages, max_tokens=12,
+                                    temperature=0)
+        warm = run(server.service, req)
+        assert warm["text"] == run(server.cold, req)["text"], turn
+        if turn:
+            assert warm["cached"] >= BS, turn
+        messages += [{"role": "assistant", "content": warm["text"]},
+                     {"role": "user", "content": f"Question {turn + 2}."}]
+    stats = server.service.cache_stats
+    assert stats.incompatible_payloads == 0 and stats.restore_failures == 0
+    server.close()
+
+
+@pytest.mark.parametrize("name", [HYBRIDS[0], DENSES[0], HYBRIDS[1], DENSES[3]])
+def test_restart_from_ssd_matches_cold_with_quantized_kv(name, home, tmp_path):
+    storage = "ssd_sidecar" if name in HYBRIDS else "auto"
+    restart_matches_cold(name, storage, home, tmp_path, kv_cache=Q4)
+
+
+@pytest.mark.parametrize("name", [HYBRIDS[0], DENSES[2]])
+def test_rows_batched_together_give_what_each_gives_alone(name, home):
+    """Eight prompts of different lengths at once (merged, extended, filtered as rows
+    join and finish) against each alone, both on quantized K/V."""
+    _, _, _, cold = load(name, home, Q8)
+    prompts = [prompt_of(3 + i, 1)[: 9 + 5 * i] for i in range(8)]
+    alone = [run(cold, CompletionRequest(model="m", prompt=p, max_tokens=6 + i,
+                                         temperature=0))["text"]
+             for i, p in enumerate(prompts)]
+    together: list[str | None] = [None] * len(prompts)
+
+    def ask(i: int) -> None:
+        together[i] = run(cold, CompletionRequest(model="m", prompt=prompts[i],
+                                                  max_tokens=6 + i, temperature=0))["text"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone
+
+
+def test_blocks_are_stored_packed_and_a_float_profile_never_reads_them(home, tmp_path):
+    name = DENSES[0]
+    prompt = prompt_of(5, 3)
+    quantized = Server(name, home, tmp_path, kv_cache=Q8)
+    q = quantized.ask(prompt)
+    quantized.drain()
+    layout = quantized.service.layout
+    (k, v) = next(iter(layout.arrays))
+    assert k.dtype == v.dtype == "uint32"
+    files = sorted(quantized.ssd.block_path(i) for i in quantized.ids(prompt)[:3])
+    assert files
+    tensors, meta = read_file(files[0], {"kv_format": layout.kv_format})
+    assert meta["kv_format"] == "q8g32-float32" and tensors["k0"].dtype == np.uint32
+    quantized.close()
+
+    float_ = Server(name, home, tmp_path)
+    f = float_.ask(prompt)
+    assert f["cached"] == 0  # another layout digest: another chain of blocks
+    assert float_.service.layout.digest != layout.digest
+    assert f["text"] == float_.cold_text(prompt)
+    float_.close()
+    assert q["text"] == quantized.cold_text(prompt)
+
+
+def test_quantized_blocks_weigh_less_than_float_ones(home):
+    name = DENSES[0]
+    float_ = Server(name, home).service.layout
+    q8 = Server(name, home, kv_cache=Q8).service.layout
+    q4 = Server(name, home, kv_cache=Q4).service.layout
+    assert q8.block_nbytes(BS) < 0.6 * float_.block_nbytes(BS)  # fp32 model: ~0.28x
+    assert q4.block_nbytes(BS) < q8.block_nbytes(BS)
