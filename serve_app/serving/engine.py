@@ -21,7 +21,6 @@ from mlx_lm.generate import BatchGenerator
 
 from serve_app.cache.layout import Layout, probe_layout
 from serve_app.cache.request_plan import Published, RequestPlan
-from serve_app.kvquant.batch_cache import make_cache
 from serve_app.kvquant.format import KVQuant
 from serve_app.memory.plan import MemoryLimits
 from serve_app.memory.shapes import cache_shape_from_layout
@@ -393,23 +392,18 @@ class Engine:
             self.stats.kv_in_use_bytes = max(0, self.stats.kv_in_use_bytes - req.kv_bytes)
         req.kv_bytes = 0
 
-    def _restore(self, req: EngineRequest) -> list | None:
-        return engine_cache.restore(self.model, self._probed_layout, req, self.stats,
-                                    self._lock, self.name)
-
     def _insert(self, req: EngineRequest, segments: list[list[int]] | None = None,
                 restored: int | None = None) -> None:
         """Into the batch. A follower rank passes rank 0's ``segments`` and what rank 0
         ``restored`` (its own restore must give as many tokens, or the ranks part)."""
         caches, all_tokens = None, None
-        cache = self._restore(req) if restored != 0 else None  # 0: rank 0's failed
+        cache = engine_cache.restore(self.model, self._probed_layout, req, self.stats,
+                                     self._lock, self.name, restoring=restored != 0)
         if restored is not None and req.restored != restored:
             raise RuntimeError(f"request {req.rid}: this rank restored {req.restored} "
                                f"tokens where rank 0 restored {restored}")
         if cache is not None:
             caches, all_tokens = [cache], [req.prompt[: req.restored]]
-        elif self.kv_quant is not None:  # mlx-lm would make it float
-            caches = [make_cache(self.model, self.kv_quant)]
         if req.cache is not None:
             req.cache.start(req.restored)
         # Every request learns when it left the queue and what it really restored.

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from serve_app.cache.blocks import build_cache, capture_block
 from serve_app.cache.layout import Layout
 from serve_app.cache.request_plan import Published
+from serve_app.kvquant.batch_cache import make_cache
 from serve_app.serving.engine_events import EngineStats
 from serve_app.serving.engine_request import EngineRequest
 
@@ -32,15 +33,18 @@ def segments(req: EngineRequest) -> list[list[int]]:
 
 
 def restore(model, layout: Layout, req: EngineRequest, stats: EngineStats, lock,
-            name: str) -> list | None:
-    """The request's restored cache (``req.restored`` set), or None to prefill it cold.
+            name: str, restoring: bool = True) -> list | None:
+    """The cache the request starts from: its restored one (``req.restored`` set), else
+    a fresh quantized one where the K/V is (``layout.kv_quant``), else None (mlx-lm makes
+    a float one). ``restoring`` False: restore nothing (a follower rank whose rank 0 failed to).
 
     A restore that fails to build (a payload that does not fit the model) costs that one
     request its cache hit, never the running batch.
     """
-    plan = req.cache.restore if req.cache else None
+    fresh = None if layout.kv_quant is None else make_cache(model, layout.kv_quant)
+    plan = req.cache.restore if req.cache and restoring else None
     if plan is None or not plan.tokens:
-        return None
+        return fresh
     tic = time.perf_counter()
     try:
         cache = build_cache(model, layout, plan)
@@ -49,7 +53,7 @@ def restore(model, layout: Layout, req: EngineRequest, stats: EngineStats, lock,
                          name, req.rid)
         with lock:
             stats.restore_failures += 1
-        return None
+        return fresh
     req.restored = plan.tokens
     with lock:
         stats.restored_tokens += plan.tokens

@@ -23,6 +23,7 @@ PACKAGE = REPO / "serve_app"
 RANKS = {
     "config": 0,   # the YAML profile and its checks, user directories, the model catalog
     "models": 1,   # materializing models, the compat seam over mlx-lm's and Ray's internals
+    "kvquant": 1,  # quantized K/V: the format, packing, the batch caches
     "cache": 2,    # the prefix cache: hashing, codecs, tiers, the SSD store, the manager
     "parallel": 2,  # one model over several ranks: what splits, the group, the commands
     "reasoning": 2,  # thinking models: markers, the thought/answer split, the budget

@@ -220,6 +220,8 @@ class FakeLayout:
     hybrid: bool = False
     digest: str = "layout"
     unsupported: str | None = None
+    kv_quant: None = None
+    kv_format: str = "float"
 
     @property
     def supported(self) -> bool:
