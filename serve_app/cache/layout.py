@@ -206,6 +206,8 @@ def probe_layout(model, kv_quant: KVQuant | None = None) -> Layout:
     from serve_app.kvquant.batch_cache import make_cache
     from serve_app.kvquant.format import pack
 
+    if kv_quant is not None:
+        _check_head_dims(model, kv_quant)
     cache = make_cache(model, kv_quant)
     layout = layout_of(cache)
     if not layout.supported:
@@ -227,3 +229,21 @@ def probe_layout(model, kv_quant: KVQuant | None = None) -> Layout:
                                 for a in c.cache))
     return Layout(layout.kinds, arrays=tuple(arrays), epoch=installed_cache_epoch(),
                   kv_quant=kv_quant, kv_scale_dtype=scale_dtype)
+
+
+def _check_head_dims(model, quant: KVQuant) -> None:
+    """``ValueError`` naming the profile key when the attention heads do not split into
+    whole groups of ``quant`` (mx.quantize would fail inside the first prefill)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[0, 1]]), cache=cache))
+    dims = sorted({a.shape[-1] for c in cache if type(c) is KVCache
+                   for a in (c.keys, c.values)})
+    bad = [d for d in dims if not quant.fits(d)]
+    if bad:
+        fits = [g for g in (32, 64, 128) if all(d % g == 0 for d in dims)]
+        raise ValueError(f"kv_cache.group_size {quant.group_size} does not divide the "
+                         f"attention heads' dimension {bad[0]} of this model: use "
+                         f"{' or '.join(map(str, fits)) or 'float K/V (bits: null)'}")

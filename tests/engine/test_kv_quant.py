@@ -111,3 +111,32 @@ def test_quantized_blocks_weigh_less_than_float_ones(home):
     q4 = Server(name, home, kv_cache=Q4).service.layout
     assert q8.block_nbytes(BS) < 0.6 * float_.block_nbytes(BS)  # fp32 model: ~0.28x
     assert q4.block_nbytes(BS) < q8.block_nbytes(BS)
+
+
+@pytest.mark.parametrize("name,spec", [
+    (DENSES[0], {"method": "ngram", "num_draft_tokens": 4, "adaptive": False}),
+    (HYBRIDS[2], {"method": "ngram", "num_draft_tokens": 4, "adaptive": False}),
+    ("tiny-hybrid-mtp", {"method": "mtp", "num_draft_tokens": 3, "adaptive": False}),
+])
+def test_speculative_decoding_on_quantized_kv_gives_the_plain_tokens(name, spec, home,
+                                                                     tmp_path):
+    """Drafted runs rolled back on quantized K/V (trim, right padding rolled): the tokens
+    of plain decoding with the same kv_cache, warm and restored from SSD after a restart."""
+    prompt = [5 + (i * 7) % 23 for i in range(3 * BS + 3)]  # repeats: n-grams draft
+    first = Server(name, home, tmp_path, speculative=spec, kv_cache=Q8)
+    a = first.ask(prompt, n=24)
+    assert a["text"] == first.cold_text(prompt, n=24)
+    assert first.service.engine.snapshot().drafted_tokens > 0
+    first.drain()
+    first.close()
+    again = Server(name, home, tmp_path, speculative=spec, kv_cache=Q8)
+    b = again.ask(prompt, n=24)
+    assert b["cached"] >= 3 * BS and b["text"] == a["text"]
+    again.close()
+
+
+def test_a_group_size_the_heads_cannot_take_is_an_error_naming_the_key(home):
+    with pytest.raises(RuntimeError) as failed:
+        Server(DENSES[0], home, kv_cache={"bits": 8, "group_size": 128})
+    assert "kv_cache.group_size 128" in str(failed.value.__cause__)
+    assert "use 32" in str(failed.value.__cause__)
