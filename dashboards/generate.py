@@ -179,6 +179,11 @@ SERVING = (
         Query(f"sum by (model) (ray_serve_app_kv_waiting_requests{{{MODEL}}})",
               "{{model}}"),),
         "Admitted requests waiting for running ones to free KV (the model's KV budget)."),
+    PanelSpec("K/V bytes a token", "bytes", (
+        Query(f"max by (model, format) (ray_serve_app_kv_bytes_per_token{{{MODEL}}})",
+              "{{model}} {{format}}"),),
+        "What one token's K/V weighs as each model holds it: float, or quantized "
+        "(kv_cache.bits; q8g64 is 8 bits in groups of 64), in the batch and on every tier."),
 )
 
 PREFIX_CACHE = (

@@ -49,6 +49,8 @@ STATUS_FIELDS: dict[str, Any] = {
         "recent": True,
         "images": True,
         "pooling": True,
+        "kv_cache": {"kv_format": True, "kv_bytes_per_token": True,
+                     "float_kv_bytes_per_token": True},
         "cache": {k: True for k in (
             "enabled", "disabled_reason", "block_size", "lookups", "hit_tokens",
             "missed_tokens", "hit_rate", "hit_tokens_by_tier", "misses_by_reason",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve_app.config.profile import ModelProfile, source_kind
+from serve_app.kvquant.format import KVQuant, quant_of
 from serve_app.memory.plan import ModelFootprint, footprint
 from serve_app.memory.shapes import CacheShape, cache_shape_from_config
 
@@ -36,9 +37,9 @@ class ModelFacts:
     activation_dtype: str | None
     where: str
 
-    def cache_shape(self) -> CacheShape:
+    def cache_shape(self, kv_quant: KVQuant | None = None) -> CacheShape:
         try:
-            return cache_shape_from_config(self.config, self.activation_dtype)
+            return cache_shape_from_config(self.config, self.activation_dtype, kv_quant)
         except ValueError as exc:
             raise FactsUnavailable(f"{self.where}: {exc}") from None
 
@@ -172,7 +173,7 @@ def model_footprint(model: ModelProfile, home: Path | None = None,
                     hub: bool = False) -> ModelFootprint:
     """The model's planned footprint from its facts (``FactsUnavailable`` if unknown)."""
     facts = model_facts(model, home, hub)
-    return footprint(model, facts.weights_bytes, facts.cache_shape(),
+    return footprint(model, facts.weights_bytes, facts.cache_shape(quant_of(model.kv_cache)),
                      vision=isinstance(facts.config.get("vision_config"), dict))
 
 

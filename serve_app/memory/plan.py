@@ -114,6 +114,9 @@ class ModelFootprint:
         if self.shape.state_bytes_per_sequence:
             kv += (f" and {fmt_bytes(self.shape.state_bytes_per_sequence)} of recurrent state "
                    "a sequence")
+        if self.shape.kv_format != "float" and self.prefix_cache:
+            kv += (f" (K/V {self.shape.kv_format}: {self.shape.kv_ratio:.2f}x float's "
+                   f"{fmt_bytes(self.shape.float_kv_bytes_per_token)})")
         share = f" (one rank's share of {self.ranks})" if self.ranks > 1 else ""
         if self.vision_cache_bytes:
             share += f" + image features {fmt_bytes(self.vision_cache_bytes)}"
@@ -194,6 +197,7 @@ class MemoryPlan:
                                 "hot_share_bytes": m.hot_share_bytes,
                                 "total_bytes": m.total_bytes, "pinned": m.pinned,
                                 "kv_bytes_per_token": m.shape.kv_bytes_per_token,
+                                "kv_format": m.shape.kv_format,
                                 "state_bytes_per_sequence": m.shape.state_bytes_per_sequence}
                        for m in self.models},
             "unknown": dict(self.unknown), "problems": list(self.problems),
@@ -309,6 +313,22 @@ def plan_memory(profile: Profile, models: Sequence[ModelFootprint], machine: Mac
         metal=machine.metal)
 
 
+def _what_fits(m: ModelFootprint) -> str:
+    """What quantized K/V buys a model: sessions of its context in its KV and hot-tier
+    shares, against float K/V's."""
+    def sessions(share: int, per_token: int) -> int:
+        return share // max(1, per_token * m.tokens)
+
+    q, f = m.shape.kv_bytes_per_token, m.shape.float_kv_bytes_per_token or \
+        m.shape.kv_bytes_per_token
+    kv_share = q * m.tokens * m.sequences
+    return (f"with {m.shape.kv_format} K/V: its KV share holds {m.sequences} sessions of "
+            f"{m.tokens} tokens (as float: {sessions(kv_share, f)}, or {m.sequences} of "
+            f"{kv_share // max(1, f * m.sequences)} tokens); its hot-tier share "
+            f"{sessions(m.hot_share_bytes, q)} sessions of {m.tokens} tokens (as float: "
+            f"{sessions(m.hot_share_bytes, f)})")
+
+
 def describe(plan: MemoryPlan) -> list[str]:
     """The plan as ``check`` prints it, one line each."""
     exact = f" = {plan.budget_bytes} bytes" if plan.budget_origin == "memory.budget" else ""
@@ -319,6 +339,8 @@ def describe(plan: MemoryPlan) -> list[str]:
         tags = " [pinned]" if m.pinned else ""
         lines.append(f"  model {m.name!r}{tags}: {m.describe()}, "
                      f"+ hot-tier share {fmt_bytes(m.hot_share_bytes)}")
+        if m.prefix_cache and m.shape.kv_format != "float":
+            lines.append("    " + _what_fits(m))
     for name, why in plan.unknown:
         lines.append(f"  model {name!r}: footprint unknown ({why})")
     lines.append(f"  hot tier: {fmt_bytes(plan.hot_bytes)} ({plan.hot_origin})")

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from serve_app.kvquant.format import KVQuant
+
 if TYPE_CHECKING:
     from serve_app.cache.layout import Layout
 
@@ -46,6 +48,15 @@ class CacheShape:
     attention_layers: int = 0
     recurrent_layers: int = 0
     dtype: str = ""
+    kv_format: str = "float"  # or the quantized format (``q8g64``)
+    # What a token's K/V would take as float (the same as kv_bytes_per_token for float).
+    float_kv_bytes_per_token: int = 0
+
+    @property
+    def kv_ratio(self) -> float:
+        """Bytes of a token's K/V in this format over float's (1.0 for float)."""
+        base = self.float_kv_bytes_per_token or self.kv_bytes_per_token
+        return self.kv_bytes_per_token / base if base else 1.0
 
     def bytes_for(self, sequences: int, tokens: int, step: int = KV_STEP_TOKENS) -> int:
         """KV and state of ``sequences`` sequences of ``tokens`` tokens each, with the KV
@@ -79,7 +90,8 @@ def config_dtype(config: dict) -> str | None:
     return None
 
 
-def cache_shape_from_config(config: dict, dtype: str | None = None) -> CacheShape:
+def cache_shape_from_config(config: dict, dtype: str | None = None,
+                            kv_quant: KVQuant | None = None) -> CacheShape:
     """A model's cache bytes from its config.json alone (no weights loaded).
 
     ``dtype`` is the activation dtype (what the weights compute in: the embedding's, or
@@ -89,7 +101,8 @@ def cache_shape_from_config(config: dict, dtype: str | None = None) -> CacheShap
     instead keeps per sequence a conv state ``(kernel - 1) x (2 key_dim + value_dim)`` in
     the activation dtype and an SSM state ``Hv x Dv x Dk`` in float32
     (``mlx_lm/models/gated_delta.py``). Other architectures are planned as if every layer
-    were full attention: an upper bound for sliding-window models.
+    were full attention: an upper bound for sliding-window models. ``kv_quant``: the
+    profile's ``kv_cache`` format, whose words, scales and biases replace float K/V.
     """
     text = _text_config(config)
     dtype = dtype or config_dtype(config) or "bfloat16"
@@ -112,9 +125,14 @@ def cache_shape_from_config(config: dict, dtype: str | None = None) -> CacheShap
     else:
         recurrent, state = 0, 0
     attention = layers - recurrent
-    return CacheShape(kv_bytes_per_token=attention * 2 * kv_heads * head_dim * act,
+    values = attention * 2 * kv_heads * head_dim
+    per_token = values * act if kv_quant is None else \
+        int(values * kv_quant.bytes_per_value(dtype))
+    return CacheShape(kv_bytes_per_token=per_token,
                       state_bytes_per_sequence=state, attention_layers=attention,
-                      recurrent_layers=recurrent, dtype=dtype)
+                      recurrent_layers=recurrent, dtype=dtype,
+                      kv_format=kv_quant.name if kv_quant else "float",
+                      float_kv_bytes_per_token=values * act)
 
 
 def cache_shape_from_layout(layout: Layout) -> CacheShape:
@@ -125,8 +143,18 @@ def cache_shape_from_layout(layout: Layout) -> CacheShape:
 
     dtypes = {a.dtype for layer, kind in zip(layout.arrays, layout.kinds, strict=True)
               if kind == KV for a in layer}
+    float_per_token = layout.block_nbytes(1)
+    if layout.kv_quant is not None:  # the same values as float, in the scales' dtype
+        float_per_token = sum(
+            layout.kv_quant.head_dim(a.shape[-1], layout.kv_scale_dtype) * a.shape[1]
+            * dtype_bytes(layout.kv_scale_dtype)
+            for layer, kind in zip(layout.arrays, layout.kinds, strict=True) if kind == KV
+            for a in layer if isinstance(a.shape[-1], int))
+        dtypes = {layout.kv_scale_dtype}
     return CacheShape(kv_bytes_per_token=layout.block_nbytes(1),
                       state_bytes_per_sequence=layout.state_nbytes(),
                       attention_layers=layout.kinds.count(KV),
                       recurrent_layers=layout.kinds.count(RECURRENT),
-                      dtype=",".join(sorted(dtypes)))
+                      dtype=",".join(sorted(dtypes)),
+                      kv_format=layout.kv_quant.name if layout.kv_quant else "float",
+                      float_kv_bytes_per_token=float_per_token)

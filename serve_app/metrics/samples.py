@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from serve_app.cache.manager_stats import CacheStats
     from serve_app.cache.stats import StoreStats
     from serve_app.memory.plan import ReplicaMemory
+    from serve_app.memory.shapes import CacheShape
     from serve_app.multimodal.tower import VisionStats
     from serve_app.parallel.group import RankStatus
     from serve_app.reasoning.ahead import ThinkingStats
@@ -59,12 +60,15 @@ def rank_samples(model: str, ranks: Sequence[RankStatus]) -> list[Sample]:
 def replica_samples(model: str, engine: EngineStats, cache: CacheStats,
                     normalized: dict[str, int],
                     thinking: ThinkingStats | None = None,
-                    vision: VisionStats | None = None) -> list[Sample]:
+                    vision: VisionStats | None = None,
+                    kv: CacheShape | None = None) -> list[Sample]:
     """Samples of one replica from its engine and prefix-cache stats, its normalized
-    requests by rule, its thinking and its vision counters."""
+    requests by rule, its thinking and its vision counters, its K/V's bytes a token."""
     m = {"model": model}
     sm = {**m, "method": engine.speculative_method or "off"}
-    out = [*_thinking_samples(m, thinking), *_vision_samples(m, vision),
+    kv_samples = [] if kv is None else [Sample(
+        "serve_app_kv_bytes_per_token", {**m, "format": kv.kv_format}, kv.kv_bytes_per_token)]
+    out = [*_thinking_samples(m, thinking), *_vision_samples(m, vision), *kv_samples,
         Sample("serve_app_prompt_tokens", m, engine.prompt_tokens),
         Sample("serve_app_generation_tokens", m, engine.generated_tokens),
         Sample("serve_app_running_requests", m, engine.running_batch_size),

@@ -159,6 +159,11 @@ METRICS: tuple[MetricDef, ...] = (
        "A model sharded over ranks: seconds each rank spent on the engine's command "
        "channel (rank 0 sending each step's commands, the others waiting for them).",
        ("model", "rank")),
+    _g("serve_app_kv_bytes_per_token", "replica",
+       "Bytes one token's K/V takes in the model's attention layers as the model holds it "
+       "(in the running batch and on every tier of the prefix cache), by `format`: `float`, "
+       "or quantized (`kv_cache.bits`: `q8g64` is 8 bits in groups of 64).",
+       ("model", "format")),
     _g("serve_app_kv_waiting_requests", "replica",
        "Admitted requests waiting for the running requests to free KV (the model's KV "
        "budget in the memory plan)."),

@@ -11,6 +11,7 @@ from typing import Any
 from serve_app.cache.manager_stats import CacheStats
 from serve_app.cache.merge import merged
 from serve_app.memory.plan import ReplicaMemory
+from serve_app.memory.shapes import CacheShape
 from serve_app.metrics.table import PHASES
 from serve_app.parallel.group import RankStatus
 from serve_app.serving.engine_events import EngineStats
@@ -124,6 +125,9 @@ class ReplicaStats:
     recent: RecentActivity | None = merged("nested", default=None)  # the last minute
     images: ImageStats | None = merged("nested", default=None)  # a vision model's
     pooling: PoolingStats | None = merged("nested", default=None)  # an embedding model's
+    # What a sequence's cache weighs as the model holds it (its K/V's format, a token's
+    # bytes against float K/V's, its recurrent state).
+    kv_cache: CacheShape | None = merged("answering", default=None)
 
     def own(self) -> ReplicaStats:
         """What a replica reports to its store: its node store's stats left out."""
@@ -157,6 +161,8 @@ class ReplicaStats:
             out["images"] = asdict(self.images)
         if self.pooling is not None:
             out["pooling"] = asdict(self.pooling)
+        if self.kv_cache is not None:
+            out["kv_cache"] = asdict(self.kv_cache)
         if self.cache_store is not None:
             out["cache_store"] = self.cache_store
         if self.replica is not None:

@@ -28,6 +28,7 @@ from serve_app.config.normalize_rules import RULE_NAMES
 from serve_app.config.paths import default_home
 from serve_app.config.profile import ModelProfile, source_kind
 from serve_app.kvquant.format import quant_of
+from serve_app.memory.shapes import CacheShape, cache_shape_from_layout
 from serve_app.metrics.samples import replica_samples
 from serve_app.metrics.table import Recorder
 from serve_app.models.compat import download_model, token_bytes_table
@@ -480,7 +481,8 @@ class ModelService:
         vision = self.engine.vision
         return replica_samples(self.profile.name, self.engine.snapshot(), self.cache_stats,
                                self.normalized, self.thinking,
-                               replace(vision.stats) if vision is not None else None)
+                               replace(vision.stats) if vision is not None else None,
+                               self.kv_cache_view())
 
     async def stats(self) -> dict:
         """``full_stats`` as ``/v1/stats`` shows them."""
@@ -505,7 +507,12 @@ class ModelService:
             self.profile.name, self.engine.snapshot(), copy.deepcopy(self.cache_stats), view,
             copy.deepcopy(self.phases),
             NormalizationStats(list(self.profile.normalize), dict(self.normalized)),
-            recent=self.recent.activity(), images=self._image_stats())
+            recent=self.recent.activity(), images=self._image_stats(),
+            kv_cache=self.kv_cache_view())
+
+    def kv_cache_view(self) -> CacheShape | None:
+        """The K/V's format and bytes a token (None: a layout the cache cannot read)."""
+        return cache_shape_from_layout(self.layout) if self.layout.supported else None
 
     def _image_stats(self) -> ImageStats | None:
         vision = self.engine.vision

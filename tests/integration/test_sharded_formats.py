@@ -1,6 +1,7 @@
 """A sharded model restores exactly on every weight format: ``tensor: 2`` on the dense
 embedded model and ``pipeline: 2`` on the hybrid one, in fp32, bf16, fp16 and 4-bit,
-under one ``serve run`` (``placement: pack``). For each: a second turn restored from the
+under one ``serve run`` (``placement: pack``), and each with quantized K/V
+(``kv_cache``). For each: a second turn restored from the
 prefix cache (every rank its own share) answers as a cold prefill of the same sharded
 model does (another ``cache_salt``: no block in common), and so does the turn restored
 from SSD after a restart. Whether sharded equals unsharded is a property of the format
@@ -25,6 +26,13 @@ MODELS = [
     *({"name": f"p2{f}", "source": f"embedded:tiny-hybrid{f}", "context_length": 1024,
        "max_batch_size": 2, "parallel": {"pipeline": 2, "placement": "pack"},
        "cache": {"block_size": BS}} for f in FORMATS),
+    # Quantized K/V (issue 44): each rank quantizes its share of the heads, or its layers.
+    {"name": "t2-q8kv", "source": "embedded:tiny-dense", "context_length": 1024,
+     "max_batch_size": 2, "parallel": {"tensor": 2, "placement": "pack"},
+     "cache": {"block_size": BS}, "kv_cache": {"bits": 8, "group_size": 32}},
+    {"name": "p2-q4kv", "source": "embedded:tiny-hybrid-bf16", "context_length": 1024,
+     "max_batch_size": 2, "parallel": {"pipeline": 2, "placement": "pack"},
+     "cache": {"block_size": BS}, "kv_cache": {"bits": 4, "group_size": 32}},
 ]
 NAMES = [m["name"] for m in MODELS]
 

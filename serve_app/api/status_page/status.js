@@ -332,6 +332,9 @@ function renderModel(name) {
       kv("KV in use / budget", fig([...e, "kv_in_use_bytes"], bytes), " / ",
          fig([...mem, "kv_budget_bytes"], bytes)),
       kv("hot-tier share", fig([...mem, "planned", "hot_share_bytes"], bytes)),
+      at(last, [...m, "kv_cache"]) === undefined ? null
+        : kv("K/V a token", fig([...m, "kv_cache", "kv_bytes_per_token"], bytes), " (",
+             h("span", {"data-role": "kv-format"}, fig([...m, "kv_cache", "kv_format"])), ")"),
       kv("process memory", fig([...mem, "process_rss_bytes"], bytes, true)),
       kv("requests, last minute", fig([...r, "requests"], num)),
       kv("output, last minute", fig([...r, "output_tokens_per_s"], tps)),
