@@ -212,7 +212,15 @@ def probe_layout(model, kv_quant: KVQuant | None = None) -> Layout:
     layout = layout_of(cache)
     if not layout.supported:
         return layout
-    mx.eval(model(mx.array([[0, 1]]), cache=cache))
+    try:
+        mx.eval(model(mx.array([[0, 1]]), cache=cache))
+    except Exception as exc:
+        if kv_quant is None:
+            raise
+        # A model whose attention calls MLX's fast kernel itself, not mlx-lm's
+        # scaled_dot_product_attention, cannot read quantized K/V.
+        raise ValueError(f"kv_cache.bits: {type(model).__module__} does not read quantized "
+                         f"K/V ({exc}); use float K/V (bits: null)") from exc
     arrays = []
     scale_dtype = ""
     for c, kind in zip(cache, layout.kinds, strict=True):

@@ -140,3 +140,49 @@ def test_a_group_size_the_heads_cannot_take_is_an_error_naming_the_key(home):
         Server(DENSES[0], home, kv_cache={"bits": 8, "group_size": 128})
     assert "kv_cache.group_size 128" in str(failed.value.__cause__)
     assert "use 32" in str(failed.value.__cause__)
+
+
+@pytest.mark.parametrize("name", ["tiny-vl", "tiny-qwen25-vl-bf16"])
+def test_an_image_conversation_on_quantized_kv_restores_from_ssd_as_cold(name, home,
+                                                                          tmp_path):
+    """Image rows (spliced features, 3-D rotary positions) on quantized K/V: restored from
+    SSD after a restart, the tokens of a cold prefill with the same kv_cache."""
+    from tests.support.images import image_part
+
+    request = ChatCompletionRequest(
+        model="m", max_tokens=10, temperature=0,
+        chat_template_kwargs={"enable_thinking": False},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                               image_part(13)]}])
+    first = Server(name, home, tmp_path, kv_cache=Q8)
+    expected = run(first.cold, request)["text"]
+    assert run(first.service, request)["text"] == expected
+    first.drain()
+    first.close()
+    again = Server(name, home, tmp_path, kv_cache=Q8)
+    restored = run(again.service, request)
+    assert restored["cached"] >= BS and restored["text"] == expected
+    again.close()
+
+
+def test_a_model_whose_attention_cannot_read_quantized_kv_is_a_load_error(home,
+                                                                            monkeypatch):
+    """A model calling MLX's fast attention kernel itself (as a few of mlx-lm's do) would
+    get packed K/V it cannot read: the load fails naming kv_cache.bits."""
+    import importlib
+
+    import mlx.core as mx
+
+    from serve_app.cache.layout import probe_layout
+    from serve_app.kvquant.format import KVQuant
+
+    _, model, _, _ = load(DENSES[0], home)
+    module = importlib.import_module(type(model).__module__)
+
+    def fast_kernel(queries, keys, values, cache, scale, mask, sinks=None):
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                    mask=mask)
+
+    monkeypatch.setattr(module, "scaled_dot_product_attention", fast_kernel)
+    with pytest.raises(ValueError, match="kv_cache.bits: .* does not read quantized"):
+        probe_layout(model, KVQuant(8, 32))
