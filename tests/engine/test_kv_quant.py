@@ -186,3 +186,30 @@ def test_a_model_whose_attention_cannot_read_quantized_kv_is_a_load_error(home,
     monkeypatch.setattr(module, "scaled_dot_product_attention", fast_kernel)
     with pytest.raises(ValueError, match="kv_cache.bits: .* does not read quantized"):
         probe_layout(model, KVQuant(8, 32))
+
+
+@pytest.mark.parametrize("name", [DENSES[1], HYBRIDS[0]])
+def test_chunked_prefill_past_the_allocation_step_gives_the_whole_prefills_tokens(name,
+                                                                                   home):
+    """A 300-token prompt prefilled 48 tokens a chunk (the batch cache grown past mlx-lm's
+    256-token step mid-prompt) and in one chunk: the same tokens, on quantized K/V; and a
+    second request restored from it too."""
+    from serve_app.cache.client import LocalCacheClient
+    from serve_app.cache.tiers import TieredStore
+    from serve_app.config.profile import ModelProfile
+    from serve_app.serving.service import ModelService
+
+    path, model, tokenizer, whole = load(name, home, Q4)
+    chunked = ModelService(ModelProfile(name="chunked", source=f"embedded:{name}",
+                                        prefill_step_size=48, kv_cache=Q4,
+                                        cache={"block_size": BS}),
+                           model, tokenizer, path, LocalCacheClient(TieredStore(1 << 30)))
+    try:
+        prompt = [5 + (i * 13) % 240 for i in range(300)]
+        request = CompletionRequest(model="m", prompt=prompt, max_tokens=8, temperature=0)
+        expected = run(whole, request)["text"]
+        assert run(chunked, request)["text"] == expected
+        again = run(chunked, request)
+        assert again["cached"] >= 288 and again["text"] == expected
+    finally:
+        chunked.shutdown()
