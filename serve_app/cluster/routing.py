@@ -3,10 +3,15 @@
 The router runs in the caller's process (the ingress). It hashes the prepared
 prompt into the same chained block ids the cache uses, reads which node holds
 how much of that chain from its own copy of the cluster's block directory, and
-ranks the model's replicas by the tokens each would still prefill (blocks in
-RAM cost nothing, on SSD a little, on another node what fetching them costs)
-plus a cost per request it is already running. A replica whose batch is full is
-ranked after every one that is not: each candidate is guarded on its own load.
+ranks the model's replicas by the seconds each would spend before a request's
+first token: the tokens it would still prefill (blocks in RAM cost nothing, on
+SSD a little, on another node what fetching them costs) at its own prefill rate,
+and, only once its batch is full, the wait for a slot. A replica with free batch
+slots costs about nothing more per request it runs (one more row of a batch), so
+a session's turns stay with the replica that holds its prefix until queueing says
+otherwise. A replica whose batch is full is ranked after every one that is not.
+The load is the router's own count of what it sent (authoritative where one
+ingress routes); where several do, the replicas' reports count too.
 No routing decision makes a remote call; the directory copy is kept current by a
 background thread (``DirectoryFollower``).
 
@@ -20,7 +25,8 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from statistics import median
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -32,6 +38,10 @@ from serve_app.serving.prepare import PreparedRequest
 
 logger = logging.getLogger("ray.serve")
 
+# What one more request costs a replica with free batch slots, in prompt tokens: a row
+# more in each decode step. Enough to split ties between equal replicas, far less than a
+# block of prefix.
+SLOT_COST_TOKENS = 4.0
 # What restoring a block costs, as a fraction of prefilling it.
 TIER_COST: dict[str, float] = {Tier.HOT: 0.0, Tier.SSD: 0.1, Tier.REMOTE: 0.3}
 REASONS = ROUTING_REASONS  # the decisions counted (``serve_app_routing_decisions``)
@@ -51,6 +61,7 @@ class ReplicaInfo:
     max_batch_size: int
     running: int = 0
     queued: int = 0
+    prefill_tokens_per_s: float = 0.0  # as measured by the replica (0: not yet)
 
     def to_stats(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,6 +82,7 @@ class Candidate:
     ongoing: int  # requests it is serving now, as this router counts them
     capacity: int  # requests it runs at once (its batch size)
     suspect: bool = False  # Ray found it unreachable or dead a moment ago
+    prefill_rate: float = 0.0  # tokens a second it prefills (0: not measured yet)
 
     @property
     def overloaded(self) -> bool:
@@ -84,6 +96,7 @@ class Ranking:
     order: list[Any]
     prefill: dict[Any, float]
     held: dict[Any, int]  # blocks of the prompt each candidate's node holds
+    seconds: dict[Any, float] = field(default_factory=dict)  # expected before prefill ends
 
     def reason(self, key: Any) -> str:
         """Why ``key`` got the request: the replica with the least to prefill (``prefix``,
@@ -105,18 +118,31 @@ def prefill_cost(node_id: str, runs: dict[str, list[str]], prompt_tokens: int,
 
 
 def rank(candidates: list[Candidate], runs: dict[str, list[str]], prompt_tokens: int,
-         block_size: int, load_cost_tokens: float) -> Ranking:
-    """Candidates by prefill cost plus ``load_cost_tokens`` per ongoing request; those
-    with a full batch last, and after them those Ray just found unreachable (a dead
-    node's replica holds the prefix until Serve removes it: asked first, it would hold a
-    request up). Ties are broken at random, so equal replicas share work."""
+         block_size: int, queue_cost_tokens: float,
+         slot_cost_tokens: float = SLOT_COST_TOKENS) -> Ranking:
+    """Candidates by the seconds before the request's prefill would end there: its
+    prefill cost at the replica's own rate (the median of the measured ones where a
+    replica has none yet), plus ``slot_cost_tokens`` per request it runs and, once its
+    batch is full, ``queue_cost_tokens`` per request waiting ahead (this one included).
+    Those with a full batch rank last, and after them those Ray just found unreachable (a
+    dead node's replica holds the prefix until Serve removes it: asked first, it would
+    hold a request up). Ties are broken at random, so equal replicas share work."""
     prefill = {c.key: prefill_cost(c.node_id, runs, prompt_tokens, block_size)
                for c in candidates}
-    order = sorted(candidates, key=lambda c: (c.suspect, c.overloaded,
-                                              prefill[c.key] + load_cost_tokens * c.ongoing,
+    rates = [c.prefill_rate for c in candidates if c.prefill_rate > 0]
+    default_rate = median(rates) if rates else 1.0
+
+    def seconds(c: Candidate) -> float:
+        waiting = max(0, c.ongoing - c.capacity + 1)
+        tokens = (prefill[c.key] + slot_cost_tokens * min(c.ongoing, c.capacity)
+                  + queue_cost_tokens * waiting)
+        return tokens / (c.prefill_rate or default_rate)
+
+    cost = {c.key: seconds(c) for c in candidates}
+    order = sorted(candidates, key=lambda c: (c.suspect, c.overloaded, cost[c.key],
                                               c.ongoing, random.random()))
     held = {c.key: len(runs.get(c.node_id, ())) for c in candidates}
-    return Ranking([c.key for c in order], prefill, held)
+    return Ranking([c.key for c in order], prefill, held, cost)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -125,11 +151,15 @@ class PrefixAffinityRouter(RequestRouter):
     # Ray calls this with the deployment's request_router_kwargs as keywords; its base
     # declares them as **kwargs, so any named parameters "break" the override.
     def initialize_state(self, model: str = "",  # type: ignore[override]
-                         load_cost_tokens: float = 512.0, follow_s: float = 0.25) -> None:
+                         load_cost_tokens: float = 512.0, follow_s: float = 0.25,
+                         routers: int = 1) -> None:
         from serve_app.cluster.directory_service import DirectoryFollower
 
         self.model = model
-        self.load_cost_tokens = load_cost_tokens
+        self.load_cost_tokens = load_cost_tokens  # a request waiting for a batch slot
+        # How many ingresses route this model: with one, this router's count of what it
+        # sent is the whole load; with several, the replicas' reports count too.
+        self.routers = routers
         self.follower = DirectoryFollower(follow_s).start()
         self.recorder = RayRecorder("router", serve=False)
         zero_at_start(self.recorder, "router", model)
@@ -187,17 +217,22 @@ class PrefixAffinityRouter(RequestRouter):
         candidates = [Candidate(r.replica_id, _node_of(r, reported[r.replica_id]),
                                 self._load(r.replica_id, reported[r.replica_id]),
                                 (reported[r.replica_id] or info).max_batch_size,
-                                self.suspects.get(r.replica_id, 0.0) > now)
+                                self.suspects.get(r.replica_id, 0.0) > now,
+                                _rate(reported[r.replica_id]))
                       for r in candidate_replicas]
         ranking = rank(candidates, runs, len(prepared.prompt), bs, self.load_cost_tokens)
         self._count(request_id, ranking.reason(ranking.order[0]))
         return [[by_key[key]] for key in ranking.order]
 
     def _load(self, replica_id: ReplicaID, reported: ReplicaInfo | None) -> int:
-        """Requests a replica serves: what this router sent it, or what it last reported
-        (other routers' requests too, a couple of seconds old), whichever is more."""
+        """Requests a replica serves: what this router sent it and has not seen end. Where
+        other ingresses route too, what the replica last reported, if more (theirs
+        included, but up to a couple of seconds old: a replica that just finished a
+        request would look busy, so one router never reads it)."""
         own = self.ongoing.get(replica_id, 0)
-        return max(own, reported.running + reported.queued) if reported else own
+        if self.routers <= 1 or reported is None:
+            return own
+        return max(own, reported.running + reported.queued)
 
     def _count(self, request_id: str, reason: str) -> None:
         """One decision per request (a request Ray routes again after a refusal, or after
@@ -225,6 +260,10 @@ class PrefixAffinityRouter(RequestRouter):
     def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_unavailable(replica_id)
         self.suspects[replica_id] = time.monotonic() + SUSPECT_S
+
+
+def _rate(reported: ReplicaInfo | None) -> float:
+    return reported.prefill_tokens_per_s if reported is not None else 0.0
 
 
 def _node_of(replica: RunningReplica, reported: ReplicaInfo | None) -> str:

@@ -118,8 +118,9 @@ class RoutingProfile(Strict):
     # (ray.serve.llm: a prefix tree of prompt text); "auto": "prefix" when the model has
     # more than one replica.
     mode: Literal["auto", "prefix", "default", "ray_prefix"] = "auto"
-    # What one request a replica is already serving counts for, in prompt tokens to
-    # prefill: higher spreads load sooner, lower follows cached prefixes harder.
+    # What one request waiting for a batch slot (the replica's batch is full) counts for,
+    # in prompt tokens to prefill. A replica with free slots costs about nothing more per
+    # request it runs: cached prefixes win until a batch is full.
     load_cost_tokens: Annotated[float, Field(ge=0.0)] = 512.0
 
 

@@ -74,7 +74,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             options["request_router_config"] = RequestRouterConfig(
                 request_router_class="serve_app.cluster.routing:PrefixAffinityRouter",  # type: ignore[arg-type]
                 request_router_kwargs={"model": m.name,
-                                       "load_cost_tokens": m.routing.load_cost_tokens},
+                                       "load_cost_tokens": m.routing.load_cost_tokens,
+                                       "routers": profile.ingress.num_replicas},
                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)  # type: ignore[arg-type]
         elif m.routing.mode == "ray_prefix":  # Ray's own, as a Ray user would pick it
             ray_router = "serve_app.cluster.ray_routers:RayPrefixCacheAffinityRouter"

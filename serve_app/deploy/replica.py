@@ -450,7 +450,8 @@ class ModelReplica:
         return ReplicaInfo(ray.get_runtime_context().get_node_id(), cache.root,
                            cache.settings.block_size, self.profile.max_batch_size,
                            engine.running_batch_size,
-                           max(0, engine.in_flight - engine.running_batch_size)).to_stats()
+                           max(0, engine.in_flight - engine.running_batch_size),
+                           cache.remote.prefill_rate or 0.0).to_stats()
 
     async def stats(self) -> ReplicaStats:
         service = self.service

@@ -56,7 +56,7 @@ class Counting(Recorder):
 def _router() -> PrefixAffinityRouter:
     """The router's own state without Ray Serve's constructor (it needs a live handle)."""
     router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)
-    router.model, router.load_cost_tokens = "m", 512.0
+    router.model, router.load_cost_tokens, router.routers = "m", 512.0, 1
     router.follower = SimpleNamespace(prefix_by_node=lambda ids: {})
     router.recorder = Counting()
     router.ongoing, router.decided, router.error_logged = {}, OrderedDict(), False

@@ -23,7 +23,7 @@ def candidates(*loads: int, capacity: int = 4) -> list[Candidate]:
 def test_the_replica_whose_node_holds_the_prefix_wins():
     runs = {"n1": ["hot"] * 4}
     ranking = rank(candidates(0, 0, 0), runs, prompt_tokens=4 * BS + 5, block_size=BS,
-                   load_cost_tokens=512)
+                   queue_cost_tokens=512)
     assert ranking.order[0] == "r1" and ranking.reason("r1") == "prefix"
     assert ranking.prefill["r1"] == 5  # only the tokens past the cached blocks
     # The others would fetch the four blocks from n1: cheaper than prefilling them.
@@ -43,17 +43,41 @@ def test_a_longer_run_elsewhere_counts_as_a_fetch_past_the_local_one():
     assert prefill_cost("a", runs, 6 * BS, BS) == pytest.approx(4 * 0.3 * BS)
 
 
-def test_load_spreads_requests_once_it_outweighs_the_prefix():
-    runs = {"n0": ["hot"] * 2}  # 32 tokens cached on n0
-    ranking = rank(candidates(1, 0), runs, 40, BS, load_cost_tokens=512)
-    assert ranking.order[0] == "r1" and ranking.reason("r1") == "load_fallback"
-    ranking = rank(candidates(1, 0), runs, 40, BS, load_cost_tokens=1)
+def test_a_replica_with_free_slots_keeps_its_prefix_however_busy():
+    """Load costs about nothing while a batch has free slots: the replica holding the
+    session's blocks gets its next turn though it runs three requests and the other none
+    (the cause of issue 45: a request cost as much as the prefix saved)."""
+    runs = {"n0": ["hot"] * 20}  # 320 tokens cached on n0 (r1 would fetch them)
+    ranking = rank(candidates(3, 0), runs, 328, BS, queue_cost_tokens=512)
     assert ranking.order[0] == "r0" and ranking.reason("r0") == "prefix"
+
+
+def test_queueing_outweighs_the_prefix_once_every_batch_is_full():
+    runs = {"n0": ["hot"] * 2}
+    ranking = rank(candidates(6, 4), runs, 40, BS, queue_cost_tokens=512)  # both full
+    assert ranking.order[0] == "r1" and ranking.reason("r1") == "load_fallback"
+    ranking = rank(candidates(6, 4), runs, 40, BS, queue_cost_tokens=1)
+    assert ranking.order[0] == "r0"
+
+
+def test_costs_are_seconds_at_each_replicas_prefill_rate():
+    """A replica twice as fast at prefill may prefill more and still be first; one that
+    has not measured its rate yet is costed at the others' median."""
+    runs = {"n0": ["hot"] * 2}  # r0 prefills 8 tokens, r1 fetches 32 (0.3 each) and 8
+    slow, fast = (Candidate("r0", "n0", 0, 4, prefill_rate=100.0),
+                  Candidate("r1", "n1", 0, 4, prefill_rate=1000.0))
+    ranking = rank([slow, fast], runs, 40, BS, queue_cost_tokens=512)
+    assert ranking.order == ["r1", "r0"]
+    assert ranking.seconds["r1"] == pytest.approx((0.3 * 32 + 8) / 1000) and \
+        ranking.seconds["r0"] == pytest.approx(8 / 100)
+    unknown = Candidate("r2", "n2", 0, 4)
+    ranking = rank([slow, fast, unknown], {}, 40, BS, queue_cost_tokens=512)
+    assert ranking.seconds["r2"] == pytest.approx(40 / 550)
 
 
 def test_a_full_replica_is_ranked_last_however_good_its_prefix():
     runs = {"n0": ["hot"] * 100}
-    ranking = rank(candidates(4, 3, capacity=4), runs, 100 * BS, BS, load_cost_tokens=0)
+    ranking = rank(candidates(4, 3, capacity=4), runs, 100 * BS, BS, queue_cost_tokens=0)
     assert ranking.order == ["r1", "r0"] and ranking.reason("r1") == "load_fallback"
 
 
@@ -63,12 +87,12 @@ def test_a_replica_ray_found_unreachable_is_ranked_after_a_full_one():
     runs = {"n0": ["hot"] * 100}
     suspect, full, free = (Candidate("r0", "n0", 0, 4, suspect=True),
                            Candidate("r1", "n1", 4, 4), Candidate("r2", "n2", 0, 4))
-    ranking = rank([suspect, full, free], runs, 100 * BS, BS, load_cost_tokens=0)
+    ranking = rank([suspect, full, free], runs, 100 * BS, BS, queue_cost_tokens=0)
     assert ranking.order == ["r2", "r1", "r0"]
 
 
 def test_no_prefix_anywhere_goes_to_the_least_loaded():
-    ranking = rank(candidates(2, 0, 1), {}, 100, BS, load_cost_tokens=512)
+    ranking = rank(candidates(2, 0, 1), {}, 100, BS, queue_cost_tokens=512)
     assert ranking.order == ["r1", "r2", "r0"] and ranking.reason("r1") == "no_prefix"
 
 
