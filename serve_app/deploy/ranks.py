@@ -222,12 +222,13 @@ class RankProcess:
         stats = engine.snapshot() if engine is not None else None
         return RankStatus(
             self.rank, self.where.node_id, self.where.host, os.getpid(),
-            steps=stats.decode_steps if stats else 0,
+            steps=stats.steps if stats else 0,
             step_seconds=stats.step_seconds if stats else 0.0,
             channel_seconds=engine.ranks.channel.seconds if engine is not None else 0.0,
             command_messages=engine.ranks.channel.messages if engine is not None else 0,
             command_bytes=engine.ranks.channel.message_bytes if engine is not None else 0,
-            broken=engine.broken if engine is not None else None)
+            broken=engine.broken if engine is not None else None,
+            **(engine.ranks.activity() if engine is not None else {}))
 
 
 # Threaded, in groups: rank 0's pings and wake-ups (``control``) are never queued behind
@@ -299,6 +300,18 @@ class Ranks:
             self.statuses[rank] = status
         return None
 
+    def describe_stall(self, seconds: float) -> str:
+        """Why no step completed for ``seconds`` while requests were in flight: the rank
+        (as of the last ping) that is in a step, or asleep, the longest; rank 0 then
+        waits for it in a collective."""
+        others = [s for s in self.statuses[1:] if s.activity not in ("", "commands")]
+        stuck = max(others, key=lambda s: s.activity_s, default=None)
+        where = ("no rank said why" if stuck is None else
+                 f"rank {stuck.rank} on node {stuck.node_id} has been "
+                 f"{'in a step' if stuck.activity == 'step' else stuck.activity} for "
+                 f"{stuck.activity_s:.0f} s")
+        return f"no step completed in {seconds:.0f} s with requests in flight: {where}"
+
     def describe_loss(self, error: BaseException) -> str:
         """The message a lost rank's requests end with: which rank, on which node."""
         tic = time.monotonic()
@@ -337,7 +350,7 @@ class Ranks:
         last ping."""
         snap = engine.snapshot()
         channel = engine.ranks.channel
-        own = RankStatus(0, self.me.node_id, self.me.host, os.getpid(), snap.decode_steps,
+        own = RankStatus(0, self.me.node_id, self.me.host, os.getpid(), snap.steps,
                          snap.step_seconds, channel.seconds, channel.messages,
                          channel.message_bytes, engine.broken)
         return (own, *self.statuses[1:])

@@ -206,13 +206,22 @@ class ModelReplica:
         return service
 
     def _watch_ranks(self, engine: RankEngine) -> None:
-        """Ping the other ranks; one that is lost or does not answer in time ends every
-        request of the model with 503 naming it, and fails the health check (Serve then
-        replaces this replica, its ranks with it)."""
+        """Ping the other ranks and watch the steps: a rank that is lost or does not answer
+        in time, or no step completing for ``rank_timeout_s`` (or three times the longest
+        step yet, if more) while requests are in flight (a rank whose engine thread is
+        stuck still answers pings), ends every request of the model with 503 naming it,
+        and fails the health check (Serve then replaces this replica, its ranks with it)."""
         ranks = self.ranks
         assert ranks is not None and self.profile.parallel is not None
+        timeout = self.profile.parallel.rank_timeout_s
+        steps, since = -1, time.monotonic()
         while self.lost is None:
             why = ranks.ping()
+            snap, now = engine.snapshot(), time.monotonic()
+            if snap.steps != steps or snap.in_flight == 0:
+                steps, since = snap.steps, now
+            if why is None and now - since > max(timeout, 3 * snap.longest_step_seconds):
+                why = ranks.describe_stall(now - since)
             broken = engine.broken
             if why is not None or broken is not None:
                 self.lost = (f"model {self.profile.name!r}: {why}" if why is not None

@@ -46,6 +46,11 @@ class RankStatus:
     command_messages: int = 0
     command_bytes: int = 0
     broken: str | None = None
+    # What its engine thread is doing (a rank other than 0): "commands" (waiting for
+    # rank 0's next ones), "step" (in one), "asleep" (rank 0 said it is idle), and since
+    # how many seconds: a rank stuck in one while rank 0 waits is named by it.
+    activity: str = ""
+    activity_s: float = 0.0
 
     def public(self) -> dict:
         return {"rank": self.rank, "node": self.node_id}

@@ -487,6 +487,8 @@ class Engine:
                 self.stats.decode_steps += 1
                 self.stats.generated_tokens += len(responses)
             self.stats.step_seconds += toc - tic
+            self.stats.steps += 1
+            self.stats.longest_step_seconds = max(self.stats.longest_step_seconds, toc - tic)
             self.stats.running_batch_size = batch
             self.stats.peak_batch_size = max(self.stats.peak_batch_size, batch)
         for p in prompt_responses:

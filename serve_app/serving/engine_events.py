@@ -64,6 +64,9 @@ class EngineStats:
     # gauges whose sum is the model's: requests in flight and in running batches now
     in_flight: int = merged("sum", default=0)
     decode_steps: int = merged("sum", default=0)
+    # every step (prefill chunks too) and the longest one: what a rank's progress is
+    steps: int = merged("sum", default=0)
+    longest_step_seconds: float = merged("max", default=0.0)
     generated_tokens: int = merged("sum", default=0)
     prompt_tokens: int = merged("sum", default=0)
     running_batch_size: int = merged("sum", default=0)

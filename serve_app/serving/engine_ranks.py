@@ -9,8 +9,10 @@ outside the group until it wakes them: a rank waiting inside a collective spins 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -46,6 +48,16 @@ class RankLink:
         self._wakes = 0  # rank 0: Idle messages sent; the others: the last wake received
         self._idle = False  # rank 0: the others were told it is idle, not woken since
         self._woken = threading.Condition()
+        # A rank other than 0: what its engine thread does now, since when (monotonic).
+        self._doing: tuple[str, float] = ("commands", time.monotonic())
+
+    def activity(self) -> dict:
+        """``RankStatus``' ``activity`` and ``activity_s`` (any thread may ask)."""
+        doing, since = self._doing
+        return {"activity": doing, "activity_s": round(time.monotonic() - since, 3)}
+
+    def _now_doing(self, what: str) -> None:
+        self._doing = (what, time.monotonic())
 
     @property
     def leads(self) -> bool:
@@ -83,6 +95,7 @@ class RankLink:
         """A rank other than 0: replay rank 0's commands until it stops. Raises what
         fails (a lost rank 0, a restore that parts from rank 0's)."""
         while not stopping.is_set():
+            self._now_doing("commands")
             commands = self.channel.receive()
             if any(isinstance(c, Stop) for c in commands):
                 return
@@ -97,11 +110,38 @@ class RankLink:
                 elif isinstance(command, Idle):
                     idle = command
             if idle is None:
+                self._now_doing("step")
                 step()
                 continue
+            self._now_doing("asleep")
             with self._woken:
                 while self._wakes < idle.wake and not stopping.is_set():
                     self._woken.wait(0.5)
+
+
+# A fault the tests cannot cause for real: a rank's engine thread blocked while its
+# process answers every ping. "RANK:STEPS": rank RANK's engine thread blocks for good
+# before its step STEPS + 1. Read once, by ranks other than 0 only.
+STALL_ENV = "SERVE_APP_TEST_STALL_RANK"
+
+
+def _stalling(step: Callable[[], None], rank: int) -> Callable[[], None]:
+    """``step``, or (``STALL_ENV`` names this rank) ``step`` until it blocks for good."""
+    spec = os.environ.get(STALL_ENV, "")
+    if not spec or int(spec.split(":")[0]) != rank:
+        return step
+    after = int(spec.split(":")[1])
+    done = [0]
+
+    def stalling() -> None:
+        if done[0] >= after:
+            logger.error("rank %d: %s set: its engine thread blocks for good", rank,
+                         STALL_ENV)
+            threading.Event().wait()
+        done[0] += 1
+        step()
+
+    return stalling
 
 
 def _ignore(event: EngineEvent) -> None:
@@ -128,7 +168,7 @@ class RankEngine(Engine):
             return
         try:
             self.ranks.follow(self._follow_insert, self._cancel, self._forget_plan,
-                              self._step, self._stopping)
+                              _stalling(self._step, self.ranks.channel.rank), self._stopping)
         except Exception as exc:
             logger.exception("engine %s (rank %d) stopped", self.name,
                              self.ranks.channel.rank)
