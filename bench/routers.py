@@ -72,8 +72,12 @@ ROUTERS = {
     "pow2": {"mode": "default", "directory": "off"},
     "ray_prefix": {"mode": "ray_prefix", "directory": "off"},
     "ours": {"mode": "prefix", "directory": "on"},
-    # ours with a smaller cost per request a replica already serves (load_cost_tokens)
+    # ours with a smaller cost per request waiting for a batch slot (load_cost_tokens)
     "ours_lc64": {"mode": "prefix", "directory": "on", "load_cost_tokens": 64},
+    # Ray's with a finite imbalanced_threshold (prefix affinity only while queue lengths
+    # differ by less): the sweep that finds its best setting (issue 45)
+    **{f"ray_prefix_t{t}": {"mode": "ray_prefix", "directory": "off",
+                            "ray_imbalanced_threshold": float(t)} for t in (1, 2, 4, 8)},
 }
 KV_AWARE_WHY = (
     "not run: KVAwareRouter scores only through the KVTokenTracker that Ray's LLMRouter "

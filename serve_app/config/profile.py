@@ -122,6 +122,9 @@ class RoutingProfile(Strict):
     # in prompt tokens to prefill. A replica with free slots costs about nothing more per
     # request it runs: cached prefixes win until a batch is full.
     load_cost_tokens: Annotated[float, Field(ge=0.0)] = 512.0
+    # mode "ray_prefix": Ray's imbalanced_threshold (prefix affinity while replicas' queue
+    # lengths differ by less than this; null: Ray's default, no limit).
+    ray_imbalanced_threshold: Annotated[float, Field(gt=0.0)] | None = None
 
 
 class SpeculativeProfile(Strict):
@@ -415,6 +418,10 @@ def _cross_checks(profile: Profile) -> list[tuple[tuple[Any, ...], str]]:
         out += [(("models", i, key), f"task {m.task} generates nothing: drop {key}")
                 for key in ("speculative", "parallel")
                 if m.task != "generate" and getattr(m, key) is not None]
+        if m.routing.ray_imbalanced_threshold is not None and m.routing.mode != "ray_prefix":
+            out.append((("models", i, "routing", "ray_imbalanced_threshold"),
+                        f"Ray's router only reads it (mode ray_prefix), not mode "
+                        f"{m.routing.mode}: drop it or set routing.mode: ray_prefix"))
         if m.task != "generate" and m.kv_cache.bits is not None:
             out.append((("models", i, "kv_cache", "bits"),
                         f"task {m.task} keeps no K/V cache: drop kv_cache"))

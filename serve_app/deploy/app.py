@@ -79,8 +79,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)  # type: ignore[arg-type]
         elif m.routing.mode == "ray_prefix":  # Ray's own, as a Ray user would pick it
             ray_router = "serve_app.cluster.ray_routers:RayPrefixCacheAffinityRouter"
+            threshold = m.routing.ray_imbalanced_threshold
             options["request_router_config"] = RequestRouterConfig(
                 request_router_class=ray_router,  # type: ignore[arg-type]
+                request_router_kwargs={} if threshold is None else {  # type: ignore[arg-type]
+                    "imbalanced_threshold": threshold},
                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)  # type: ignore[arg-type]
         if m.parallel is not None:
             # One bundle per rank; the replica (rank 0) runs in the first, its ranks in the

@@ -137,3 +137,15 @@ def test_prefix_routing_is_on_by_default_only_with_several_replicas():
                         routing={"mode": "prefix"}).prefix_routing
     assert not ModelProfile(name="m", source="embedded:tiny-dense", num_replicas=2,
                             routing={"mode": "default"}).prefix_routing
+
+
+def test_rays_imbalanced_threshold_is_read_with_rays_router_only():
+    from serve_app.config.profile import ProfileError, parse_profile
+
+    def profile(routing: dict) -> None:
+        parse_profile({"models": [{"name": "m", "source": "embedded:tiny-dense",
+                                   "num_replicas": 2, "routing": routing}]}, where="p.yaml")
+
+    profile({"mode": "ray_prefix", "ray_imbalanced_threshold": 4.0})
+    with pytest.raises(ProfileError, match="routing.ray_imbalanced_threshold: Ray's router"):
+        profile({"mode": "prefix", "ray_imbalanced_threshold": 4.0})
