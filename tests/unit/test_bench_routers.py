@@ -66,6 +66,19 @@ def test_recovery_runs_from_the_kill_to_the_last_failed_turn_sent_after_it():
     assert report["failed_turns_after_kill"] == 3 and report["cut_streams_after_kill"] == 1
 
 
+def test_an_answer_other_than_the_undisturbed_runs_is_a_failed_turn():
+    """Issue 45's honest counting: a whole answer that differs from the same turn of an
+    undisturbed run (temperature 0) is no success either; one in flight at the kill too."""
+    same = {**row(6, 9), "request": "s0t1", "text": "the answer"}
+    other = {**row(9, 10), "request": "s1t1", "text": "another answer"}
+    unknown = {**row(11, 12), "request": "s2t1", "text": "whatever"}
+    report = loss_report([same, other, unknown], 8.0, 20.0,
+                         reference={"s0t1": "the answer", "s1t1": "the real answer"})
+    assert report["differing_answers"] == 1 and report["failed_turns_after_kill"] == 1
+    assert report["compared_with_reference"] == 2 and report["in_flight_at_kill"] == 1
+    assert report["turns"] == 2
+
+
 def test_stream_chat_reports_the_error_event_that_ended_the_stream(monkeypatch):
     lines = ['data: {"choices": [{"delta": {"content": "a wh"}, "finish_reason": null}]}',
              "data: " + json.dumps({"error": LOST})]
