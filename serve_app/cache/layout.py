@@ -248,7 +248,7 @@ def _check_head_dims(model, quant: KVQuant) -> None:
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[0, 1]]), cache=cache))
     dims = sorted({a.shape[-1] for c in cache if type(c) is KVCache
-                   for a in (c.keys, c.values)})
+                   for a in (c.keys, c.values) if a is not None})
     bad = [d for d in dims if not quant.fits(d)]
     if bad:
         fits = [g for g in (32, 64, 128) if all(d % g == 0 for d in dims)]

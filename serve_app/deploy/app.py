@@ -82,7 +82,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             threshold = m.routing.ray_imbalanced_threshold
             options["request_router_config"] = RequestRouterConfig(
                 request_router_class=ray_router,  # type: ignore[arg-type]
-                request_router_kwargs={} if threshold is None else {  # type: ignore[arg-type]
+                request_router_kwargs={} if threshold is None else {
                     "imbalanced_threshold": threshold},
                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)  # type: ignore[arg-type]
         if m.parallel is not None:

@@ -24,15 +24,24 @@ Triple = tuple[Any, Any, Any]
 
 
 def _quantize(x, quant: KVQuant) -> Triple:
-    return tuple(mx.quantize(x, group_size=quant.group_size, bits=quant.bits))  # type: ignore[return-value]
+    words, scales, biases = mx.quantize(x, group_size=quant.group_size, bits=quant.bits)
+    return words, scales, biases
+
+
+def _ints(a: Any) -> list[int]:
+    """An MLX vector's values as ints (``tolist`` is typed as any nested value)."""
+    return [int(x) for x in a.tolist()]
 
 
 def _map(fn, triple: Triple) -> Triple:
-    return tuple(fn(a) for a in triple)  # type: ignore[return-value]
+    return fn(triple[0]), fn(triple[1]), fn(triple[2])
 
 
 class QuantizedRowCache(QuantizedKVCache):
     """mlx-lm's quantized cache of one sequence, which merges into a batch cache."""
+
+    keys: Any  # (words, scales, biases), or None while empty
+    values: Any
 
     def size(self) -> int:
         return self.offset
@@ -62,12 +71,12 @@ class BatchQuantizedKVCache:
     step = 256
 
     def __init__(self, left_padding: list[int], bits: int, group_size: int) -> None:
-        self.keys: Triple | None = None
-        self.values: Triple | None = None
-        self.left_padding = mx.array(left_padding)
-        self.offset = mx.array([-p for p in left_padding])
+        self.keys: Any = None  # (words, scales, biases), or None while empty
+        self.values: Any = None
+        self.left_padding: Any = mx.array(left_padding)
+        self.offset: Any = mx.array([-p for p in left_padding])
         self._idx = 0
-        self._right_padding = None
+        self._right_padding: Any = None
         self.bits = bits
         self.group_size = group_size
 
@@ -152,7 +161,7 @@ class BatchQuantizedKVCache:
             self.values = _map(lambda a: a[batch_indices], self.values)
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
-        least = min(self.left_padding.tolist())
+        least = min(_ints(self.left_padding))
         if least > 0:
             if self.keys is not None and self.values is not None:
                 self.keys = _map(lambda a: a[..., least:, :], self.keys)
@@ -189,8 +198,8 @@ class BatchQuantizedKVCache:
             return out[0], out[1], c.offset, c.left_padding + left
 
         (k1, v1, o1, p1), (k2, v2, o2, p2) = pad(self), pad(other)
-        self.keys = tuple(mx.concatenate([a, b]) for a, b in zip(k1, k2, strict=True))  # type: ignore[assignment]
-        self.values = tuple(mx.concatenate([a, b]) for a, b in zip(v1, v2, strict=True))  # type: ignore[assignment]
+        self.keys = tuple(mx.concatenate([a, b]) for a, b in zip(k1, k2, strict=True))
+        self.values = tuple(mx.concatenate([a, b]) for a, b in zip(v1, v2, strict=True))
         self.offset = mx.concatenate([o1, o2])
         self.left_padding = mx.concatenate([p1, p2])
         self._idx = top
@@ -198,7 +207,7 @@ class BatchQuantizedKVCache:
     def extract(self, idx: int) -> QuantizedRowCache:
         row = QuantizedRowCache(group_size=self.group_size, bits=self.bits)
         assert self.keys is not None and self.values is not None
-        pad = self.left_padding.tolist()[idx]
+        pad = _ints(self.left_padding)[idx]
         row.keys = _map(lambda a: mx.contiguous(a[idx : idx + 1, :, pad : self._idx]),
                         self.keys)
         row.values = _map(lambda a: mx.contiguous(a[idx : idx + 1, :, pad : self._idx]),

@@ -146,7 +146,7 @@ def cache_shape_from_layout(layout: Layout) -> CacheShape:
     float_per_token = layout.block_nbytes(1)
     if layout.kv_quant is not None:  # the same values as float, in the scales' dtype
         float_per_token = sum(
-            layout.kv_quant.head_dim(a.shape[-1], layout.kv_scale_dtype) * a.shape[1]
+            layout.kv_quant.head_dim(a.shape[-1], layout.kv_scale_dtype) * (a.shape[1] or 0)
             * dtype_bytes(layout.kv_scale_dtype)
             for layer, kind in zip(layout.arrays, layout.kinds, strict=True) if kind == KV
             for a in layer if isinstance(a.shape[-1], int))
