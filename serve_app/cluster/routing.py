@@ -122,7 +122,9 @@ def rank(candidates: list[Candidate], runs: dict[str, list[str]], prompt_tokens:
          slot_cost_tokens: float = SLOT_COST_TOKENS) -> Ranking:
     """Candidates by the seconds before the request's prefill would end there: its
     prefill cost at the replica's own rate (the median of the measured ones where a
-    replica has none yet), plus ``slot_cost_tokens`` per request it runs and, once its
+    replica has none yet, or where its own is within a factor of two of the median:
+    measurement noise between alike machines must not pin every cold session to the one
+    that measured a little faster), plus ``slot_cost_tokens`` per request it runs and, once its
     batch is full, ``queue_cost_tokens`` per request waiting ahead (this one included).
     Those with a full batch rank last, and after them those Ray just found unreachable (a
     dead node's replica holds the prefix until Serve removes it: asked first, it would
@@ -132,11 +134,15 @@ def rank(candidates: list[Candidate], runs: dict[str, list[str]], prompt_tokens:
     rates = [c.prefill_rate for c in candidates if c.prefill_rate > 0]
     default_rate = median(rates) if rates else 1.0
 
+    def rate(c: Candidate) -> float:
+        own = c.prefill_rate
+        return own if own > 2 * default_rate or 0 < own < default_rate / 2 else default_rate
+
     def seconds(c: Candidate) -> float:
         waiting = max(0, c.ongoing - c.capacity + 1)
         tokens = (prefill[c.key] + slot_cost_tokens * min(c.ongoing, c.capacity)
                   + queue_cost_tokens * waiting)
-        return tokens / (c.prefill_rate or default_rate)
+        return tokens / rate(c)
 
     cost = {c.key: seconds(c) for c in candidates}
     order = sorted(candidates, key=lambda c: (c.suspect, c.overloaded, cost[c.key],

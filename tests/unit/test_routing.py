@@ -61,18 +61,29 @@ def test_queueing_outweighs_the_prefix_once_every_batch_is_full():
 
 
 def test_costs_are_seconds_at_each_replicas_prefill_rate():
-    """A replica twice as fast at prefill may prefill more and still be first; one that
-    has not measured its rate yet is costed at the others' median."""
+    """A replica ten times as fast at prefill may prefill more and still be first; one
+    that has not measured its rate yet, or whose rate is within a factor of two of the
+    median, is costed at the median (noise must not pin cold sessions to one replica)."""
     runs = {"n0": ["hot"] * 2}  # r0 prefills 8 tokens, r1 fetches 32 (0.3 each) and 8
-    slow, fast = (Candidate("r0", "n0", 0, 4, prefill_rate=100.0),
-                  Candidate("r1", "n1", 0, 4, prefill_rate=1000.0))
-    ranking = rank([slow, fast], runs, 40, BS, queue_cost_tokens=512)
-    assert ranking.order == ["r1", "r0"]
+    slow, fast, alike = (Candidate("r0", "n0", 0, 4, prefill_rate=100.0),
+                         Candidate("r1", "n1", 0, 4, prefill_rate=1000.0),
+                         Candidate("r2", "n2", 0, 4, prefill_rate=450.0))
+    ranking = rank([slow, fast, alike], runs, 40, BS, queue_cost_tokens=512)
+    assert ranking.order[0] == "r1" and ranking.order[-1] == "r0"
     assert ranking.seconds["r1"] == pytest.approx((0.3 * 32 + 8) / 1000) and \
         ranking.seconds["r0"] == pytest.approx(8 / 100)
-    unknown = Candidate("r2", "n2", 0, 4)
-    ranking = rank([slow, fast, unknown], {}, 40, BS, queue_cost_tokens=512)
-    assert ranking.seconds["r2"] == pytest.approx(40 / 550)
+    unknown = Candidate("r3", "n3", 0, 4)
+    ranking = rank([slow, fast, alike, unknown], {}, 40, BS, queue_cost_tokens=512)
+    assert ranking.seconds["r3"] == ranking.seconds["r2"] == pytest.approx(40 / 450)
+
+
+def test_cold_sessions_spread_over_alike_replicas_whatever_their_measured_rates():
+    """Two idle replicas of alike machines whose measured rates differ a little: a prompt
+    no node holds goes to either (random), never always to the faster-measured one."""
+    a, b = (Candidate("r0", "n0", 0, 4, prefill_rate=1000.0),
+            Candidate("r1", "n1", 0, 4, prefill_rate=900.0))
+    firsts = {rank([a, b], {}, 400, BS, 512).order[0] for _ in range(50)}
+    assert firsts == {"r0", "r1"}
 
 
 def test_a_full_replica_is_ranked_last_however_good_its_prefix():
