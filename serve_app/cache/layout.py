@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serve_app.cache.payload import STORAGE, BlockPayload, Tensor
-from serve_app.kvquant.format import KVQuant
+from serve_app.kvquant.format import GROUP_SIZES, KVQuant
 
 KV = "kv"
 RECURRENT = "recurrent"
@@ -251,7 +251,7 @@ def _check_head_dims(model, quant: KVQuant) -> None:
                    for a in (c.keys, c.values) if a is not None})
     bad = [d for d in dims if not quant.fits(d)]
     if bad:
-        fits = [g for g in (32, 64, 128) if all(d % g == 0 for d in dims)]
+        fits = [g for g in GROUP_SIZES if all(d % g == 0 for d in dims)]
         raise ValueError(f"kv_cache.group_size {quant.group_size} does not divide the "
                          f"attention heads' dimension {bad[0]} of this model: use "
                          f"{' or '.join(map(str, fits)) or 'float K/V (bits: null)'}")

@@ -41,10 +41,12 @@ def restore(model, layout: Layout, req: EngineRequest, stats: EngineStats, lock,
     A restore that fails to build (a payload that does not fit the model) costs that one
     request its cache hit, never the running batch.
     """
-    fresh = None if layout.kv_quant is None else make_cache(model, layout.kv_quant)
+    def fresh() -> list | None:
+        return None if layout.kv_quant is None else make_cache(model, layout.kv_quant)
+
     plan = req.cache.restore if req.cache and restoring else None
     if plan is None or not plan.tokens:
-        return fresh
+        return fresh()
     tic = time.perf_counter()
     try:
         cache = build_cache(model, layout, plan)
@@ -53,7 +55,7 @@ def restore(model, layout: Layout, req: EngineRequest, stats: EngineStats, lock,
                          name, req.rid)
         with lock:
             stats.restore_failures += 1
-        return fresh
+        return fresh()
     req.restored = plan.tokens
     with lock:
         stats.restored_tokens += plan.tokens

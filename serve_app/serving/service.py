@@ -195,6 +195,9 @@ class ModelService:
         try:
             # The engine thread probes the layout: every cached array's shape and dtype.
             self.layout = self.engine.wait_ready()
+            # What a sequence's cache weighs, from the layout (fixed for the model's life).
+            self.kv_shape: CacheShape | None = (cache_shape_from_layout(self.layout)
+                                                if self.layout.supported else None)
             self.cache = CacheManager.for_model(profile, self.layout, cache_client, model_dir,
                                                 tokenizer.chat_template, shard)
         except BaseException:  # its thread would hold the weights on (a pool loads again)
@@ -482,7 +485,7 @@ class ModelService:
         return replica_samples(self.profile.name, self.engine.snapshot(), self.cache_stats,
                                self.normalized, self.thinking,
                                replace(vision.stats) if vision is not None else None,
-                               self.kv_cache_view())
+                               self.kv_shape)
 
     async def stats(self) -> dict:
         """``full_stats`` as ``/v1/stats`` shows them."""
@@ -508,11 +511,7 @@ class ModelService:
             copy.deepcopy(self.phases),
             NormalizationStats(list(self.profile.normalize), dict(self.normalized)),
             recent=self.recent.activity(), images=self._image_stats(),
-            kv_cache=self.kv_cache_view())
-
-    def kv_cache_view(self) -> CacheShape | None:
-        """The K/V's format and bytes a token (None: a layout the cache cannot read)."""
-        return cache_shape_from_layout(self.layout) if self.layout.supported else None
+            kv_cache=self.kv_shape)
 
     def _image_stats(self) -> ImageStats | None:
         vision = self.engine.vision

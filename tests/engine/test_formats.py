@@ -19,9 +19,7 @@ from serve_app.cache.payload import BlockPayload, RestorePlan, Tensor, from_tens
 from serve_app.cache.request_plan import RequestPlan
 from serve_app.cache.ssd import SSDStore
 from serve_app.cache.ssd_format import read_file
-from serve_app.serving.request import ChatCompletionRequest
 from serve_app.serving.sampling import SamplingParams
-from tests.support.engine import run
 from tests.support.formats import (
     BS,
     DENSES,
@@ -30,26 +28,13 @@ from tests.support.formats import (
     branch,
     prompt_of,
     restart_matches_cold,
+    warm_multi_turn_matches_cold,
 )
 
 
 @pytest.mark.parametrize("name", HYBRIDS + DENSES)
 def test_warm_multi_turn_matches_cold(name, home):
-    server = Server(name, home)
-    messages = [{"role": "system", "content": f"Format test of {name}. " * 2},
-                {"role": "user", "content": "The first question."}]
-    for turn in range(3):
-        req = ChatCompletionRequest(model="m", messages=messages, max_tokens=12,
-                                    temperature=0)
-        warm = run(server.service, req)
-        assert warm["text"] == run(server.cold, req)["text"], turn
-        if turn:
-            assert warm["cached"] >= BS, turn
-        messages += [{"role": "assistant", "content": warm["text"]},
-                     {"role": "user", "content": f"Question {turn + 2}."}]
-    stats = server.service.cache_stats
-    assert stats.incompatible_payloads == 0 and stats.restore_failures == 0
-    server.close()
+    warm_multi_turn_matches_cold(name, home)
 
 
 @pytest.mark.parametrize("name,storage", [

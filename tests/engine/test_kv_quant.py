@@ -25,6 +25,7 @@ from tests.support.formats import (
     load,
     prompt_of,
     restart_matches_cold,
+    warm_multi_turn_matches_cold,
 )
 
 Q8 = {"bits": 8, "group_size": 32}
@@ -33,22 +34,8 @@ Q4 = {"bits": 4, "group_size": 32}
 
 @pytest.mark.parametrize("name", HYBRIDS + DENSES)
 def test_warm_multi_turn_matches_cold_with_quantized_kv(name, home):
-    server = Server(name, home, kv_cache=Q8)
+    server = warm_multi_turn_matches_cold(name, home, Q8, label="Quantized K/V")
     assert server.service.layout.kv_quant is not None
-    messages = [{"role": "system", "content": f"Quantized K/V of {name}. " * 2},
-                {"role": "user", "content": "The first question."}]
-    for turn in range(3):
-        req = ChatCompletionRequest(model="m", messages=messages, max_tokens=12,
-                                    temperature=0)
-        warm = run(server.service, req)
-        assert warm["text"] == run(server.cold, req)["text"], turn
-        if turn:
-            assert warm["cached"] >= BS, turn
-        messages += [{"role": "assistant", "content": warm["text"]},
-                     {"role": "user", "content": f"Question {turn + 2}."}]
-    stats = server.service.cache_stats
-    assert stats.incompatible_payloads == 0 and stats.restore_failures == 0
-    server.close()
 
 
 @pytest.mark.parametrize("name", [HYBRIDS[0], DENSES[0], HYBRIDS[1], DENSES[3]])

@@ -99,6 +99,31 @@ def branch(prompt: list[int]) -> list[int]:
     return prompt[:-3] + [5 + (t + 7) % 240 for t in prompt[-3:]]
 
 
+def warm_multi_turn_matches_cold(name: str, home: Path, kv_cache: dict | None = None,
+                                 label: str = "Format test") -> Server:
+    """Three chat turns, each restored from the hot tier as the last left it: the tokens
+    of a cold prefill each time (``kv_cache``: with that K/V format, the cold service's
+    too). Returns the server (closed) for more checks of its layout."""
+    from serve_app.serving.request import ChatCompletionRequest
+
+    server = Server(name, home, kv_cache=kv_cache)
+    messages = [{"role": "system", "content": f"{label} of {name}. " * 2},
+                {"role": "user", "content": "The first question."}]
+    for turn in range(3):
+        req = ChatCompletionRequest(model="m", messages=messages, max_tokens=12,
+                                    temperature=0)
+        warm = run(server.service, req)
+        assert warm["text"] == run(server.cold, req)["text"], turn
+        if turn:
+            assert warm["cached"] >= BS, turn
+        messages += [{"role": "assistant", "content": warm["text"]},
+                     {"role": "user", "content": f"Question {turn + 2}."}]
+    stats = server.service.cache_stats
+    assert stats.incompatible_payloads == 0 and stats.restore_failures == 0
+    server.close()
+    return server
+
+
 def restart_matches_cold(name: str, storage: str, home: Path, tmp_path: Path,
                          kv_cache: dict | None = None) -> None:
     """Cold, then restored from SSD after a restart, then from the hot tier, then its full
