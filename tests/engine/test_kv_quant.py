@@ -38,7 +38,7 @@ def test_warm_multi_turn_matches_cold_with_quantized_kv(name, home):
     assert server.service.layout.kv_quant is not None
 
 
-@pytest.mark.parametrize("name", [HYBRIDS[0], DENSES[0], HYBRIDS[1], DENSES[3]])
+@pytest.mark.parametrize("name", HYBRIDS + DENSES)  # hybrids: checkpoints in SSD sidecars
 def test_restart_from_ssd_matches_cold_with_quantized_kv(name, home, tmp_path):
     storage = "ssd_sidecar" if name in HYBRIDS else "auto"
     restart_matches_cold(name, storage, home, tmp_path, kv_cache=Q4)
