@@ -71,8 +71,15 @@ SERVING = (
         Query(rate("ray_serve_app_requests_total", "model, status"),
               "{{model}} {{status}}"),
         Query(rate("ray_serve_app_request_retries_total", "model"),
-              "{{model}} sent again (replica lost)")),
-        "Sent again: a request whose replica went away before answering, sent to another."),
+              "{{model}} sent again (replica lost)"),
+        Query(rate("ray_serve_app_resumed_requests_total", "model"),
+              "{{model}} continued (replica lost mid-answer)")),
+        "Sent again: a request whose replica went away before answering, sent to another. "
+        "Continued: one whose replica went away mid-answer, continued on another."),
+    PanelSpec("Prefilled again after a lost replica", "short", (
+        Query(rate("ray_serve_app_resumed_prefill_tokens_total", "model"), "{{model}}"),),
+        "Tokens the replicas continuing requests prefilled again (prompt and tokens so far, "
+        "less what their cache restored)."),
     PanelSpec("Time to first token", "s", quantiles("ray_serve_app_time_to_first_token_seconds"),
               "From arrival at the model replica to the first token."),
     PanelSpec("Time to first token by phase (p50)", "s", (

@@ -30,6 +30,7 @@ from serve_app.api.openai_api import (
     Wire,
     completion_collector,
 )
+from serve_app.api.resume import ResumableEvents, with_resume
 from serve_app.api.sse import DONE, data_event, sse_event
 from serve_app.api.status import ErrorLog, ServerInfo
 from serve_app.api.thinking_signature import server_signer
@@ -272,40 +273,61 @@ class OpenAIIngress:
         A replica lost before the ``Start`` (its node died, say) has sent the client
         nothing: the request goes once more, to a replica Serve still has (a whole answer
         not streamed counts as not started until it all arrived); so does one no replica
-        took within ``ROUTE_STALL_S``."""
+        took within ``ROUTE_STALL_S``. A replica lost after it is one the request
+        survives: it goes on elsewhere after the tokens forwarded (``api/resume.py``)."""
         m = self.model_of(parsed.model)
         labels["model"] = m.name
         check_prompt_size(parsed, m.prompt_char_limit(), m.context_length, m.max_messages)
         if not await self.backend.model_ready(m.name):
             raise not_ready_error([m.name])
+        events, start = await self._send(m.name, parsed, caller, deadline)
+
+        async def reopen(tokens: tuple[int, ...]) -> tuple[Any, Start]:
+            logger.warning("model %s: its replica went away mid-answer; continuing the "
+                           "request elsewhere after %d tokens", m.name, len(tokens))
+            return await self._send(m.name, with_resume(parsed, tokens), caller,
+                                    self._deadline())
+
+        def resumed(n: int, again: Start) -> None:
+            model = {"model": m.name}
+            self.recorder.inc("serve_app_resumed_requests", 1, model)
+            self.recorder.inc("serve_app_resumed_prefill_tokens",
+                              max(0, again.prompt_tokens + n - again.cached_tokens), model)
+
+        lost = lambda exc: self.backend.replica_lost(m.name, exc)  # noqa: E731
+        return ResumableEvents(events, reopen, lost, resumed), start
+
+    async def _send(self, name: str, parsed: OpenAIRequest, caller: Caller,
+                    deadline: float) -> tuple[Any, Start]:
+        """``_open``'s sending: to a replica until one admits it (see there)."""
         loop = asyncio.get_running_loop()
         for attempt in range(1 + LOST_REPLICA_RETRIES):
             events = None
             stall = min(deadline, loop.time() + ROUTE_STALL_S)
             try:
                 async with asyncio.timeout_at(deadline):
-                    events = await self.backend.stream_events(m.name, parsed, caller)
+                    events = await self.backend.stream_events(name, parsed, caller)
                     assigned = getattr(events, "assigned", None)
                     if assigned is not None:  # a replica took it (or the stall ends it)
                         async with asyncio.timeout_at(stall):
                             await assigned()
-                    return events, await self._first(events, m.name)
+                    return events, await self._first(events, name)
             except TimeoutError:
                 if events is not None:
                     _cancel(events)
                 if loop.time() >= deadline:
-                    raise timeout_error(m.name,
+                    raise timeout_error(name,
                                         self.profile.ingress.request_timeout_s) from None
                 why = f"no replica took it in {ROUTE_STALL_S:g} s"
                 if attempt == LOST_REPLICA_RETRIES:
-                    raise _unavailable(f"model {m.name!r}: {why}; retry shortly",
+                    raise _unavailable(f"model {name!r}: {why}; retry shortly",
                                        "not_routed") from None
             except ApiError as exc:
                 if exc.code != LOST or attempt == LOST_REPLICA_RETRIES:
                     raise
                 why = "its replica went away before answering"
-            logger.warning("model %s: %s; sending the request again", m.name, why)
-            self.recorder.inc("serve_app_request_retries", 1, {"model": m.name})
+            logger.warning("model %s: %s; sending the request again", name, why)
+            self.recorder.inc("serve_app_request_retries", 1, {"model": name})
         raise AssertionError("unreachable")
 
     async def _first(self, events: Any, name: str) -> Start:
@@ -513,6 +535,8 @@ class OpenAIIngress:
             if deadline is None:
                 raise
             raise timeout_error(model, self.profile.ingress.request_timeout_s) from None
+        except ApiError as exc:  # a request lost mid-answer that could not go on
+            yield exc.to_failure()
         except Exception as exc:
             if not self.backend.replica_lost(model, exc):
                 raise

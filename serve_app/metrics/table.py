@@ -87,6 +87,13 @@ METRICS: tuple[MetricDef, ...] = (
     _c("serve_app_request_retries", "ingress",
        "Requests sent again to another replica because theirs went away (its node died) "
        "before answering anything.", ("model",)),
+    _c("serve_app_resumed_requests", "ingress",
+       "Requests whose replica went away mid-answer, continued on another after the tokens "
+       "already sent (the client sees one answer).", ("model",)),
+    _c("serve_app_resumed_prefill_tokens", "ingress",
+       "Tokens the replicas continuing requests had to prefill again (the prompt and tokens "
+       "so far, less what their cache tiers restored): what losing a node costs.",
+       ("model",)),
     _h("serve_app_time_to_first_token_seconds",
        "From arrival at the model replica to the first generated token.", TTFT_BUCKETS),
     _h("serve_app_request_phase_seconds",
@@ -314,6 +321,8 @@ HISTOGRAM_SERIES: dict[str, tuple[dict[str, str], ...]] = {
 ZERO_AT_START: dict[str, tuple[dict[str, str], ...]] = {
     "serve_app_requests": ({"status": "200"},),
     "serve_app_request_retries": ({},),
+    "serve_app_resumed_requests": ({},),
+    "serve_app_resumed_prefill_tokens": ({},),
     "serve_app_routing_decisions": tuple({"reason": r} for r in ROUTING_REASONS),
 }
 

@@ -59,10 +59,17 @@ class ThoughtGate:
         self._procs: Sequence[Processor] | None = None  # the answer's, once made
         self._probing = False  # ``_procs`` were made at an output that may open a thought
         self._answer_from: int | None = None  # generated tokens before the answer
+        self._resumed = False  # ``begin_at``: generated tokens came before the first call
 
     @property
     def splitter(self) -> ThoughtSplitter:
         return self._split
+
+    def begin_at(self, start: int) -> None:
+        """Generated tokens begin at ``start`` of ``tokens``, not at the first call (a
+        resumed request's prompt holds the tokens generated before): the first call
+        follows them, and the answer's processors made then follow the answer's."""
+        self._start, self._resumed = start, True
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
         if self._start is None:
@@ -73,6 +80,11 @@ class ThoughtGate:
         if split.thought_done:
             if self._procs is None:
                 self._procs = tuple(self._answer())
+                if self._resumed:  # the answer began at the thought's end
+                    for proc in self._procs:
+                        begin_at = getattr(proc, "begin_at", None)  # a grammar's has one
+                        if begin_at is not None:
+                            begin_at(self._start + split.thought_tokens)
             self._probing = False
             for proc in self._procs:
                 logits = proc(tokens, logits)

@@ -2,7 +2,9 @@
 
 A replica's stream is batches (lists) of events: first ``[Start]`` (admitted) or
 ``[Failure]``, then ``Delta`` text and ``ToolCall`` s, then one ``Finish`` (or a
-``Failure``). Each API turns the same events into its own wire format
+``Failure``). A batch with output carries ``Tokens`` after it (before a ``Finish``): the
+ids generated since the last such batch, from which another replica can continue the
+request (``api/resume.py``). Each API turns the same events into its own wire format
 (``openai_api.CompletionStream``, ``anthropic_api.MessageStream``,
 ``responses_api.ResponseStream``). Plain frozen dataclasses: they pickle across Ray.
 """
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from serve_app.serving.tools import ToolCall
 
 __all__ = ["Delta", "Event", "Failure", "Finish", "Reasoning", "Start", "TokenLogprob",
-           "ToolCall"]
+           "Tokens", "ToolCall"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,15 @@ class Finish:
 
 
 @dataclass(frozen=True, slots=True)
+class Tokens:
+    """The token ids whose output the events before it in its batch (and in earlier
+    batches since the last ``Tokens``) carry: what the ingress resends to continue the
+    request elsewhere if its replica is lost. Never reaches an API's wire format."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Failure:
     """An error, as ``serving.request.ApiError`` carries it (``ApiError.to_failure`` /
     ``from_failure``)."""
@@ -83,4 +94,4 @@ class Failure:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-Event = Start | Reasoning | Delta | ToolCall | Finish | Failure
+Event = Start | Reasoning | Delta | ToolCall | Tokens | Finish | Failure

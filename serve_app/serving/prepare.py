@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from serve_app.cache.prefix import branch_points_in_text, common_prefix, find_branch_points
@@ -92,6 +92,8 @@ class PreparedRequest:
     history: History | None = None
     # Its images (then ``prompt`` holds their keys: ``serve_app.multimodal.prompt``).
     vision: VisionPrompt | None = None
+    # Tokens a lost replica generated for it: the answer goes on after them (``resumed``).
+    resume: tuple[int, ...] = ()
 
     @property
     def forced_tool_choice(self) -> bool:
@@ -308,6 +310,7 @@ class Preparer:
         prepared.vision = vision
         if vision is None:  # image tokens shift a rendering's offsets: no branch points
             prepared.branch_points = self.branch_points(request, prompt, rendered, found)
+        prepared.resume = checked_resume(request._resume_tokens, max_tokens)
         prepared.prepare_seconds = time.perf_counter() - tic
         return prepared
 
@@ -407,6 +410,34 @@ class Preparer:
 
 
 _UNKNOWN = object()
+
+
+def checked_resume(tokens: Sequence[int], max_tokens: int) -> tuple[int, ...]:
+    """A resumed request's tokens generated so far; 400 when they leave nothing to
+    generate (the lost replica would have finished it) or are not token ids."""
+    resume = tuple(tokens)
+    if len(resume) >= max_tokens:
+        raise ApiError(400, f"cannot resume after {len(resume)} tokens: the request "
+                            f"generates at most {max_tokens}", code="invalid_resume")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in resume):
+        raise ApiError(400, "cannot resume: the tokens generated so far are not token ids",
+                       code="invalid_resume")
+    return resume
+
+
+def resumed(prepared: PreparedRequest, images: ImagePrompts | None) -> PreparedRequest:
+    """What the engine runs for a resumed request: its prompt followed by the tokens
+    generated before (prefilled, restored from the cache where it holds them), the rest of
+    its token budget, its seeded sampler at the position it had reached; its images'
+    positions over the longer prompt. ``prepared`` itself still describes the request
+    (its prompt, for usage; its stream replays the tokens: ``RequestStream.replay``)."""
+    n = len(prepared.resume)
+    run = replace(prepared, prompt=[*prepared.prompt, *prepared.resume],
+                  params=replace(prepared.params, max_tokens=prepared.params.max_tokens - n,
+                                 first_index=prepared.params.first_index + n))
+    if prepared.vision is not None and images is not None:
+        run.vision = images.from_keys(run.prompt, [s.image for s in prepared.vision.spans])
+    return run
 
 
 def _choice(request: ChatCompletionRequest) -> str | dict | None:

@@ -134,6 +134,9 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     cache_salt: StrictStr | None = None
+    # Tokens another replica generated for this request before it was lost: the answer
+    # continues after them (set by the ingress, ``api/resume.py``; never from a body).
+    _resume_tokens: tuple[int, ...] = PrivateAttr(default=())
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -66,7 +66,7 @@ def make_request_sampler(params: SamplingParams) -> Sampler:
         return greedy_sampler
     if params.seed is None:
         return make_sampler(temp=params.temperature, top_p=params.top_p)
-    return SeededSampler(params.seed, params.temperature, params.top_p)
+    return SeededSampler(params.seed, params.temperature, params.top_p, params.first_index)
 
 
 def draw(sampler: Sampler, logprobs: mx.array, ahead: int) -> mx.array:

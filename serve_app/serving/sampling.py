@@ -43,6 +43,9 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     logits_processors: tuple[LogitsProcessor, ...] = ()
+    # The output position of the first token drawn: a resumed request's tokens already
+    # generated (its seeded sampler draws the next with that position's key).
+    first_index: int = 0
 
     def __post_init__(self) -> None:
         k = self.logprobs

@@ -43,7 +43,7 @@ from serve_app.serving.engine_events import EngineEvent
 from serve_app.serving.engine_ranks import RankEngine
 from serve_app.serving.errors import queue_full_error, rank_lost_error
 from serve_app.serving.events import Event, Finish, TokenLogprob
-from serve_app.serving.prepare import PreparedRequest, Preparer
+from serve_app.serving.prepare import PreparedRequest, Preparer, resumed
 from serve_app.serving.recent import RecentWindow
 from serve_app.serving.replica_stats import (
     CacheView,
@@ -263,8 +263,11 @@ class ModelService:
         if refused is not None:
             yield [refused.to_failure()]
             return
+        run = prepared  # what the engine runs: a resumed request's prompt + tokens so far
+        if prepared.resume:
+            run = await asyncio.to_thread(resumed, prepared, self.preparer.images)
         try:
-            plan, key = await self._plan(prepared)
+            plan, key = await self._plan(run)
         except RankLostError as exc:
             yield [rank_lost_error(str(exc)).to_failure()]
             return
@@ -272,7 +275,7 @@ class ModelService:
         lease = Lease(self.cache, plan.lease if plan is not None else None)
         events = EventChannel(asyncio.get_running_loop())
         try:
-            rid = self._submit(prepared, processors, plan, events.put, key)
+            rid = self._submit(run, processors, plan, events.put, key)
         except (QueueFullError, RankLostError) as exc:
             self.cache.settle(plan)
             if key is not None and self.shards is not None:
@@ -289,6 +292,7 @@ class ModelService:
             raise
         request = RequestStream(self, prepared, rid,
                                  plan.restore_tokens if plan is not None else 0, clock)
+        request.replay(prepared.resume)  # what the client has: its state, not its events
         pacer = Pacer(self.stream_interval)
         try:
             yield [request.start()]
@@ -429,9 +433,14 @@ class ModelService:
             # The thought is free (up to its budget); the grammar starts after it. Where the
             # template did not open a thought, an unbudgeted one could take every token the
             # answer had: under a grammar the output opens one only with a budget.
-            return (ThoughtGate(plan.markers, plan.in_thought, plan.budget, answer,
-                                may_open=plan.budget is not None),)
-        return answer()
+            processors: tuple = (ThoughtGate(plan.markers, plan.in_thought, plan.budget,
+                                             answer, may_open=plan.budget is not None),)
+        else:
+            processors = answer()
+        if prepared.resume:  # they follow the tokens generated before from the start
+            for processor in processors:
+                processor.begin_at(len(prepared.prompt))
+        return processors
 
     def _logprobs(self, event: EngineEvent) -> TokenLogprob | None:
         """A generated token's logprob entry, with its alternatives (EOS has none)."""

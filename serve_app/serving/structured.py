@@ -197,6 +197,11 @@ class GrammarProcessor:
         """The output so far is a complete document (it could end here)."""
         return self._matcher.is_accepting()
 
+    def begin_at(self, start: int) -> None:
+        """Generated tokens begin at ``start`` of ``tokens`` (a resumed request's prompt
+        ends with the tokens generated before): the first call feeds the matcher those."""
+        self._start = start
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         # Start the forward pass now: on a GPU it runs while the CPU computes the mask
         # (mlx-lm would only start it after the processors return).
