@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -40,7 +41,7 @@ from serve_app.parallel.group import RankStatus
 from serve_app.serving.errors import (
     model_load_failed_error,
 )
-from serve_app.serving.events import Event
+from serve_app.serving.events import Event, Tokens
 from serve_app.serving.replica_stats import ReplicaProcess, ReplicaStats
 from serve_app.serving.request import ApiError, Caller, OpenAIRequest
 
@@ -387,8 +388,12 @@ class ModelReplica:
             except ApiError as exc:
                 yield [exc.to_failure()]
                 return
+            sent = 0
             async for events in service.stream(prepared, processors):
                 yield events
+                if DIE_ENV in os.environ:
+                    sent += sum(len(e.ids) for e in events if isinstance(e, Tokens))
+                    _die_after(sent)
         finally:
             self.active -= 1
 
@@ -526,6 +531,25 @@ class ModelReplica:
         if service is not None:
             service.shutdown()
 
+
+
+# A replica lost mid-answer at a chosen moment, for the tests (the process really dies: Ray
+# sees a lost replica; a test cannot time a kill from outside within a fast stream).
+# "N:PATH": once a request has sent N tokens, the replica that removes PATH (the test
+# creates it to arm one loss) kills its own process.
+DIE_ENV = "SERVE_APP_TEST_DIE_AFTER_TOKENS"
+
+
+def _die_after(sent: int) -> None:
+    after, _, path = os.environ.get(DIE_ENV, "").partition(":")
+    if not path or sent < int(after):
+        return
+    try:
+        os.remove(path)  # one replica claims the armed loss
+    except OSError:
+        return
+    logger.error("%s: this replica kills itself after %d tokens", DIE_ENV, sent)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 def _free(service: ModelService, client: RayCacheClient | None) -> tuple[int, int]:
     """Free an unloaded model's memory: stop its engine (which lets go of the weights and
