@@ -30,6 +30,7 @@ from serve_app.serving.request import ApiError, ChatCompletionRequest, Completio
 from serve_app.serving.service import ModelService
 from tests.support.engine import make_services
 from tests.support.formats import DENSES, HYBRIDS, load
+from tests.support.images import image_part
 
 THINKER = "tiny-hybrid-mtp"  # its template opens a thought
 MESSAGES = [{"role": "user", "content": "Tell me about the sea, then the sky."}]
@@ -284,3 +285,36 @@ def test_every_batch_with_output_carries_its_tokens(home):
             assert Tokens in kinds, kinds
         if Finish in kinds or Failure in kinds:
             assert kinds[-1] in (Finish, Failure)  # the end stays last
+
+
+# ---- speculative decoding and images --------------------------------------------------
+
+
+@pytest.mark.parametrize("name,spec", [
+    ("tiny-dense", {"method": "ngram", "num_draft_tokens": 4, "adaptive": False}),
+    ("tiny-hybrid-mtp", {"method": "mtp", "adaptive": False})])
+def test_a_speculating_replica_resumes_on_the_same_tokens(name, spec, home):
+    path, model, tokenizer, _ = load(name, home)
+    service = ModelService(ModelProfile(name="m", source=f"embedded:{name}", speculative=spec,
+                                        cache={"enabled": False}), model, tokenizer, path)
+    try:
+        looping = CompletionRequest(model="m", prompt="a b c a b c a b c a b", max_tokens=24,
+                                    temperature=0)
+        check_token_cuts(service, looping, [1, 9, 17])
+        seeded = CompletionRequest(model="m", prompt="a b c a b c a b c a b", max_tokens=24,
+                                   temperature=0.8, seed=5)
+        check_token_cuts(service, seeded, [2, 13])
+        assert service.engine.snapshot().drafted_tokens > 0
+    finally:
+        service.shutdown()
+
+
+@pytest.mark.parametrize("name", ["tiny-vl", "tiny-qwen25-vl-q4"])
+def test_an_image_conversation_resumes_on_the_same_tokens(name, home):
+    *_, cold = load(name, home)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             image_part(3)]}]
+    request = ChatCompletionRequest(model="m", messages=messages, max_tokens=16,
+                                    temperature=0,
+                                    chat_template_kwargs={"enable_thinking": False})
+    check_token_cuts(cold, request, [1, 8, 15])

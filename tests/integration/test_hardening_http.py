@@ -323,11 +323,14 @@ def _kill_the_replica_mid_request(server: ServerProcess) -> None:
         assert retry_after is not None
     status, retry_after, text = results[True]
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
-    if status == 200 and "replica_lost" in text:  # it had started: its last event, the error
+    if status == 200 and '"error"' in text:
+        # It had started and goes on after its tokens on the replica Serve starts in place
+        # of the dead one; none took it in time (one replica, reloading): the error event.
         assert events[-1] == "[DONE]"
-        assert json.loads(events[-2])["error"]["code"] == "replica_lost"
-    elif status == 200:  # it had not started: sent again, and answered
-        assert events[-1] == "[DONE]" and "error" not in text
+        assert json.loads(events[-2])["error"]["code"] in (
+            "replica_lost", "not_routed", "request_timeout", "model_not_ready"), events[-2]
+    elif status == 200:  # sent again, or continued after its tokens, and answered
+        assert events[-1] == "[DONE]"
     else:
         assert status == 503, text
         assert json.loads(text)["error"]["code"] in ("replica_lost", "not_routed"), text
