@@ -1,7 +1,7 @@
 """A rank whose engine thread is stuck while its process answers every ping (issue 45):
 the replica's progress watchdog (steps completed, not pings) ends the model's requests
-with 503 ``rank_lost`` naming the rank within ``rank_timeout_s`` and a few seconds, never
-a hang, and Serve replaces the replica.
+with 503 ``rank_lost`` naming the rank, never a hang, and Serve replaces the replica (how
+soon: ``bench/stall.py`` measures it, nothing here asserts a time).
 
 The stuck thread is a fault a test cannot cause for real (a signal stops a whole
 process): ``SERVE_APP_TEST_STALL_RANK=1:STEPS`` blocks rank 1's engine thread for good
@@ -41,13 +41,11 @@ def test_a_rank_whose_engine_thread_is_stuck_ends_its_requests_with_503(tmp_path
                 outcome["error"] = None
             except APIStatusError as exc:
                 outcome["error"] = exc
-            outcome["at"] = time.monotonic()
 
         worker = Threads()
         worker.start(long_answer)
         # The stall: rank 1's steps stop while it still answers (its status says so).
-        stuck = wait_for(lambda: _stuck(server), "rank 1 to stop stepping", 120,
-                         interval=0.2)
+        wait_for(lambda: _stuck(server), "rank 1 to stop stepping", 120, interval=0.2)
         longest = model_stats(server, "t2")["engine"]["longest_step_seconds"]
         worker.join(TIMEOUT_S + 3 * longest + 30)  # a hang fails here
         error = outcome.get("error")
@@ -55,9 +53,7 @@ def test_a_rank_whose_engine_thread_is_stuck_ends_its_requests_with_503(tmp_path
         body = error.response.json()["error"]
         assert body["code"] == "rank_lost", body
         assert "no step completed" in body["message"] and "rank 1" in body["message"], body
-        # within rank_timeout_s (or three of its longest steps) and 5 s of the stall
-        assert outcome["at"] - stuck < max(TIMEOUT_S, 3 * longest) + 5, \
-            (outcome["at"] - stuck, longest)
+        # How soon after the stall (goal: rank_timeout_s + 5 s) is bench/stall.py's to say.
 
         def answered():
             try:
