@@ -20,19 +20,35 @@ and that tracker needs ai-dynamo's ``SelectionService`` fed by each engine's vLL
 events over ZMQ. The report says so.
 
 Per run: TTFT p50/p90/p99 (streamed), cached prompt fraction, output tok/s, requests per
-node, identical answers across routers (temperature 0). Then ``node_loss``: ours, 3 nodes,
-the higher load, one worker node killed (raylet and everything on it) ``--kill-at``
-seconds in (about a third of the run); a failed turn is counted and sent again a second
-later, as an agent retries. A turn fails when the request raises (an HTTP error status, a
-non-streamed error answer, a broken connection) and also when its stream is cut: it ends
+node, identical answers across routers (temperature 0). ``--repeat N`` runs every arm N
+times (each repeat all arms in turn, each on a fresh cluster) and reports, per nodes,
+sessions and router, the median and min-max range of TTFT p50 over the repeats, and the
+ratios ours / Ray's best arm and ours / pow2 of the medians with each repeat's ratio
+(``aggregate_repeats``, ``compare_repeats``); the JSON keeps every repeat's rows.
+
+Then ``node_loss``: ours, 3 nodes, the higher load's sessions of the agent traces all
+streaming at once (whatever ``--workload``), one worker node killed (raylet and everything
+on it) ``--kill-at`` seconds in (about a third of the run): the worker whose replica has
+the most requests in flight then (``/v1/stats``). A failed turn is counted and sent again
+a second later, as an agent retries. A turn fails when the request raises (an HTTP error
+status, a non-streamed error answer, a broken connection), when its stream is cut: it ends
 in an SSE error event (``replica_lost``) or without a ``finish_reason``, its text
-truncated (``turn_outcome``). Counted: failed turns after the kill and, among them, the
-cut streams; seconds from the kill until every new turn succeeds, hangs, the cached
-fraction before the kill and over the last third of the run.
+truncated (``turn_outcome``), and when its text differs from the same turn's in an
+undisturbed run of the same sessions (same driver, router and cluster shape, a fresh
+cluster, run just before). Counted: turns in flight at the kill and those of them that
+failed, failed turns after the kill and, among them, the cut streams; the extra latency
+of the turns in flight at the kill (wall time, retries included, less the undisturbed
+run's, by session and turn: ``extra_latency``); the ingress's resumed requests and the
+tokens prefilled again for them (``/metrics``); seconds from the kill until every new turn
+succeeds, hangs, the cached fraction before the kill and over the last third of the run.
 
 ``--workload agents`` runs ``bench.agents``' sessions instead (a 1,500-token system prompt
 shared by every session, turns interleaved across sessions, one edit; one request at a
 time), ``--sessions`` of them per load level.
+
+Where the machine has a core per simulated node or more, each node (its raylet and every
+process under it) is pinned to cores of its own (``bench.pinning``); the result's
+``cores`` says whether it was, and why not.
 
 Usage: python -m bench.routers  (writes bench/results/routers-<model>.json and a plot)
        python -m bench.routers --workload agents --no-node-loss
@@ -41,10 +57,15 @@ Usage: python -m bench.routers  (writes bench/results/routers-<model>.json and a
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import re
+import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +75,7 @@ from ray.cluster_utils import Cluster
 
 from bench.common import ServerProcess, add_model_option, emit, ready, workdir
 from bench.devserver import free_port, write_config
+from bench.pinning import core_plan, pin_node
 from bench.traces import (
     Arm,
     Scale,
@@ -68,7 +90,7 @@ from bench.traces import (
     system_text,
 )
 
-ROUTERS = {
+ROUTERS: dict[str, dict] = {
     "pow2": {"mode": "default", "directory": "off"},
     "ray_prefix": {"mode": "ray_prefix", "directory": "off"},
     "ours": {"mode": "prefix", "directory": "on"},
@@ -94,16 +116,24 @@ FAILED_MEANS = ("a request that raised (HTTP error status, broken connection) or
 HANG_S = 120.0
 
 
-def start_cluster(nodes: int, tmp: Path) -> tuple[Cluster, list]:
-    """A head and ``nodes - 1`` workers, each a replica slot and its own SSD directory."""
+def start_cluster(nodes: int, tmp: Path,
+                  metrics_interval_ms: int | None = None) -> tuple[Cluster, list]:
+    """A head and ``nodes - 1`` workers, each a replica slot and its own SSD directory.
+    ``metrics_interval_ms``: how often every process exports its metrics (Ray's default,
+    10 s, when None): the node-loss run reads the ingress's counters right after it."""
     def args(i: int) -> dict:
         return {"num_cpus": 2, "resources": {SLOT: 1}, "object_store_memory": 256 << 20,
                 "env_vars": {"SERVE_APP_SSD_DIR": str(tmp / f"kv-node{i}")}}
 
-    cluster = Cluster(initialize_head=True, head_node_args={**args(1),
-                                                            "include_dashboard": False})
+    head = {**args(1), "include_dashboard": False}
+    if metrics_interval_ms is not None:
+        head["_system_config"] = {"metrics_report_interval_ms": metrics_interval_ms}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     workers = [cluster.add_node(**args(i)) for i in range(2, nodes + 1)]
-    ray.init(address=cluster.address, logging_level="ERROR")
+    plan = core_plan(nodes)  # cores of their own, where the machine has enough
+    for node, cores in zip([cluster.head_node, *workers], plan.nodes, strict=False):
+        pin_node(node, cores)
+    ray.init(address=cluster.address, logging_level=logging.ERROR)
     cluster.wait_for_nodes()
     return cluster, workers
 
@@ -130,11 +160,67 @@ def start_server(cluster: Cluster, tmp: Path, tag: str, model: str, nodes: int,
     return server
 
 
-def per_node(server: ServerProcess, model: str) -> dict[str, int]:
-    """Requests finished by the replica on each node (``/v1/stats``' replicas)."""
-    stats = httpx.get(f"{server.base_url}/v1/stats", timeout=60).json()["models"][model]
-    return {r["node_id"]: (r["stats"].get("engine") or {}).get("finished", 0)
+@contextmanager
+def serving_cluster(nodes: int, tmp: Path, tag: str, model: str, router: dict, scale: Scale,
+                    metrics_interval_ms: int | None = None,
+                    ) -> Iterator[tuple[Cluster, list, ServerProcess]]:
+    """A fresh cluster (its own SSD directories) and the server on it; both gone after."""
+    cluster, workers = start_cluster(nodes, tmp / tag, metrics_interval_ms)
+    try:
+        server = start_server(cluster, tmp, tag, model, nodes, router, scale)
+        try:
+            yield cluster, workers, server
+        finally:
+            server.stop()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def per_node(server: ServerProcess, model: str, counter: str = "finished",
+             timeout: float = 60) -> dict[str, int]:
+    """Requests finished (or ``counter``: ``in_flight``) by the replica on each node
+    (``/v1/stats``' replicas)."""
+    stats = httpx.get(f"{server.base_url}/v1/stats",
+                      timeout=timeout).json()["models"][model]
+    return {r["node_id"]: (r["stats"].get("engine") or {}).get(counter, 0)
             for r in stats.get("replicas", [])}
+
+
+# The ingress's counters of a node loss (``/metrics``, summed over label sets).
+RESUMED_REQUESTS = "ray_serve_app_resumed_requests_total"
+RESUMED_PREFILL_TOKENS = "ray_serve_app_resumed_prefill_tokens_total"
+REQUEST_RETRIES = "ray_serve_app_request_retries_total"
+LOSS_COUNTERS = (RESUMED_REQUESTS, RESUMED_PREFILL_TOKENS, REQUEST_RETRIES)
+LOSS_METRICS_INTERVAL_MS = 1000
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of ``name``'s samples over every label set of a Prometheus text export
+    (0 when it has none: a counter never incremented is not exported)."""
+    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
+
+
+def server_counters(server: ServerProcess, names: tuple[str, ...] = LOSS_COUNTERS,
+                    settle_s: float = 5.0, timeout_s: float = 40.0) -> dict[str, float]:
+    """``names`` summed from the server's ``/metrics`` once they have not moved for
+    ``settle_s`` (processes export every ``LOSS_METRICS_INTERVAL_MS``), or at
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, float] | None = None
+    since = time.monotonic()
+    while True:
+        try:
+            text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+            got = {n: metric_sum(text, n) for n in names}
+        except httpx.HTTPError:
+            got = last or {}
+        if got != last:
+            last, since = got, time.monotonic()
+        if time.monotonic() - since >= settle_s or time.monotonic() > deadline:
+            return got
+        time.sleep(1.0)
 
 
 def load_plans(traces: list, sessions: int, scale: Scale) -> tuple[str, list[SessionPlan]]:
@@ -214,11 +300,75 @@ def turn_outcome(result: dict | None, exc: BaseException | None) -> TurnOutcome:
     return TurnOutcome()
 
 
+def turn_walls(rows: list[dict]) -> dict[tuple[int, int], dict]:
+    """Each turn's attempts (``run_sessions``' rows) as one: from its first attempt's start
+    to its last's end (a failed attempt, the wait and the retry included), by (session,
+    turn index); ``failed`` when any attempt failed (``error``: a cut stream, an answer
+    other than the undisturbed run's, a request that raised)."""
+    out: dict[tuple[int, int], dict] = {}
+    for r in rows:
+        t = out.setdefault((r["session"], r["turn"]), {
+            "start_s": r["start_s"], "end_s": r["end_s"], "attempts": 0, "failed": False})
+        t["start_s"], t["end_s"] = min(t["start_s"], r["start_s"]), max(t["end_s"], r["end_s"])
+        t["attempts"] += 1
+        t["failed"] = t["failed"] or bool(r["error"])
+    for t in out.values():
+        t["wall_s"] = t["end_s"] - t["start_s"]
+    return out
+
+
+def in_flight_turns(rows: list[dict], kill_at_s: float) -> set[tuple[int, int]]:
+    """The turns (session, turn index) with an attempt in flight at the kill: started
+    before it, ended at or after it."""
+    return {(r["session"], r["turn"]) for r in rows if r["start_s"] < kill_at_s <= r["end_s"]}
+
+
+def extra_latency(rows: list[dict], reference_rows: list[dict], kill_at_s: float) -> dict:
+    """What the kill cost the turns in flight at it: each one's wall time in the loss run
+    (``turn_walls``: retries included) less the same turn's (session, turn index) in the
+    undisturbed run of the same sessions, p50 and max in seconds. The same difference for
+    the turns that ended before the kill and those sent after it says how far two runs of
+    the same sessions differ undisturbed (before) and on the nodes left (after)."""
+    loss, ref = turn_walls(rows), turn_walls(reference_rows)
+    flying = in_flight_turns(rows, kill_at_s)
+
+    def extras(keys: list[tuple[int, int]]) -> list[float]:
+        return [loss[k]["wall_s"] - ref[k]["wall_s"] for k in keys if k in ref]
+
+    def figures(keys: list[tuple[int, int]]) -> dict:
+        got = extras(keys)
+        return {"turns": len(keys), "matched": len(got),
+                "extra_latency_p50_s": percentile(got, 50),
+                "extra_latency_max_s": max(got, default=None)}
+
+    keys = sorted(flying)
+    return {
+        "in_flight": {**figures(keys),
+                      "failed": sum(1 for k in keys if loss[k]["failed"]),
+                      "per_turn": [{"session": k[0], "turn": k[1],
+                                    "loss_wall_s": loss[k]["wall_s"],
+                                    "reference_wall_s": ref[k]["wall_s"] if k in ref else None,
+                                    "extra_s": (loss[k]["wall_s"] - ref[k]["wall_s"]
+                                                if k in ref else None),
+                                    "attempts": loss[k]["attempts"],
+                                    "failed": loss[k]["failed"]} for k in keys]},
+        "ended_before_kill": figures(sorted(k for k, t in loss.items()
+                                            if t["end_s"] < kill_at_s)),
+        "sent_after_kill": figures(sorted(k for k, t in loss.items()
+                                          if t["start_s"] >= kill_at_s)),
+    }
+
+
 def loss_report(rows: list[dict], kill_at_s: float, wall_s: float,
-                reference: dict[str, str] | None = None) -> dict:
+                reference: dict[str, str] | None = None,
+                reference_rows: list[dict] | None = None) -> dict:
     """The node-loss figures from every attempt's row (``error``, ``cut``, times, usage).
-    ``reference``: each turn's text in an undisturbed run of the same sessions (the
-    routing run of the same bench): an answer that differs from it counts as failed too."""
+    ``reference``: each turn's text in an undisturbed run of the same sessions: an answer
+    that differs from it counts as failed too. ``reference_rows``: that run's rows (their
+    texts are ``reference`` when it is not given), for the turns' extra latency
+    (``extra_latency``)."""
+    if reference is None and reference_rows is not None:
+        reference = {r["request"]: r["text"] for r in reference_rows if not r["error"]}
     reference = reference or {}
     for r in rows:  # a whole answer other than the undisturbed run's is no success either
         want = reference.get(r.get("request", ""))
@@ -232,35 +382,42 @@ def loss_report(rows: list[dict], kill_at_s: float, wall_s: float,
         return sum(r["cached_tokens"] or 0 for r in part) / prompt if prompt else None
 
     last_third = [r for r in ok if r["start_s"] >= wall_s * 2 / 3]
-    return {"kill_at_s": kill_at_s, "wall_s": wall_s, "failed_means": FAILED_MEANS,
-            "turns": len(ok),
-            "failed_turns_after_kill": len(failed),
-            "cut_streams_after_kill": sum(1 for r in failed if r.get("cut")),
-            "differing_answers": sum(1 for r in rows if r.get("differs")),
-            "compared_with_reference": sum(1 for r in rows
-                                           if r.get("request") in reference),
-            # the turns in flight when the victim was killed (started before, ended after)
-            "in_flight_at_kill": sum(1 for r in rows
-                                     if r["start_s"] < kill_at_s <= r["end_s"]),
-            "failed_turns_before_kill": sum(1 for r in rows
-                                            if r["error"] and r["end_s"] < kill_at_s),
-            # From the kill until the last failed turn sent after it (0: none failed): a
-            # stream cut by the kill started before it.
-            "recovery_s": max((r["start_s"] - kill_at_s for r in failed
-                               if r["start_s"] >= kill_at_s), default=0.0),
-            "hangs": sum(1 for r in rows if r["end_s"] - r["start_s"] > HANG_S),
-            "cached_fraction_before_kill": fraction([r for r in ok if r["end_s"] < kill_at_s]),
-            "cached_fraction_last_third": fraction(last_third),
-            "ttft_p50_s": percentile([r["ttft"] for r in ok], 50),
-            "errors": [r["error"] for r in rows if r["error"]][:5]}
+    flying = in_flight_turns(rows, kill_at_s) if all("session" in r for r in rows) else set()
+    report = {
+        "kill_at_s": kill_at_s, "wall_s": wall_s, "failed_means": FAILED_MEANS,
+        "turns": len(ok),
+        "failed_turns_after_kill": len(failed),
+        "cut_streams_after_kill": sum(1 for r in failed if r.get("cut")),
+        "differing_answers": sum(1 for r in rows if r.get("differs")),
+        "compared_with_reference": sum(1 for r in rows if r.get("request") in reference),
+        # the turns in flight when the victim was killed (started before, ended after)
+        "in_flight_at_kill": sum(1 for r in rows if r["start_s"] < kill_at_s <= r["end_s"]),
+        # of the turns in flight at the kill: those with an attempt that failed
+        "failed_in_flight_turns": len({(r["session"], r["turn"]) for r in rows
+                                       if r["error"] and (r.get("session"), r.get("turn"))
+                                       in flying}),
+        "failed_turns_before_kill": sum(1 for r in rows
+                                        if r["error"] and r["end_s"] < kill_at_s),
+        # From the kill until the last failed turn sent after it (0: none failed): a
+        # stream cut by the kill started before it.
+        "recovery_s": max((r["start_s"] - kill_at_s for r in failed
+                           if r["start_s"] >= kill_at_s), default=0.0),
+        "hangs": sum(1 for r in rows if r["end_s"] - r["start_s"] > HANG_S),
+        "cached_fraction_before_kill": fraction([r for r in ok if r["end_s"] < kill_at_s]),
+        "cached_fraction_last_third": fraction(last_third),
+        "ttft_p50_s": percentile([r["ttft"] for r in ok], 50),
+        "errors": [r["error"] for r in rows if r["error"]][:5]}
+    if reference_rows is not None:
+        report["extra_latency"] = extra_latency(rows, reference_rows, kill_at_s)
+    return report
 
 
-def run_with_loss(server: ServerProcess, cluster: Cluster, victim, model: str,
-                  system: str, plans: list[SessionPlan], scale: Scale,
-                  kill_at_s: float, reference: dict[str, str] | None = None) -> dict:
-    """Every session at once; a failed turn (``turn_outcome``: a cut stream too) is
-    counted and sent again after ``RETRY_AFTER_S``; ``victim`` is killed ``kill_at_s``
-    into the run."""
+def run_sessions(server: ServerProcess, model: str, system: str, plans: list[SessionPlan],
+                 scale: Scale, kill=None) -> tuple[list[dict], float]:
+    """Every session at once, one thread each, each turn after its (scaled) think time,
+    streamed; a failed turn (``turn_outcome``: a cut stream too) is counted and sent again
+    after ``RETRY_AFTER_S``. ``kill``: (seconds, fn(t0)) calls ``fn`` that far into the
+    run. Each attempt's row and the run's wall time."""
     rows: list[dict] = []
     lock = threading.Lock()
     t0 = time.perf_counter()
@@ -298,15 +455,156 @@ def run_with_loss(server: ServerProcess, cluster: Cluster, victim, model: str,
     threads = [threading.Thread(target=session, args=(p,)) for p in plans]
     for t in threads:
         t.start()
-    killer = threading.Timer(kill_at_s, cluster.remove_node, args=(victim,),
-                             kwargs={"allow_graceful": False})
-    killer.start()
+    killer = threading.Timer(kill[0], kill[1], args=(t0,)) if kill else None
+    if killer:
+        killer.start()
     for t in threads:
         t.join()
-    killer.join()
-    report = loss_report(rows, kill_at_s, time.perf_counter() - t0, reference)
-    report["victim_node"] = victim.node_id
+    if killer:
+        killer.join()
+    return rows, time.perf_counter() - t0
+
+
+def run_with_loss(server: ServerProcess, cluster: Cluster, workers: list, model: str,
+                  system: str, plans: list[SessionPlan], scale: Scale, kill_at_s: float,
+                  reference_rows: list[dict] | None = None) -> dict:
+    """``run_sessions`` with a worker node killed ``kill_at_s`` into the run (raylet and
+    everything on it): the one whose replica has the most requests in flight then
+    (``/v1/stats``, a report a second old at most; the last worker on a tie), so that the
+    kill lands on streams. The ingress's resumed-request counters are read from
+    ``/metrics`` before the server stops."""
+    killed: dict = {}
+
+    def kill(t0: float) -> None:
+        try:
+            busy = per_node(server, model, "in_flight", timeout=10)
+        except Exception as e:  # noqa: BLE001 (the last worker then)
+            busy, killed["stats_error"] = {}, repr(e)[:200]
+        victim = max(reversed(workers), key=lambda w: busy.get(w.node_id, 0))
+        killed.update(victim=victim.node_id, in_flight_by_node=busy,
+                      victim_in_flight=busy.get(victim.node_id))
+        killed["at_s"] = time.perf_counter() - t0
+        cluster.remove_node(victim, allow_graceful=False)
+
+    rows, wall = run_sessions(server, model, system, plans, scale, (kill_at_s, kill))
+    counters = server_counters(server)
+    report = loss_report(rows, killed.get("at_s", kill_at_s), wall,
+                         reference_rows=reference_rows)
+    report.update(kill_planned_s=kill_at_s, victim_node=killed.get("victim"),
+                  victim_in_flight_by_stats=killed.get("victim_in_flight"),
+                  in_flight_by_node_at_kill=killed.get("in_flight_by_node"),
+                  resumed_requests=counters.get(RESUMED_REQUESTS),
+                  resumed_prefill_tokens=counters.get(RESUMED_PREFILL_TOKENS),
+                  request_retries=counters.get(REQUEST_RETRIES),
+                  reference_errors=(sum(1 for r in reference_rows if r["error"])
+                                    if reference_rows is not None else None),
+                  rows=rows)
+    if "stats_error" in killed:
+        report["victim_stats_error"] = killed["stats_error"]
     return report
+
+
+def spread(values: list) -> dict:
+    """Median, min and max of the values that are not None (None each when none is)."""
+    got = [v for v in values if v is not None]
+    return {"median": statistics.median(got) if got else None,
+            "min": min(got, default=None), "max": max(got, default=None)}
+
+
+def aggregate_repeats(runs: list[dict]) -> list[dict]:
+    """Per (nodes, sessions, router): how many repeats, TTFT p50's median and min-max
+    range over them (and each repeat's), the medians of p90, p99, cached fraction and
+    output tok/s, errors summed, requests per node of each repeat; in the order the rows
+    first came (nodes, then sessions, then router)."""
+    groups: dict[tuple[int, int, str], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["nodes"], r["sessions"], r["router"]), []).append(r)
+    order = {name: i for i, name in enumerate(dict.fromkeys(r["router"] for r in runs))}
+    out = []
+    for (nodes, sessions, router), rs in sorted(
+            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order[kv[0][2]])):
+        rs = sorted(rs, key=lambda r: r.get("repeat", 0))
+        p50 = spread([r["ttft_p50_s"] for r in rs])
+        cached = spread([r["cached_fraction"] for r in rs])
+        out.append({"nodes": nodes, "sessions": sessions, "router": router,
+                    "repeats": len(rs),
+                    "ttft_p50_s_median": p50["median"], "ttft_p50_s_min": p50["min"],
+                    "ttft_p50_s_max": p50["max"],
+                    "ttft_p50_s_each": [r["ttft_p50_s"] for r in rs],
+                    "ttft_p90_s_median": spread([r["ttft_p90_s"] for r in rs])["median"],
+                    "ttft_p99_s_median": spread([r["ttft_p99_s"] for r in rs])["median"],
+                    "cached_fraction_median": cached["median"],
+                    "cached_fraction_min": cached["min"], "cached_fraction_max": cached["max"],
+                    "output_tokens_per_s_median": spread(
+                        [r["output_tokens_per_s"] for r in rs])["median"],
+                    "errors": sum(r["errors"] or 0 for r in rs),
+                    "requests_per_node": [r["requests_per_node"] for r in rs]})
+    return out
+
+
+def compare_repeats(runs: list[dict], rows: list[dict]) -> dict:
+    """Ours against Ray's router at its best arm (the ``ray_prefix*`` arm of lowest median
+    TTFT p50, the same arm in every repeat) and against pow2, per nodes/sessions: the ratio
+    of the medians against its goal, each repeat's ratio (ours and the base of the same
+    repeat) and their range, and the median cached fractions (the goal: ours at least
+    Ray's)."""
+    out: dict = {"ray_prefix_best": {}, "ttft_p50_ratios": {}, "cached_fraction": {}}
+    for nodes, sessions in dict.fromkeys((r["nodes"], r["sessions"]) for r in rows):
+        key = f"{nodes}n/{sessions}s"
+        by = {r["router"]: r for r in rows if r["nodes"] == nodes and r["sessions"] == sessions}
+        rays = [r for name, r in by.items()
+                if name.startswith("ray_prefix") and r["ttft_p50_s_median"] is not None]
+        bases = {}
+        if rays:
+            best = min(rays, key=lambda r: r["ttft_p50_s_median"])
+            out["ray_prefix_best"][key] = best["router"]
+            bases["ray_prefix_best"] = (best, GOAL_VS_RAY_PREFIX)
+        if "pow2" in by:
+            bases["pow2"] = (by["pow2"], GOAL_VS_POW2)
+        ours = by.get("ours")
+        if ours is None:
+            continue
+        out["cached_fraction"][key] = {
+            "ours": ours["cached_fraction_median"],
+            **{name: base["cached_fraction_median"] for name, (base, _) in bases.items()}}
+        if "ray_prefix_best" in bases and ours["cached_fraction_median"] is not None:
+            theirs = bases["ray_prefix_best"][0]["cached_fraction_median"]
+            out["cached_fraction"][key]["met"] = (
+                theirs is None or ours["cached_fraction_median"] >= theirs - 1e-9)
+
+        p50 = {(r["router"], r.get("repeat", 0)): r["ttft_p50_s"] for r in runs
+               if r["nodes"] == nodes and r["sessions"] == sessions}
+
+        for name, (base, goal) in bases.items():
+            if not base["ttft_p50_s_median"] or ours["ttft_p50_s_median"] is None:
+                continue
+            ratio = ours["ttft_p50_s_median"] / base["ttft_p50_s_median"]
+            each = []
+            for repeat in sorted({r.get("repeat", 0) for r in runs}):
+                a, b = p50.get(("ours", repeat)), p50.get((base["router"], repeat))
+                each.append(round(a / b, 3) if a is not None and b else None)
+            known = [v for v in each if v is not None]
+            out["ttft_p50_ratios"][f"{key} ours/{name}"] = {
+                "base": base["router"], "ratio": round(ratio, 3), "goal": goal,
+                "met": ratio <= goal, "per_repeat": each,
+                "range": [min(known), max(known)] if known else None,
+                "met_in_every_repeat": bool(known) and all(v <= goal for v in known)}
+    return out
+
+
+def identical_answers(runs: list[dict]) -> dict:
+    """Per nodes/sessions: how many of the first run's answers (the first router of the
+    first repeat) each router's run gave again, one count per repeat, of how many."""
+    out: dict = {}
+    for nodes, sessions in dict.fromkeys((r["nodes"], r["sessions"]) for r in runs):
+        group = [r for r in runs if r["nodes"] == nodes and r["sessions"] == sessions]
+        first = group[0]["texts"]
+        counts: dict[str, list[int]] = {}
+        for r in sorted(group, key=lambda r: r.get("repeat", 0)):
+            counts.setdefault(r["router"], []).append(
+                sum(r["texts"].get(k) == v for k, v in first.items()))
+        out[f"{nodes}n/{sessions}s"] = {"of": len(first), **counts}
+    return out
 
 
 def tokenizer(model: str):
@@ -325,18 +623,25 @@ def plot(result: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    runs = result["runs"]
-    if not runs:  # --only-node-loss: nothing to plot
+    rows = result.get("repeats") or []
+    if not rows:  # --only-node-loss: nothing to plot
         return
-    labels = [f"{r['router']}\n{r['nodes']}n/{r['sessions']}s" for r in runs]
-    fig, ax = plt.subplots(figsize=(max(8, len(runs) * 0.9), 4))
-    x = range(len(runs))
-    for i, (q, key) in enumerate((("p50", "ttft_p50_s"), ("p90", "ttft_p90_s"),
-                                  ("p99", "ttft_p99_s"))):
-        ax.bar([v + (i - 1) * 0.27 for v in x], [r[key] or 0 for r in runs], 0.27, label=q)
-    ax.set_xticks(list(x), labels, fontsize=7)
+    labels = [f"{r['router']}\n{r['nodes']}n/{r['sessions']}s" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 4))
+    x = list(range(len(rows)))
+    p50 = [r["ttft_p50_s_median"] or 0 for r in rows]
+    below = [v - (r["ttft_p50_s_min"] or v) for v, r in zip(p50, rows, strict=True)]
+    above = [(r["ttft_p50_s_max"] or v) - v for v, r in zip(p50, rows, strict=True)]
+    ax.bar([v - 0.27 for v in x], p50, 0.27, yerr=[below, above], capsize=2,
+           label="p50 (median, min-max)")
+    ax.bar(x, [r["ttft_p90_s_median"] or 0 for r in rows], 0.27, label="p90 (median)")
+    ax.bar([v + 0.27 for v in x], [r["ttft_p99_s_median"] or 0 for r in rows], 0.27,
+           label="p99 (median)")
+    ax.set_xticks(x, labels, fontsize=7)
     ax.set_ylabel("TTFT (s)")
-    ax.set_title(f"{result['model']}: agent traces by router, nodes and load")
+    repeats = max(r["repeats"] for r in rows)
+    ax.set_title(f"{result['model']}: {result['workload']} by router, nodes and load "
+                 f"({repeats} repeat{'s' if repeats > 1 else ''})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -348,6 +653,9 @@ def main() -> int:
     parser.add_argument("--nodes", default="3,4")
     parser.add_argument("--sessions", default="4,8", help="the load levels")
     parser.add_argument("--routers", default="pow2,ray_prefix,ours")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the routing arms this many times (each repeat every arm "
+                             "in turn, on fresh clusters): medians and min-max ranges")
     parser.add_argument("--max-turns", type=int, default=5)
     parser.add_argument("--tokens-per-block", type=int, default=8)
     parser.add_argument("--max-output", type=int, default=16)
@@ -361,6 +669,8 @@ def main() -> int:
                         help="seconds into the node-loss run when a worker node is killed")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     suffix = "" if args.workload == "traces" else "-agents"
     out = args.out or Path("bench/results") / f"routers{suffix}-{args.model}.json"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -370,14 +680,14 @@ def main() -> int:
     loads = [int(s) for s in args.sessions.split(",")]
     runs: list[dict] = []
     loss: dict | None = None
+    tic = time.perf_counter()
     with workdir() as tmp:
-        for nodes in ([] if args.only_node_loss else [int(n) for n in args.nodes.split(",")]):
-            for name in args.routers.split(","):
-                cluster, _ = start_cluster(nodes, tmp / f"{name}-{nodes}")
-                try:
-                    server = start_server(cluster, tmp, f"{name}-{nodes}", args.model, nodes,
-                                          ROUTERS[name], scale)
-                    try:
+        for repeat in range(0 if args.only_node_loss else args.repeat):
+            for nodes in [int(n) for n in args.nodes.split(",")]:
+                for name in args.routers.split(","):
+                    tag = f"{name}-{nodes}-r{repeat}"
+                    with serving_cluster(nodes, tmp, tag, args.model, ROUTERS[name],
+                                         scale) as (_, _, server):
                         for sessions in loads:
                             if args.workload == "agents":
                                 r = run_agents(server, args.model, tokenizer(args.model),
@@ -385,86 +695,139 @@ def main() -> int:
                             else:
                                 system, plans = load_plans(traces, sessions, scale)
                                 r = run_routed(server, args.model, system, plans, scale)
-                            r.update(router=name, nodes=nodes, sessions=sessions)
+                            r.update(router=name, nodes=nodes, sessions=sessions,
+                                     repeat=repeat)
                             runs.append(r)
-                            print(f"[routers] {name} {nodes} nodes {sessions} sessions: TTFT "
-                                  f"p50 {r['ttft_p50_s']:.3f} s, cached "
+                            print(f"[routers] repeat {repeat + 1}/{args.repeat} {name} "
+                                  f"{nodes} nodes {sessions} sessions: TTFT p50 "
+                                  f"{r['ttft_p50_s']:.3f} s, cached "
                                   f"{r['cached_fraction']:.3f}, errors {r['errors']}",
                                   flush=True)
-                    finally:
-                        server.stop()
-                finally:
-                    ray.shutdown()
-                    cluster.shutdown()
         if not args.no_node_loss:
-            cluster, workers = start_cluster(3, tmp / "loss")
-            try:
-                server = start_server(cluster, tmp, "loss", args.model, 3, ROUTERS["ours"],
-                                      scale)
-                try:
-                    system, plans = load_plans(traces, max(loads), scale)
-                    # the undisturbed run of the same sessions, from this bench's routing runs
-                    reference = next((r["texts"] for r in runs if r["router"] == "ours"
-                                      and r["nodes"] == 3 and r["sessions"] == max(loads)
-                                      and args.workload == "traces"), None)
-                    loss = run_with_loss(server, cluster, workers[-1], args.model, system,
-                                         plans, scale, kill_at_s=args.kill_at,
-                                         reference=reference)
-                    print(f"[routers] node loss: {loss}", flush=True)
-                finally:
-                    server.stop()
-            finally:
-                ray.shutdown()
-                cluster.shutdown()
+            # kv-cache-tester's traces, the higher load's sessions all at once, streamed
+            # (bench.agents' workload sends one request at a time: one would be in flight)
+            system, plans = load_plans(traces, max(loads), scale)
+            # the undisturbed run of the same sessions: the same driver, router and
+            # cluster shape, a cluster of its own (nothing cached from the other)
+            with serving_cluster(3, tmp, "loss-reference", args.model, ROUTERS["ours"],
+                                 scale, LOSS_METRICS_INTERVAL_MS) as (_, _, server):
+                reference_rows, reference_wall = run_sessions(server, args.model, system,
+                                                              plans, scale)
+            print(f"[routers] node loss: undisturbed reference run {reference_wall:.1f} s, "
+                  f"{sum(1 for r in reference_rows if r['error'])} failed attempts",
+                  flush=True)
+            with serving_cluster(3, tmp, "loss", args.model, ROUTERS["ours"], scale,
+                                 LOSS_METRICS_INTERVAL_MS) as (cluster, workers, server):
+                loss = run_with_loss(server, cluster, workers, args.model, system, plans,
+                                     scale, kill_at_s=args.kill_at,
+                                     reference_rows=reference_rows)
+            loss.update(sessions=max(loads), workload="traces", reference_wall_s=reference_wall,
+                        reference="an undisturbed run of the same sessions, same router, "
+                                  "driver and cluster shape, on a fresh cluster just before")
+            print("[routers] node loss: " + str({k: v for k, v in loss.items()
+                                                  if k != "rows"}), flush=True)
 
+    rows = aggregate_repeats(runs)
+    compared = compare_repeats(runs, rows)
     result = {"model": args.model, "workload": args.workload, "settings": {
         "nodes": args.nodes, "sessions": loads, "max_turns": args.max_turns,
-        "tokens_per_block": args.tokens_per_block, "max_output": args.max_output},
-        "kv_aware": KV_AWARE_WHY, "runs": [], "identical_answers": {}, "node_loss": loss}
-    for r in runs:
-        result["runs"].append({k: v for k, v in r.items() if k != "texts"})
-    for nodes in {r["nodes"] for r in runs}:
-        for sessions in loads:
-            group = [r for r in runs if r["nodes"] == nodes and r["sessions"] == sessions]
-            by = {r["router"]: r for r in group}
-            key = f"{nodes}n/{sessions}s"
-            first = group[0]["texts"] if group else {}
-            result["identical_answers"][key] = {
-                r["router"]: sum(r["texts"].get(k) == v for k, v in first.items())
-                for r in group}
-            # Ray's router at its best setting: the lowest TTFT p50 of its arms (the sweep)
-            rays = [r for r in group if r["router"].startswith("ray_prefix")]
-            if rays:
-                by["ray_prefix_best"] = min(rays, key=lambda r: r["ttft_p50_s"] or 1e9)
-                result.setdefault("ray_prefix_best", {})[key] = by["ray_prefix_best"]["router"]
-            if "ours" in by:
-                for base, goal in (("ray_prefix_best", GOAL_VS_RAY_PREFIX),
-                                   ("pow2", GOAL_VS_POW2)):
-                    if base in by and by[base]["ttft_p50_s"]:
-                        ratio = by["ours"]["ttft_p50_s"] / by[base]["ttft_p50_s"]
-                        result.setdefault("ttft_p50_ratios", {})[f"{key} ours/{base}"] = {
-                            "ratio": round(ratio, 3), "goal": goal, "met": ratio <= goal}
+        "tokens_per_block": args.tokens_per_block, "max_output": args.max_output,
+        "repeat": args.repeat, "kill_at_s": args.kill_at}, "wall_s": time.perf_counter() - tic,
+        "cores": {n: core_plan(int(n)).to_json() for n in args.nodes.split(",")},
+        "kv_aware": KV_AWARE_WHY, "runs": [{k: v for k, v in r.items() if k != "texts"}
+                                           for r in runs],
+        "repeats": rows, **compared, "identical_answers": identical_answers(runs),
+        "node_loss": loss}
     emit(result, out)
     plot(result, out.with_suffix(".png"))
     print(table(result))
     return 0
 
 
+def fmt(v: float | None, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
 def table(result: dict) -> str:
-    lines = ["| router | nodes | sessions | TTFT p50 | p90 | p99 | cached | out tok/s | "
-             "per node | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["runs"]:
-        lines.append(f"| {r['router']} | {r['nodes']} | {r['sessions']} | "
-                     f"{r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} | "
-                     f"{r['cached_fraction']:.3f} | {r['output_tokens_per_s']:.1f} | "
-                     f"{r['requests_per_node']} | {r['errors']} |")
+    """The result in markdown: the routing rows over the repeats, the ratios against the
+    goals, the node loss."""
+    lines = ["| nodes | sessions | router | repeats | TTFT p50 median | p50 min-max | "
+             "p90 median | p99 median | cached median | out tok/s median | "
+             "requests per node (each repeat) | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result.get("repeats") or []:
+        lines.append(
+            f"| {r['nodes']} | {r['sessions']} | {r['router']} | {r['repeats']} | "
+            f"{fmt(r['ttft_p50_s_median'])} | {fmt(r['ttft_p50_s_min'])}-"
+            f"{fmt(r['ttft_p50_s_max'])} | {fmt(r['ttft_p90_s_median'])} | "
+            f"{fmt(r['ttft_p99_s_median'])} | {fmt(r['cached_fraction_median'])} | "
+            f"{fmt(r['output_tokens_per_s_median'], 1)} | "
+            f"{'; '.join(', '.join(map(str, n)) for n in r['requests_per_node'])} | "
+            f"{r['errors']} |")
+    lines.append("")
     lines.append(f"KVAwareRouter: {result['kv_aware']}")
-    for k, v in (result.get("ttft_p50_ratios") or {}).items():
-        lines.append(f"{k}: {v['ratio']}x (goal <= {v['goal']}x: "
-                     f"{'met' if v['met'] else 'missed'})")
-    if result.get("node_loss"):
-        lines.append(f"node loss: {result['node_loss']}")
+    ratios = result.get("ttft_p50_ratios") or {}
+    if ratios:
+        lines += ["", "| nodes / sessions | ours against | base arm | ratio of medians | "
+                      "each repeat | goal | met (medians) | met in every repeat |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for k, v in ratios.items():
+            key, against = k.split(" ours/")
+            lines.append(f"| {key} | {against} | {v['base']} | {v['ratio']:.3f}x | "
+                         f"{', '.join(fmt(x, 2) for x in v['per_repeat'])} | "
+                         f"<= {v['goal']}x | {'yes' if v['met'] else 'no'} | "
+                         f"{'yes' if v['met_in_every_repeat'] else 'no'} |")
+    cached = result.get("cached_fraction") or {}
+    if cached:
+        lines += ["", "| nodes / sessions | cached ours | Ray's best arm | pow2 | "
+                      "ours >= Ray's |", "|---|---|---|---|---|"]
+        for k, v in cached.items():
+            met = v.get("met")
+            lines.append(f"| {k} | {fmt(v.get('ours'))} | {fmt(v.get('ray_prefix_best'))} | "
+                         f"{fmt(v.get('pow2'))} | "
+                         f"{'-' if met is None else 'yes' if met else 'no'} |")
+    loss = result.get("node_loss")
+    if loss:
+        lines += ["", loss_table(loss)]
     return "\n".join(lines)
+
+
+def loss_table(loss: dict) -> str:
+    """The node-loss run's figures, a row each."""
+    extra = loss.get("extra_latency") or {}
+    flying = extra.get("in_flight") or {}
+    before, after = extra.get("ended_before_kill") or {}, extra.get("sent_after_kill") or {}
+    compared = loss.get("compared_with_reference", 0)
+    rows = [
+        ("victim node", f"{loss.get('victim_node')} (killed {fmt(loss.get('kill_at_s'), 1)} s "
+                        f"in; its replica had {loss.get('victim_in_flight_by_stats')} "
+                        f"requests in flight by /v1/stats)"),
+        ("turns in flight at the kill (every node)", loss.get("in_flight_at_kill")),
+        ("failed turns after the kill (in flight included)",
+         loss.get("failed_turns_after_kill")),
+        ("of which in flight at the kill", loss.get("failed_in_flight_turns")),
+        ("of which cut streams", loss.get("cut_streams_after_kill")),
+        ("answers identical to the undisturbed run",
+         f"{compared - loss.get('differing_answers', 0)} of {compared}"),
+        ("resumed requests (/metrics)", fmt(loss.get("resumed_requests"), 0)),
+        ("resumed prefill tokens (/metrics)", fmt(loss.get("resumed_prefill_tokens"), 0)),
+        ("requests retried before answering (/metrics)",
+         fmt(loss.get("request_retries"), 0)),
+        ("extra latency of the turns in flight, p50 / max",
+         f"{fmt(flying.get('extra_latency_p50_s'))} s / "
+         f"{fmt(flying.get('extra_latency_max_s'))} s ({flying.get('matched')} turns)"),
+        ("same difference, turns ended before the kill, p50 / max",
+         f"{fmt(before.get('extra_latency_p50_s'))} s / "
+         f"{fmt(before.get('extra_latency_max_s'))} s ({before.get('matched')} turns)"),
+        ("same difference, turns sent after the kill, p50 / max",
+         f"{fmt(after.get('extra_latency_p50_s'))} s / "
+         f"{fmt(after.get('extra_latency_max_s'))} s ({after.get('matched')} turns)"),
+        ("hangs (> 120 s)", loss.get("hangs")),
+        ("run wall time, loss / undisturbed",
+         f"{fmt(loss.get('wall_s'), 1)} s / {fmt(loss.get('reference_wall_s'), 1)} s"),
+    ]
+    return "\n".join(["| node loss | |", "|---|---|",
+                      *(f"| {k} | {v} |" for k, v in rows)])
 
 
 if __name__ == "__main__":
