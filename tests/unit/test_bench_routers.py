@@ -15,19 +15,16 @@ from contextlib import contextmanager
 import pytest
 
 from bench import common
-from bench.routers import (
+from bench.node_loss import (
     RESUMED_PREFILL_TOKENS,
     RESUMED_REQUESTS,
-    aggregate_repeats,
-    compare_repeats,
     extra_latency,
-    identical_answers,
     loss_report,
     metric_sum,
-    table,
     turn_outcome,
     turn_walls,
 )
+from bench.routers import aggregate_repeats, compare_repeats, identical_answers, table
 
 WHOLE = {"text": "a whole answer", "finish_reason": "stop", "error": None, "ttft": 0.1,
          "prompt_tokens": 100, "cached_tokens": 50}
