@@ -532,7 +532,6 @@ class ModelReplica:
             service.shutdown()
 
 
-
 # A replica lost mid-answer at a chosen moment, for the tests (the process really dies: Ray
 # sees a lost replica; a test cannot time a kill from outside within a fast stream).
 # "N:PATH": once a request has sent N tokens, the replica that removes PATH (the test
@@ -550,6 +549,7 @@ def _die_after(sent: int) -> None:
         return
     logger.error("%s: this replica kills itself after %d tokens", DIE_ENV, sent)
     os.kill(os.getpid(), signal.SIGKILL)
+
 
 def _free(service: ModelService, client: RayCacheClient | None) -> tuple[int, int]:
     """Free an unloaded model's memory: stop its engine (which lets go of the weights and

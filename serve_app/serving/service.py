@@ -292,9 +292,13 @@ class ModelService:
             raise
         request = RequestStream(self, prepared, rid,
                                  plan.restore_tokens if plan is not None else 0, clock)
-        request.replay(prepared.resume)  # what the client has: its state, not its events
         pacer = Pacer(self.stream_interval)
         try:
+            try:  # what the client has: its state, not its events
+                request.replay(prepared.resume)
+            except ApiError as exc:  # submitted already: the finally below cancels it
+                yield [exc.to_failure()]
+                return
             yield [request.start()]
             while not request.done:
                 await pacer.wait(events)

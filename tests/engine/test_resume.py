@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import mlx.core as mx
 import pytest
 
 from serve_app.api.resume import with_resume
@@ -28,9 +27,10 @@ from serve_app.serving.events import (
 )
 from serve_app.serving.request import ApiError, ChatCompletionRequest, CompletionRequest
 from serve_app.serving.service import ModelService
-from tests.support.engine import make_services
+from tests.support.engine import Script, make_services
 from tests.support.formats import DENSES, HYBRIDS, load
 from tests.support.images import image_part
+from tests.support.servers import wait_for
 
 THINKER = "tiny-hybrid-mtp"  # its template opens a thought
 MESSAGES = [{"role": "user", "content": "Tell me about the sea, then the sky."}]
@@ -211,25 +211,6 @@ def test_a_thought_and_its_budget_resume_where_they_were(home):
         service.shutdown()
 
 
-class Script:
-    """A logits processor that forces ``tokens`` and then EOS; ``begin_at`` as the
-    service's own processors have it (a resumed request's generated tokens come first)."""
-
-    def __init__(self, tokens: list[int], eos: int) -> None:
-        self.tokens = [*tokens, eos]
-        self.prompt: int | None = None
-
-    def begin_at(self, start: int) -> None:
-        self.prompt = start
-
-    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        if self.prompt is None:
-            self.prompt = tokens.size
-        step = min(tokens.size - self.prompt, len(self.tokens) - 1)
-        allowed = mx.arange(logits.shape[-1]) == self.tokens[step]
-        return mx.where(allowed, logits, -mx.inf)
-
-
 def test_a_tool_call_cut_in_its_arguments_comes_out_whole_once(home):
     *_, cold = load("tiny-dense", home)
     cold.profile = cold.profile.model_copy(update={"stream_interval_ms": 0.0})
@@ -275,6 +256,22 @@ def test_tokens_that_leave_nothing_to_generate_are_refused(home):
     with pytest.raises(ApiError) as info:
         cold.prepare(with_resume(chat(8), (5, -1)))
     assert info.value.code == "invalid_resume"
+
+
+def test_tokens_that_cross_a_stop_string_are_refused_and_free_the_engine(home):
+    """The replay finds the answer would have stopped inside the tokens (tokens no replica
+    of this request sent): 400, and the request, submitted already, leaves the engine."""
+    *_, cold = load("tiny-dense", home)
+    whole = batches(cold, chat(30))
+    text, tokens = answer(output(whole))["text"], ids(whole)
+    stop = text[2:5]
+    assert len(stop) == 3
+    got = batches(cold, with_resume(chat(30, stop=[stop]), tuple(tokens[:-1])))
+    (failure,) = [e for b in got for e in b]
+    assert isinstance(failure, Failure) and failure.status == 400
+    assert failure.code == "invalid_resume" and "stop string" in failure.message
+    wait_for(lambda: cold.engine.snapshot().in_flight == 0, "the request to leave the engine",
+             10, interval=0.01)
 
 
 def test_every_batch_with_output_carries_its_tokens(home):
