@@ -26,6 +26,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from bench.devserver import ServerProcess, free_port, write_config
+from bench.node_loss import RESUMED_REQUESTS, metric_sum
 from serve_app.cluster.directory_service import DIRECTORY_NAME, NAMESPACE
 from tests.support.servers import running, wait_for
 from tests.support.threads import Threads
@@ -146,9 +147,8 @@ def node_of(server: ServerProcess, counter: str = "finished") -> dict[str, int]:
 
 def resumed(server: ServerProcess) -> float:
     """Requests continued after their replica was lost (``/metrics``, every node)."""
-    text = httpx.get(f"{server.base_url}/metrics", timeout=60).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("ray_serve_app_resumed_requests_total{"))
+    return metric_sum(httpx.get(f"{server.base_url}/metrics", timeout=60).text,
+                      RESUMED_REQUESTS)
 
 
 def test_a_node_lost_mid_run_then_back(lossy):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import mlx.core as mx
 import mlx_lm
 import pytest
 
@@ -21,6 +20,7 @@ from serve_app.serving.events import Delta, Event, Finish, ToolCall
 from serve_app.serving.request import ChatCompletionRequest
 from serve_app.serving.service import ModelService
 from serve_app.serving.tools import ToolSupport
+from tests.support.engine import Script
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -40,21 +40,6 @@ SCRIPTS = {
         "<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n"
         "</function>\n</tool_call>"),
 }
-
-
-class Script:
-    """A logits processor that forces ``tokens`` and then EOS."""
-
-    def __init__(self, tokens: list[int], eos: int) -> None:
-        self.tokens = [*tokens, eos]
-        self.prompt: int | None = None
-
-    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        if self.prompt is None:
-            self.prompt = tokens.size
-        step = min(tokens.size - self.prompt, len(self.tokens) - 1)
-        allowed = mx.arange(logits.shape[-1]) == self.tokens[step]
-        return mx.where(allowed, logits, -mx.inf)
 
 
 @pytest.fixture(scope="module")

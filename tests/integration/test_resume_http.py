@@ -14,13 +14,13 @@ from outside could not land inside a stream that lasts a second.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.node_loss import RESUMED_REQUESTS, metric_sum
 from serve_app.deploy.replica import DIE_ENV
 from tests.support.clients import anthropic_client, model_stats, openai_client
 from tests.support.servers import serving, wait_for
@@ -50,10 +50,9 @@ def replicas_up(server) -> bool:
 
 
 def resumed_count(server) -> float:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    found = re.findall(r'^ray_serve_app_resumed_requests_total\{[^}]*model="m"[^}]*\} (\S+)',
-                       text, re.M)
-    return sum(float(v) for v in found)
+    """Requests continued elsewhere (``/metrics``; the server serves one model)."""
+    return metric_sum(httpx.get(f"{server.base_url}/metrics", timeout=30).text,
+                      RESUMED_REQUESTS)
 
 
 def with_a_loss(server, arm: Path, ask: Callable[[], dict]) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import threading
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm
 
 from serve_app.cache.client import LocalCacheClient
@@ -118,3 +119,23 @@ class Collector:
     @property
     def restored(self) -> int:
         return next(e.restored for e in self.events if e.restored is not None)
+
+
+class Script:
+    """A logits processor that forces ``tokens`` and then EOS: a random-weight model made to
+    say scripted text, token by token. ``begin_at`` as the service's own processors have it
+    (a resumed request's prompt ends with the tokens generated before)."""
+
+    def __init__(self, tokens: list[int], eos: int) -> None:
+        self.tokens = [*tokens, eos]
+        self.prompt: int | None = None
+
+    def begin_at(self, start: int) -> None:
+        self.prompt = start
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.prompt is None:
+            self.prompt = tokens.size
+        step = min(tokens.size - self.prompt, len(self.tokens) - 1)
+        allowed = mx.arange(logits.shape[-1]) == self.tokens[step]
+        return mx.where(allowed, logits, -mx.inf)
